@@ -1,0 +1,334 @@
+//! Typed configuration, layered: built-in defaults (`config/onceflow.toml`), then config
+//! files, then `ONCEFLOW_*` environment variables, then `--set key=value`.
+//!
+//! Keys are dotted (`commit.interval.ms`). Every key is settable from the environment as
+//! `ONCEFLOW_` + the key uppercased with dots as underscores. Unknown keys are an error that
+//! names the key and where it was set. `kafka.<property>` passes a librdkafka property to
+//! both clients; `kafka.consumer.<property>` / `kafka.producer.<property>` to one.
+
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// The built-in defaults, also shipped as `config/onceflow.toml`.
+pub const DEFAULTS: &str = include_str!("../../config/onceflow.toml");
+
+/// `ONCEFLOW_*` environment variables that are not config keys: the project's scripts and
+/// the log filter use them.
+pub const NON_CONFIG_ENV: &[&str] = &["ONCEFLOW_LOG", "ONCEFLOW_BROKER_", "ONCEFLOW_TEST_"];
+
+/// Keys onceflow knows, besides `kafka.*`.
+pub const KEYS: &[&str] = &[
+    "bootstrap.servers",
+    "application.id",
+    "state.dir",
+    "commit.interval.ms",
+    "processing.guarantee",
+    "dlq.topic",
+    "metrics.address",
+];
+
+/// `processing.guarantee`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guarantee {
+    /// Outputs may repeat after a crash (the batch in flight), never get lost.
+    AtLeastOnce,
+}
+
+/// The typed configuration of one onceflow instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// `bootstrap.servers`.
+    pub bootstrap_servers: String,
+    /// `application.id`: the consumer group id and prefix of internal topics.
+    pub application_id: String,
+    /// `state.dir`: where the sled database lives.
+    pub state_dir: PathBuf,
+    /// `commit.interval.ms` (default 1000).
+    pub commit_interval_ms: u64,
+    /// `processing.guarantee` (default at_least_once).
+    pub processing_guarantee: Guarantee,
+    /// `dlq.topic` (default `<application.id>.dlq`).
+    pub dlq_topic: String,
+    /// `metrics.address`: Prometheus exporter, off when `None`.
+    pub metrics_address: Option<SocketAddr>,
+    /// librdkafka properties for both clients (`kafka.*`, prefix removed).
+    pub kafka: BTreeMap<String, String>,
+    /// librdkafka properties for the consumer only (`kafka.consumer.*`).
+    pub kafka_consumer: BTreeMap<String, String>,
+    /// librdkafka properties for the producer only (`kafka.producer.*`).
+    pub kafka_producer: BTreeMap<String, String>,
+}
+
+impl Config {
+    /// Load the layers: defaults, `files` in order, the process environment, `sets`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key and its source for unknown keys, bad values, a
+    /// missing or malformed file.
+    pub fn load(files: &[PathBuf], sets: &[(String, String)]) -> Result<Config> {
+        Self::load_with_env(files, sets, std::env::vars())
+    }
+
+    /// As [`Config::load`], with the environment given (for tests).
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn load_with_env(
+        files: &[PathBuf],
+        sets: &[(String, String)],
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config> {
+        // Each layer is flattened to dotted keys, so `[kafka] "linger.ms" = 5`,
+        // `kafka.linger.ms = 5` and ONCEFLOW_KAFKA_LINGER_MS all name one key.
+        let mut flat: BTreeMap<String, (String, String)> = BTreeMap::new();
+        let mut layer = |text: &str, origin: String| -> Result<()> {
+            let table: toml::Table = text
+                .parse()
+                .map_err(|e| Error::Config(format!("{origin}: {e}")))?;
+            let mut out = BTreeMap::new();
+            flatten("", &toml::Value::Table(table), &mut out);
+            for (k, v) in out {
+                flat.insert(k, (v, origin.clone()));
+            }
+            Ok(())
+        };
+        layer(DEFAULTS, "built-in defaults (config/onceflow.toml)".into())?;
+        for f in files {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| Error::Config(format!("config file {}: {e}", f.display())))?;
+            layer(&text, format!("config file {}", f.display()))?;
+        }
+        // Environment: ONCEFLOW_COMMIT_INTERVAL_MS -> commit.interval.ms.
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix("ONCEFLOW_") else { continue };
+            if NON_CONFIG_ENV.iter().any(|p| k.starts_with(p)) {
+                continue;
+            }
+            let key = rest.to_ascii_lowercase().replace('_', ".");
+            flat.insert(key, (v, format!("environment variable {k}")));
+        }
+        for (k, v) in sets {
+            flat.insert(k.clone(), (v.clone(), format!("--set {k}={v}")));
+        }
+        let origins: BTreeMap<String, String> =
+            flat.iter().map(|(k, (_, o))| (k.clone(), o.clone())).collect();
+        let values: BTreeMap<String, String> =
+            flat.into_iter().map(|(k, (v, _))| (k, v)).collect();
+        let origin = |key: &str| origins.get(key).cloned().unwrap_or_else(|| "nowhere".into());
+        Self::from_flat(&values, &origin)
+    }
+
+    fn from_flat(flat: &BTreeMap<String, String>, origin: &dyn Fn(&str) -> String) -> Result<Config> {
+        let bad = |k: &str, why: String| Error::Config(format!("`{k}` (from {}): {why}", origin(k)));
+        let mut kafka = BTreeMap::new();
+        let mut kafka_consumer = BTreeMap::new();
+        let mut kafka_producer = BTreeMap::new();
+        for (k, v) in flat {
+            if let Some(p) = k.strip_prefix("kafka.consumer.") {
+                kafka_consumer.insert(p.to_string(), v.clone());
+            } else if let Some(p) = k.strip_prefix("kafka.producer.") {
+                kafka_producer.insert(p.to_string(), v.clone());
+            } else if let Some(p) = k.strip_prefix("kafka.") {
+                kafka.insert(p.to_string(), v.clone());
+            } else if !KEYS.contains(&k.as_str()) {
+                return Err(Error::Config(format!(
+                    "unknown config key `{k}` (from {}); known keys: {}, kafka.<librdkafka property>",
+                    origin(k),
+                    KEYS.join(", ")
+                )));
+            }
+        }
+        let get = |k: &str| flat.get(k).cloned().unwrap_or_default();
+        let application_id = get("application.id");
+        if application_id.is_empty() {
+            return Err(bad("application.id", "must not be empty".into()));
+        }
+        if let Err(r) = crate::topology::check_topic_name(&application_id) {
+            return Err(bad(
+                "application.id",
+                format!("it prefixes internal topic names: {r}"),
+            ));
+        }
+        let commit_interval_ms: u64 = get("commit.interval.ms")
+            .parse()
+            .ok()
+            .filter(|v| *v > 0)
+            .ok_or_else(|| {
+                bad(
+                    "commit.interval.ms",
+                    format!("{:?} is not a positive number of milliseconds", get("commit.interval.ms")),
+                )
+            })?;
+        let processing_guarantee = match get("processing.guarantee").as_str() {
+            "at_least_once" => Guarantee::AtLeastOnce,
+            "exactly_once_v2" => {
+                return Err(bad(
+                    "processing.guarantee",
+                    "exactly_once_v2 is not available in this version; use at_least_once".into(),
+                ))
+            }
+            other => {
+                return Err(bad(
+                    "processing.guarantee",
+                    format!("{other:?} is not one of at_least_once, exactly_once_v2"),
+                ))
+            }
+        };
+        let bootstrap_servers = get("bootstrap.servers");
+        if bootstrap_servers.is_empty() {
+            return Err(bad("bootstrap.servers", "must not be empty".into()));
+        }
+        let dlq_topic = match get("dlq.topic") {
+            t if t.is_empty() => format!("{application_id}.dlq"),
+            t => {
+                crate::topology::check_topic_name(&t).map_err(|r| bad("dlq.topic", r))?;
+                t
+            }
+        };
+        let metrics_address = match get("metrics.address") {
+            a if a.is_empty() => None,
+            a => Some(a.parse().map_err(|e| {
+                bad("metrics.address", format!("{a:?} is not host:port: {e}"))
+            })?),
+        };
+        let state_dir = get("state.dir");
+        if state_dir.is_empty() {
+            return Err(bad("state.dir", "must not be empty".into()));
+        }
+        Ok(Config {
+            bootstrap_servers,
+            application_id,
+            state_dir: Path::new(&state_dir).to_path_buf(),
+            commit_interval_ms,
+            processing_guarantee,
+            dlq_topic,
+            metrics_address,
+            kafka,
+            kafka_consumer,
+            kafka_producer,
+        })
+    }
+}
+
+fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
+    let text = match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+            return;
+        }
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Array(a) => a
+            .iter()
+            .map(|x| match x {
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(","),
+        other => other.to_string(),
+    };
+    out.insert(prefix.to_string(), text);
+}
+
+/// Parse `key=value` (the `--set` argument).
+///
+/// # Errors
+/// [`Error::Config`] when there is no `=`.
+pub fn parse_set(s: &str) -> Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.trim().to_string(), v.to_string())),
+        _ => Err(Error::Config(format!("--set {s:?}: expected key=value"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_load() {
+        let c = Config::load_with_env(&[], &[], env(&[])).unwrap();
+        assert_eq!(c.bootstrap_servers, "127.0.0.1:9092");
+        assert_eq!(c.application_id, "onceflow");
+        assert_eq!(c.dlq_topic, "onceflow.dlq");
+        assert_eq!(c.commit_interval_ms, 1000);
+        assert_eq!(c.kafka.get("fetch.queue.backoff.ms").map(String::as_str), Some("20"));
+    }
+
+    #[test]
+    fn layers_file_then_env_then_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("a.toml");
+        std::fs::write(
+            &f,
+            "application.id = \"from-file\"\ncommit.interval.ms = 50\n[kafka]\n\"linger.ms\" = 7\n",
+        )
+        .unwrap();
+        let c = Config::load_with_env(&[f.clone()], &[], env(&[])).unwrap();
+        assert_eq!(c.application_id, "from-file");
+        assert_eq!(c.commit_interval_ms, 50);
+        assert_eq!(c.kafka.get("linger.ms").map(String::as_str), Some("7"));
+        let c = Config::load_with_env(
+            &[f.clone()],
+            &[],
+            env(&[("ONCEFLOW_APPLICATION_ID", "from-env"), ("ONCEFLOW_BROKER_PORT", "1")]),
+        )
+        .unwrap();
+        assert_eq!(c.application_id, "from-env");
+        let c = Config::load_with_env(
+            &[f],
+            &[("application.id".into(), "from-set".into())],
+            env(&[("ONCEFLOW_APPLICATION_ID", "from-env"), ("ONCEFLOW_KAFKA_LINGER_MS", "9")]),
+        )
+        .unwrap();
+        assert_eq!(c.application_id, "from-set");
+        assert_eq!(c.kafka.get("linger.ms").map(String::as_str), Some("9"));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_their_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("bad.toml");
+        std::fs::write(&f, "bootstrap.server = \"x\"\n").unwrap();
+        let e = Config::load_with_env(&[f.clone()], &[], env(&[])).unwrap_err().to_string();
+        assert!(e.contains("unknown config key `bootstrap.server`"), "{e}");
+        assert!(e.contains("bad.toml"), "{e}");
+        let e = Config::load_with_env(&[], &[], env(&[("ONCEFLOW_STATEDIR", "x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ONCEFLOW_STATEDIR"), "{e}");
+        let e = Config::load_with_env(&[], &[("nope".into(), "1".into())], env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown config key `nope`"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_errors() {
+        let set = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        for (k, v, want) in [
+            ("commit.interval.ms", "0", "positive"),
+            ("commit.interval.ms", "soon", "positive"),
+            ("processing.guarantee", "maybe", "not one of"),
+            ("application.id", "a b", "internal topic"),
+            ("metrics.address", "nowhere", "host:port"),
+        ] {
+            let e = Config::load_with_env(&[], &set(k, v), env(&[])).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(want), "{k}={v}: {e}");
+        }
+        assert!(Config::load_with_env(&[PathBuf::from("/no/such.toml")], &[], env(&[])).is_err());
+    }
+}

@@ -1,0 +1,106 @@
+//! One error type for onceflow, tagged with who is at fault.
+//!
+//! Errors before the run (config, topology) stop start-up; errors on a single record
+//! ([`RecordError`]) never stop the run: the record goes to the dead-letter topic.
+
+use std::fmt;
+
+/// Who caused an error, so an operator knows where to look (the Arroyo habit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The user's config, topology file or input data.
+    User,
+    /// A system outside onceflow: the broker, the disk, a sink.
+    External,
+    /// A bug in onceflow.
+    Internal,
+}
+
+/// Every error onceflow returns from its public API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration key or value is wrong; names the key and where it came from.
+    #[error("config error: {0}")]
+    Config(String),
+    /// The topology failed validation; `node` names the stage (or file location).
+    #[error("topology error in {node}: {reason}")]
+    Topology { node: String, reason: String },
+    /// A state store failed (open, read, write, flush).
+    #[error("state store error ({store}): {reason}")]
+    State { store: String, reason: String },
+    /// A Kafka operation failed; `op` says which one.
+    #[error("kafka {op} failed: {source}")]
+    Kafka {
+        op: &'static str,
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+    /// Kafka-side condition that is not a client error (wrong partition count, missing topic).
+    #[error("{0}")]
+    Broker(String),
+    /// I/O on a local file.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Who is at fault for this error.
+    pub fn fault(&self) -> Fault {
+        match self {
+            Error::Config(_) | Error::Topology { .. } => Fault::User,
+            Error::State { .. } | Error::Kafka { .. } | Error::Broker(_) | Error::Io { .. } => {
+                Fault::External
+            }
+        }
+    }
+
+    /// Shorthand for a [`Error::Kafka`] naming the operation.
+    pub fn kafka(op: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> Error {
+        move |source| Error::Kafka { op, source }
+    }
+
+    /// Shorthand for a [`Error::State`].
+    pub fn state(store: impl Into<String>, reason: impl fmt::Display) -> Error {
+        Error::State {
+            store: store.into(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// Result alias with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a single record could not be processed; the record goes to the dead-letter topic.
+///
+/// `stage` is the topology node that refused it (`source` for decoding errors) and
+/// `reason` a sentence a user can act on. It travels in the dead-letter record's headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordError {
+    /// Node name that refused the record.
+    pub stage: String,
+    /// Human-readable reason, e.g. "value is not valid JSON: expected value at line 1 column 1".
+    pub reason: String,
+}
+
+impl RecordError {
+    /// A record error raised by `stage`.
+    pub fn new(stage: impl Into<String>, reason: impl Into<String>) -> Self {
+        RecordError {
+            stage: stage.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for RecordError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stage {}: {}", self.stage, self.reason)
+    }
+}
+
+impl std::error::Error for RecordError {}

@@ -1,0 +1,100 @@
+//! Topic administration: partition counts and creation of missing topics.
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::RDKafkaErrorCode;
+use std::time::Duration;
+
+/// A blocking admin client.
+pub struct Admin {
+    client: AdminClient<DefaultClientContext>,
+    timeout: Duration,
+}
+
+impl Admin {
+    /// Connect an admin client with the config's bootstrap servers and `kafka.*` properties.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when librdkafka refuses a property.
+    pub fn new(cfg: &Config) -> Result<Admin> {
+        let client = crate::kafka::client_config(cfg, &[], &Default::default())
+            .create()
+            .map_err(crate::kafka::config_error)?;
+        Ok(Admin {
+            client,
+            timeout: Duration::from_secs(30),
+        })
+    }
+
+    /// The number of partitions of `topic`, `None` if it does not exist.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when metadata cannot be fetched (broker unreachable).
+    pub fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
+        let md = self
+            .client
+            .inner()
+            .fetch_metadata(Some(topic), self.timeout)
+            .map_err(Error::kafka("fetch metadata"))?;
+        let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(None);
+        };
+        match t.error() {
+            None if !t.partitions().is_empty() => Ok(Some(t.partitions().len())),
+            None => Ok(None),
+            Some(e) => {
+                let code: RDKafkaErrorCode = e.into();
+                if code == RDKafkaErrorCode::UnknownTopicOrPartition || code == RDKafkaErrorCode::UnknownTopic {
+                    Ok(None)
+                } else {
+                    Err(Error::Broker(format!("metadata of topic {topic}: {code}")))
+                }
+            }
+        }
+    }
+
+    /// Create `topic` with `partitions` partitions and topic `configs` unless it exists.
+    /// Returns whether it was created.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] when the broker refuses the creation for any reason other than
+    /// the topic already existing.
+    pub fn ensure_topic(&self, topic: &str, partitions: usize, configs: &[(&str, &str)]) -> Result<bool> {
+        let mut nt = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(-1));
+        for (k, v) in configs {
+            nt = nt.set(k, v);
+        }
+        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+        let res = futures::executor::block_on(self.client.create_topics([&nt], &opts))
+            .map_err(Error::kafka("create topics"))?;
+        for r in res {
+            match r {
+                Ok(_) => return Ok(true),
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => return Ok(false),
+                Err((t, code)) => {
+                    return Err(Error::Broker(format!("cannot create topic {t}: {code}")))
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Delete `topics` (missing ones are fine). For tests and demos.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] when the broker refuses.
+    pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+        let res = futures::executor::block_on(self.client.delete_topics(topics, &opts))
+            .map_err(Error::kafka("delete topics"))?;
+        for r in res {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+                Err((t, code)) => return Err(Error::Broker(format!("cannot delete topic {t}: {code}"))),
+            }
+        }
+        Ok(())
+    }
+}

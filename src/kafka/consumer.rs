@@ -1,0 +1,88 @@
+//! The source consumer: a `BaseConsumer` whose rebalance callbacks go to a listener.
+//!
+//! librdkafka calls the rebalance callback from inside `poll`, on the polling thread, so
+//! the listener runs between two records, never in the middle of one. On revocation the
+//! listener commits the revoked partitions' work synchronously before they are given up
+//! (what Kafka Streams does in `onPartitionsRevoked`); on assignment it only creates tasks.
+
+use crate::config::Config;
+use crate::error::Result;
+use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::ClientContext;
+use std::sync::{Arc, OnceLock};
+
+/// Receives the partitions assigned to and revoked from this instance.
+pub trait RebalanceListener: Send + Sync {
+    /// Partitions are about to be taken away: finish their work and commit it now.
+    fn on_revoke(&self, consumer: &SourceConsumer, partitions: &[i32]);
+    /// Partitions were assigned: set up their tasks.
+    fn on_assign(&self, consumer: &SourceConsumer, partitions: &[i32]);
+}
+
+/// Consumer context forwarding rebalances to the [`RebalanceListener`].
+#[derive(Default)]
+pub struct SourceContext {
+    listener: OnceLock<Arc<dyn RebalanceListener>>,
+}
+
+/// The consumer type of the runtime.
+pub type SourceConsumer = BaseConsumer<SourceContext>;
+
+impl ClientContext for SourceContext {}
+
+fn partitions(r: &Rebalance<'_>) -> Vec<i32> {
+    match r {
+        Rebalance::Assign(tpl) | Rebalance::Revoke(tpl) => {
+            tpl.elements().iter().map(|e| e.partition()).collect()
+        }
+        Rebalance::Error(_) => Vec::new(),
+    }
+}
+
+impl ConsumerContext for SourceContext {
+    fn pre_rebalance(&self, consumer: &SourceConsumer, r: &Rebalance<'_>) {
+        match r {
+            Rebalance::Revoke(_) => {
+                if let Some(l) = self.listener.get() {
+                    l.on_revoke(consumer, &partitions(r));
+                }
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Assign(_) => {}
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &SourceConsumer, r: &Rebalance<'_>) {
+        if let Rebalance::Assign(_) = r {
+            if let Some(l) = self.listener.get() {
+                l.on_assign(consumer, &partitions(r));
+            }
+        }
+    }
+}
+
+/// Create the source consumer: group `application.id`, manual commits, `read_committed`,
+/// `auto.offset.reset=earliest`; then the user's `kafka.*` and `kafka.consumer.*`.
+///
+/// `partition_eof` turns on librdkafka's end-of-partition events (used by `--stop-at-end`).
+///
+/// # Errors
+/// [`crate::Error::Config`] when librdkafka refuses a property.
+pub fn create(cfg: &Config, partition_eof: bool, listener: Arc<dyn RebalanceListener>) -> Result<SourceConsumer> {
+    let ctx = SourceContext::default();
+    let _ = ctx.listener.set(listener);
+    crate::kafka::client_config(
+        cfg,
+        &[
+            ("group.id", cfg.application_id.as_str()),
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("isolation.level", "read_committed"),
+            ("enable.partition.eof", if partition_eof { "true" } else { "false" }),
+        ],
+        &cfg.kafka_consumer,
+    )
+    .create_with_context(ctx)
+    .map_err(crate::kafka::config_error)
+}

@@ -1,0 +1,140 @@
+//! The output producer: idempotent, with every delivery tracked so the commit protocol can
+//! wait until what it produced is durable before it applies state and commits offsets.
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::processor::OutRecord;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::ClientContext;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Records delivery failures; checked at each commit.
+#[derive(Default)]
+pub struct DeliveryTracker {
+    failures: AtomicU64,
+    first_failure: Mutex<Option<String>>,
+}
+
+impl ClientContext for DeliveryTracker {}
+
+impl ProducerContext for DeliveryTracker {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if let Err((e, msg)) = result {
+            use rdkafka::Message;
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            let mut f = self.first_failure.lock().expect("delivery tracker lock");
+            if f.is_none() {
+                *f = Some(format!("delivery to {}/{} failed: {e}", msg.topic(), msg.partition()));
+            }
+        }
+    }
+}
+
+/// Idempotent producer for sink, dead-letter (and later changelog) records.
+///
+/// librdkafka retries each record until `delivery.timeout.ms` (default 300 s); a record
+/// that still fails is a fatal error for the batch: [`OutputProducer::flush`] reports it
+/// and the runtime stops without applying state or committing offsets, so the batch is
+/// processed again on restart (at_least_once: never lost).
+pub struct OutputProducer {
+    producer: ThreadedProducer<DeliveryTracker>,
+}
+
+impl OutputProducer {
+    /// Create the producer (`enable.idempotence=true`, `linger.ms=5`, then `kafka.*` and
+    /// `kafka.producer.*`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when librdkafka refuses a property.
+    pub fn new(cfg: &Config) -> Result<OutputProducer> {
+        let producer = crate::kafka::client_config(
+            cfg,
+            &[("enable.idempotence", "true"), ("linger.ms", "5")],
+            &cfg.kafka_producer,
+        )
+        .create_with_context(DeliveryTracker::default())
+        .map_err(crate::kafka::config_error)?;
+        Ok(OutputProducer { producer })
+    }
+
+    /// Queue `rec` for delivery, waiting while librdkafka's queue is full.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when librdkafka refuses the record for a reason other than a full
+    /// queue (unknown topic, record too large).
+    pub fn send(&self, rec: &OutRecord) -> Result<()> {
+        let headers = if rec.headers.is_empty() {
+            None
+        } else {
+            let mut h = OwnedHeaders::new_with_capacity(rec.headers.len());
+            for (k, v) in &rec.headers {
+                h = h.insert(Header {
+                    key: k.as_str(),
+                    value: v.as_deref(),
+                });
+            }
+            Some(h)
+        };
+        let mut record: BaseRecord<'_, [u8], [u8], ()> = BaseRecord::to(&rec.topic);
+        if let Some(k) = &rec.key {
+            record = record.key(&k[..]);
+        }
+        if let Some(v) = &rec.value {
+            record = record.payload(&v[..]);
+        }
+        if let Some(p) = rec.partition {
+            record = record.partition(p);
+        }
+        if let Some(ts) = rec.timestamp {
+            record = record.timestamp(ts);
+        }
+        if let Some(h) = headers {
+            record = record.headers(h);
+        }
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err((e, _)) => {
+                    return Err(Error::Kafka {
+                        op: "produce",
+                        source: e,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Wait until every queued record is delivered or failed.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] naming the first failed delivery since the producer started;
+    /// [`Error::Kafka`] when the flush times out.
+    pub fn flush(&self, timeout: Duration) -> Result<()> {
+        self.producer.flush(timeout).map_err(Error::kafka("flush"))?;
+        let ctx = self.producer.context();
+        if ctx.failures.load(Ordering::SeqCst) > 0 {
+            let first = ctx.first_failure.lock().expect("delivery tracker lock").clone();
+            return Err(Error::Broker(format!(
+                "{} output record(s) could not be delivered; first: {}",
+                ctx.failures.load(Ordering::SeqCst),
+                first.unwrap_or_default()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records queued and not yet delivered.
+    pub fn in_flight(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+}

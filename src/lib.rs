@@ -1,0 +1,20 @@
+//! onceflow: a stream processor for Kafka, in the style of Kafka Streams, whose promise is
+//! that every effect happens once however often the message behind it is delivered.
+//!
+//! A [`topology::Topology`] (from a YAML file via [`dsl`] or built with
+//! [`topology::TopologyBuilder`]) wires a source topic through stages (dedup, sinks) to
+//! output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
+//! protocol; [`testing::TestDriver`] runs it without a broker.
+
+pub mod config;
+pub mod dsl;
+pub mod error;
+pub mod kafka;
+pub mod metrics;
+pub mod processor;
+pub mod runtime;
+pub mod state;
+pub mod testing;
+pub mod topology;
+
+pub use error::{Error, RecordError, Result};

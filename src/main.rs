@@ -1,0 +1,152 @@
+//! The `onceflow` command: run, validate and describe topologies.
+
+use clap::{Parser, Subcommand};
+use onceflow::config::{parse_set, Config};
+use onceflow::runtime::{App, RunOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(name = "onceflow", version, about = "Kafka stream processing where every effect happens once")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a topology against Kafka until SIGTERM/SIGINT (or the end of input with --stop-at-end).
+    Run {
+        /// The topology file (YAML).
+        topology: PathBuf,
+        /// A config file (TOML); may be given several times, later files win.
+        #[arg(long = "config", value_name = "FILE")]
+        configs: Vec<PathBuf>,
+        /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Stop once every assigned partition has been read to its end, committing everything.
+        #[arg(long)]
+        stop_at_end: bool,
+    },
+    /// Check a topology file; prints every error and exits 1 if there is any.
+    Validate {
+        /// The topology file (YAML).
+        topology: PathBuf,
+    },
+    /// Print a topology: source, stages, stores.
+    Describe {
+        /// The topology file (YAML).
+        topology: PathBuf,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Set `flag` on SIGTERM or SIGINT; a second signal exits at once.
+fn watch_signals(flag: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the signal handler");
+                return;
+            }
+        };
+        rt.block_on(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                tracing::error!("cannot install signal handlers");
+                return;
+            };
+            for n in 0.. {
+                tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+                if n > 0 {
+                    eprintln!("second signal: exiting without committing");
+                    std::process::exit(130);
+                }
+                flag.store(true, Ordering::SeqCst);
+            }
+        });
+    });
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    match cli.command {
+        Command::Validate { topology } => match onceflow::dsl::load(&topology) {
+            Ok(_) => {
+                println!("{}: ok", topology.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Describe { topology } => match onceflow::dsl::load(&topology) {
+            Ok(t) => {
+                print!("{}", t.describe());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Run {
+            topology,
+            configs,
+            sets,
+            stop_at_end,
+        } => {
+            let topo = match onceflow::dsl::load(&topology) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let sets: Result<Vec<_>, _> = sets.iter().map(|s| parse_set(s)).collect();
+            let config = match sets.and_then(|s| Config::load(&configs, &s)) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if let Some(addr) = config.metrics_address {
+                if let Err(e) = onceflow::metrics::install_prometheus(addr) {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            }
+            let shutdown = Arc::new(AtomicBool::new(false));
+            watch_signals(shutdown.clone());
+            let app = App::new(config, topo);
+            match app.run(RunOptions {
+                stop_at_end,
+                shutdown,
+            }) {
+                Ok(summary) => {
+                    println!("{}", summary.line());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("onceflow: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}

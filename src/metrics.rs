@@ -1,0 +1,32 @@
+//! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; exported
+//! in Prometheus format when `metrics.address` is set.
+
+/// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error.
+pub const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
+/// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage).
+pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
+/// Gauge `{topology,store,partition}`: keys held.
+pub const DEDUP_KEYS: &str = "onceflow_dedup_keys";
+/// Counter `{store,partition}`: changelog records applied by restore.
+pub const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
+/// Gauge `{store,partition}`: changelog records left to restore.
+pub const RESTORE_REMAINING: &str = "onceflow_restore_remaining_records";
+/// Counter `{result}`, result = committed|aborted.
+pub const TRANSACTIONS: &str = "onceflow_transactions_total";
+/// Counter `{sink,result}`, result = done|skipped_duplicate|failed.
+pub const SINK_EFFECTS: &str = "onceflow_sink_effects_total";
+/// Counter `{topology,topic,stage}`: records sent to the dead-letter topic.
+pub const DEAD_LETTERS: &str = "onceflow_dead_letters_total";
+/// Counter `{topology}`: commits of the at_least_once protocol.
+pub const COMMITS: &str = "onceflow_commits_total";
+
+/// Install the Prometheus exporter listening on `addr` (serves `/metrics`).
+///
+/// # Errors
+/// [`crate::Error::Config`] when the listener cannot be installed (address in use).
+pub fn install_prometheus(addr: std::net::SocketAddr) -> crate::Result<()> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| crate::Error::Config(format!("metrics.address {addr}: {e}")))
+}

@@ -1,0 +1,221 @@
+//! Where a dedup key comes from, and how it is taken from a record as raw bytes.
+
+use super::record::Record;
+
+/// The source of a dedup (or idempotency) key.
+///
+/// Keys are raw bytes: a header or Kafka key is taken byte for byte, never decoded. A JSON
+/// string is taken as its UTF-8 bytes; a JSON number as its decimal text (so `"42"` and `42`
+/// name the same key). Any other JSON type is an error, as is a missing field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A JSON pointer (RFC 6901) into the decoded value, e.g. `/id`.
+    JsonPointer(String),
+    /// A record header by name, e.g. `msg-id` or `ce_id`.
+    Header(String),
+    /// The Kafka record key.
+    KafkaKey,
+    /// A 128-bit hash (xxh3) of the value bytes: identical payloads are duplicates.
+    ValueHash,
+    /// Several parts, each length-prefixed so that no two different part lists collide
+    /// (`["a:", "b"]` and `["a", ":b"]` are different keys).
+    Composite(Vec<KeySource>),
+}
+
+/// Why no key could be taken from a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyError {
+    /// The key is absent: no such field, header, or a null Kafka key.
+    Missing(String),
+    /// The field exists but is not a string or a number.
+    WrongType(String),
+}
+
+impl std::fmt::Display for KeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyError::Missing(what) | KeyError::WrongType(what) => f.write_str(what),
+        }
+    }
+}
+
+impl KeySource {
+    /// Describe the source for messages, e.g. `json pointer /id`.
+    pub fn describe(&self) -> String {
+        match self {
+            KeySource::JsonPointer(p) => format!("json pointer {p}"),
+            KeySource::Header(h) => format!("header {h}"),
+            KeySource::KafkaKey => "kafka key".into(),
+            KeySource::ValueHash => "value hash".into(),
+            KeySource::Composite(parts) => format!(
+                "composite({})",
+                parts.iter().map(|p| p.describe()).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+
+    /// Whether this key needs the decoded JSON value.
+    pub fn needs_json(&self) -> bool {
+        match self {
+            KeySource::JsonPointer(_) => true,
+            KeySource::Composite(parts) => parts.iter().any(|p| p.needs_json()),
+            _ => false,
+        }
+    }
+
+    /// Take the key from `record`, appending its bytes to `out` (cleared first).
+    ///
+    /// # Errors
+    /// [`KeyError::Missing`] when the field, header or Kafka key is absent or null;
+    /// [`KeyError::WrongType`] when a JSON field is not a string or number.
+    pub fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+        out.clear();
+        self.append(record, out)
+    }
+
+    fn append(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+        match self {
+            KeySource::JsonPointer(ptr) => {
+                let Some(json) = record.json.as_ref() else {
+                    return Err(KeyError::Missing(format!(
+                        "key field {ptr}: the value is not decoded JSON (source format must be json)"
+                    )));
+                };
+                match json.pointer(ptr) {
+                    None => Err(KeyError::Missing(format!("key field {ptr} is missing"))),
+                    Some(serde_json::Value::Null) => {
+                        Err(KeyError::Missing(format!("key field {ptr} is null")))
+                    }
+                    Some(serde_json::Value::String(s)) => {
+                        out.extend_from_slice(s.as_bytes());
+                        Ok(())
+                    }
+                    Some(serde_json::Value::Number(n)) => {
+                        use std::io::Write;
+                        let _ = write!(out, "{n}");
+                        Ok(())
+                    }
+                    Some(other) => Err(KeyError::WrongType(format!(
+                        "key field {ptr} is {}, expected a string or a number",
+                        json_type(other)
+                    ))),
+                }
+            }
+            KeySource::Header(name) => match record.header(name) {
+                None => Err(KeyError::Missing(format!("key header {name} is missing"))),
+                Some(None) => Err(KeyError::Missing(format!("key header {name} is null"))),
+                Some(Some(bytes)) => {
+                    out.extend_from_slice(bytes);
+                    Ok(())
+                }
+            },
+            KeySource::KafkaKey => match &record.key {
+                None => Err(KeyError::Missing("the Kafka key is null".into())),
+                Some(k) => {
+                    out.extend_from_slice(k);
+                    Ok(())
+                }
+            },
+            KeySource::ValueHash => {
+                let bytes = record.value.as_deref().unwrap_or_default();
+                out.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(bytes).to_be_bytes());
+                Ok(())
+            }
+            KeySource::Composite(parts) => {
+                let mut part = Vec::new();
+                for p in parts {
+                    p.extract_into(record, &mut part)?;
+                    out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+                    out.extend_from_slice(&part);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The JSON type name of a value, for error messages.
+pub fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::processor::record::SourceMeta;
+
+    fn rec(json: serde_json::Value) -> Record {
+        Record {
+            key: None,
+            value: Some(json.to_string().into()),
+            headers: vec![("msg-id".into(), Some(vec![0xff, 0x00].into()))],
+            timestamp: Some(0),
+            json: Some(json),
+            source: SourceMeta {
+                topic: "t".into(),
+                partition: 0,
+                offset: 0,
+            },
+        }
+    }
+
+    fn key(src: &KeySource, r: &Record) -> Result<Vec<u8>, KeyError> {
+        let mut out = Vec::new();
+        src.extract_into(r, &mut out).map(|_| out)
+    }
+
+    #[test]
+    fn json_pointer_string_and_number() {
+        let p = KeySource::JsonPointer("/id".into());
+        assert_eq!(key(&p, &rec(serde_json::json!({"id": "abc"}))).unwrap(), b"abc");
+        assert_eq!(key(&p, &rec(serde_json::json!({"id": 42}))).unwrap(), b"42");
+    }
+
+    #[test]
+    fn json_pointer_errors_name_the_field() {
+        let p = KeySource::JsonPointer("/id".into());
+        let e = key(&p, &rec(serde_json::json!({"x": 1}))).unwrap_err();
+        assert_eq!(e, KeyError::Missing("key field /id is missing".into()));
+        let e = key(&p, &rec(serde_json::json!({"id": null}))).unwrap_err();
+        assert!(matches!(e, KeyError::Missing(_)));
+        let e = key(&p, &rec(serde_json::json!({"id": {"a": 1}}))).unwrap_err();
+        assert_eq!(
+            e,
+            KeyError::WrongType("key field /id is an object, expected a string or a number".into())
+        );
+        assert!(matches!(
+            key(&p, &rec(serde_json::json!({"id": true}))),
+            Err(KeyError::WrongType(_))
+        ));
+    }
+
+    #[test]
+    fn header_bytes_are_raw() {
+        let h = KeySource::Header("msg-id".into());
+        assert_eq!(key(&h, &rec(serde_json::json!({}))).unwrap(), vec![0xff, 0x00]);
+    }
+
+    #[test]
+    fn composite_parts_do_not_collide() {
+        let c = KeySource::Composite(vec![
+            KeySource::JsonPointer("/a".into()),
+            KeySource::JsonPointer("/b".into()),
+        ]);
+        let k1 = key(&c, &rec(serde_json::json!({"a": "x:", "b": "y"}))).unwrap();
+        let k2 = key(&c, &rec(serde_json::json!({"a": "x", "b": ":y"}))).unwrap();
+        assert_ne!(k1, k2);
+    }
+
+    #[test]
+    fn null_kafka_key_is_missing_not_a_key() {
+        let r = rec(serde_json::json!({}));
+        assert!(matches!(key(&KeySource::KafkaKey, &r), Err(KeyError::Missing(_))));
+    }
+}

@@ -1,0 +1,121 @@
+//! Records, the [`Processor`] trait, and the built-in stages.
+//!
+//! A processor gets one record at a time with a [`Context`] through which it forwards
+//! records downstream, emits records to topics, and reads and stages writes to the
+//! partition's state stores. Processors are created per task (per source partition), so
+//! they may keep scratch buffers without locks.
+
+pub mod dedup;
+pub mod key;
+pub mod record;
+pub mod stages;
+
+pub use record::{OutRecord, Record, SourceMeta};
+
+use crate::error::{Error, RecordError};
+use crate::state::StagedStore;
+use std::collections::BTreeMap;
+
+/// Why a processor stopped on a record.
+#[derive(Debug)]
+pub enum StageError {
+    /// Something about this record: it is dead-lettered and processing goes on.
+    Record(RecordError),
+    /// Something about the system (a store failed): processing of the batch stops.
+    Fatal(Error),
+}
+
+impl From<RecordError> for StageError {
+    fn from(e: RecordError) -> Self {
+        StageError::Record(e)
+    }
+}
+
+impl From<Error> for StageError {
+    fn from(e: Error) -> Self {
+        StageError::Fatal(e)
+    }
+}
+
+/// Per-run totals by outcome, kept for the end-of-run summary (the metrics carry the same
+/// counts per stage).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Source records read.
+    pub records_in: u64,
+    /// Records that passed a dedup stage as first occurrences.
+    pub passed: u64,
+    /// Records dropped as duplicates.
+    pub duplicates: u64,
+    /// Records with a known key and a different fingerprint.
+    pub conflicts: u64,
+    /// Records sent to the dead-letter topic.
+    pub dead_lettered: u64,
+    /// Records written to sink topics.
+    pub records_out: u64,
+}
+
+impl Counts {
+    /// Add another set of counts into this one.
+    pub fn add(&mut self, o: &Counts) {
+        self.records_in += o.records_in;
+        self.passed += o.passed;
+        self.duplicates += o.duplicates;
+        self.conflicts += o.conflicts;
+        self.dead_lettered += o.dead_lettered;
+        self.records_out += o.records_out;
+    }
+}
+
+/// The state stores of one task, by store name.
+pub type Stores = BTreeMap<String, StagedStore>;
+
+/// What a processor may touch while it handles a record.
+pub struct Context<'a> {
+    pub(crate) stores: &'a mut Stores,
+    pub(crate) forwarded: &'a mut Vec<Record>,
+    pub(crate) emitted: &'a mut Vec<OutRecord>,
+    pub(crate) counts: &'a mut Counts,
+    /// Wall-clock time in ms (the test driver's mock clock under test).
+    pub wall_clock_ms: i64,
+}
+
+impl Context<'_> {
+    /// Send `record` on to the next stage.
+    pub fn forward(&mut self, record: Record) {
+        self.forwarded.push(record);
+    }
+
+    /// Write `record` to a topic; it becomes durable with the task's next commit.
+    pub fn emit(&mut self, record: OutRecord) {
+        self.counts.records_out += 1;
+        self.emitted.push(record);
+    }
+
+    /// The task's store named `name`.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] when no such store was declared (a topology bug, caught by
+    /// `build()` for built-in stages).
+    pub fn store(&mut self, name: &str) -> Result<&mut StagedStore, Error> {
+        self.stores.get_mut(name).ok_or_else(|| Error::Topology {
+            node: name.to_string(),
+            reason: "no such state store in this task".into(),
+        })
+    }
+
+    /// Totals for the run summary.
+    pub fn counts(&mut self) -> &mut Counts {
+        self.counts
+    }
+}
+
+/// A stage of a topology: one required method, called once per record.
+pub trait Processor: Send {
+    /// Handle `record`: forward, emit, or drop it.
+    ///
+    /// # Errors
+    /// [`StageError::Record`] sends the record to the dead-letter topic with the reason;
+    /// [`StageError::Fatal`] stops the batch (the runtime rewinds to the committed offsets).
+    fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError>;
+}

@@ -1,0 +1,64 @@
+//! The record that flows through a topology.
+
+use bytes::Bytes;
+use std::sync::Arc;
+
+/// Where a record was read from: source topic, partition and offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceMeta {
+    /// Source topic name.
+    pub topic: Arc<str>,
+    /// Source partition.
+    pub partition: i32,
+    /// Offset of the record in its partition.
+    pub offset: i64,
+}
+
+/// One record: raw key and value bytes, headers, timestamp, and its source position.
+///
+/// Keys and header values are raw bytes and are never decoded lossily; clones share the
+/// bytes (`Bytes`), so a copy kept for the dead-letter topic costs no allocation. When the source
+/// format is JSON the decoded value is kept in [`Record::json`] next to the original bytes,
+/// so a stage that only reads it costs one parse and the sink writes the bytes unchanged.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Kafka key, `None` for a null key.
+    pub key: Option<Bytes>,
+    /// Kafka value, `None` for a tombstone / null value.
+    pub value: Option<Bytes>,
+    /// Headers in order; a header value may be null.
+    pub headers: Vec<(String, Option<Bytes>)>,
+    /// Record timestamp in milliseconds since the epoch (event time), if the record had one.
+    pub timestamp: Option<i64>,
+    /// Decoded JSON value, when the source format is `json`.
+    pub json: Option<serde_json::Value>,
+    /// Where the record came from.
+    pub source: SourceMeta,
+}
+
+impl Record {
+    /// The first header named `name`, as raw bytes (`Some(None)` for a null header value).
+    pub fn header(&self, name: &str) -> Option<Option<&[u8]>> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_deref())
+    }
+}
+
+/// A record bound for a Kafka topic (a sink output, a dead letter or a changelog write).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutRecord {
+    /// Destination topic.
+    pub topic: String,
+    /// Destination partition; `None` lets the producer's partitioner choose by key.
+    pub partition: Option<i32>,
+    /// Key bytes.
+    pub key: Option<Bytes>,
+    /// Value bytes.
+    pub value: Option<Bytes>,
+    /// Headers.
+    pub headers: Vec<(String, Option<Bytes>)>,
+    /// Timestamp in ms; `None` lets the producer stamp wall-clock time.
+    pub timestamp: Option<i64>,
+}

@@ -1,0 +1,220 @@
+//! Built-in stages: dedup and topic sink.
+
+use super::dedup::{decide, DedupEntry, Decision, Observation, Policy};
+use super::key::KeySource;
+use super::{Context, OutRecord, Processor, Record, StageError};
+use crate::error::RecordError;
+use prost::Message;
+
+/// Which clock a dedup stage judges the TTL by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TimeSource {
+    /// The record timestamp (event time); the default. A record without a timestamp falls
+    /// back to the wall clock.
+    #[default]
+    Event,
+    /// The wall clock when the record is processed.
+    Processing,
+}
+
+/// What a dedup stage does with a record whose key is known with another payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConflictPolicy {
+    /// Let it through as if it were new (the entry keeps the first payload's fingerprint).
+    Pass,
+    /// Drop it like a duplicate (counted as a conflict).
+    #[default]
+    Drop,
+    /// Send it to the dead-letter topic.
+    DeadLetter,
+}
+
+/// Settings of a dedup stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DedupSpec {
+    /// Where the dedup key comes from.
+    pub key: KeySource,
+    /// Window length in ms (default 24 h).
+    pub ttl_ms: i64,
+    /// Event time (default) or processing time.
+    pub time: TimeSource,
+    /// Store a payload fingerprint and report same-key-other-payload as a conflict.
+    pub fingerprint: bool,
+    /// What to do with a conflict.
+    pub on_conflict: ConflictPolicy,
+}
+
+impl DedupSpec {
+    /// A dedup on `key` with a 24 h TTL on event time, no fingerprint.
+    pub fn new(key: KeySource) -> Self {
+        DedupSpec {
+            key,
+            ttl_ms: 24 * 3600 * 1000,
+            time: TimeSource::Event,
+            fingerprint: false,
+            on_conflict: ConflictPolicy::Drop,
+        }
+    }
+}
+
+struct StageMetrics {
+    passed: metrics::Counter,
+    duplicate: metrics::Counter,
+    conflict: metrics::Counter,
+    error: metrics::Counter,
+    check: metrics::Histogram,
+}
+
+impl StageMetrics {
+    fn new(topology: &str, stage: &str) -> Self {
+        let c = |result: &'static str| {
+            metrics::counter!(crate::metrics::RECORDS_PROCESSED,
+                "topology" => topology.to_string(), "stage" => stage.to_string(), "result" => result)
+        };
+        StageMetrics {
+            passed: c("passed"),
+            duplicate: c("duplicate"),
+            conflict: c("conflict"),
+            error: c("error"),
+            check: metrics::histogram!(crate::metrics::DEDUP_CHECK_SECONDS,
+                "topology" => topology.to_string(), "stage" => stage.to_string()),
+        }
+    }
+}
+
+/// The stateful dedup stage: looks the key up in its store, applies [`decide`], stages the
+/// new entry (applied by the runtime only once the output is durable), forwards firsts.
+pub struct Dedup {
+    name: String,
+    store: String,
+    spec: DedupSpec,
+    key_buf: Vec<u8>,
+    metrics: StageMetrics,
+}
+
+impl Dedup {
+    /// A dedup stage `name` keeping its entries in store `store`.
+    pub fn new(topology: &str, name: &str, store: &str, spec: DedupSpec) -> Self {
+        Dedup {
+            name: name.to_string(),
+            store: store.to_string(),
+            spec,
+            key_buf: Vec::with_capacity(64),
+            metrics: StageMetrics::new(topology, name),
+        }
+    }
+}
+
+impl Processor for Dedup {
+    fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
+        if let Err(e) = self.spec.key.extract_into(&record, &mut self.key_buf) {
+            self.metrics.error.increment(1);
+            return Err(RecordError::new(&self.name, e.to_string()).into());
+        }
+        let started = std::time::Instant::now();
+        let time_ms = match self.spec.time {
+            TimeSource::Event => record.timestamp.unwrap_or(ctx.wall_clock_ms),
+            TimeSource::Processing => ctx.wall_clock_ms,
+        };
+        let obs = Observation {
+            time_ms,
+            partition: record.source.partition,
+            offset: record.source.offset,
+            fingerprint: self.spec.fingerprint.then(|| {
+                xxhash_rust::xxh3::xxh3_64(record.value.as_deref().unwrap_or_default())
+            }),
+        };
+        let policy = Policy {
+            ttl_ms: self.spec.ttl_ms,
+        };
+        let store = ctx.store(&self.store)?;
+        let prev = match store.get(&self.key_buf)? {
+            None => None,
+            Some(bytes) => Some(DedupEntry::decode(bytes.as_slice()).map_err(|e| {
+                crate::error::Error::state(store.name(), format!("corrupt dedup entry: {e}"))
+            })?),
+        };
+        let (decision, new) = decide(prev.as_ref(), &obs, &policy);
+        if let Some(entry) = new {
+            store.stage(self.key_buf.clone(), Some(entry.encode_to_vec()));
+        }
+        self.metrics.check.record(started.elapsed().as_secs_f64());
+        match decision {
+            Decision::First | Decision::Renewed => {
+                self.metrics.passed.increment(1);
+                ctx.counts().passed += 1;
+                ctx.forward(record);
+            }
+            Decision::Duplicate => {
+                self.metrics.duplicate.increment(1);
+                ctx.counts().duplicates += 1;
+            }
+            Decision::Conflict => {
+                self.metrics.conflict.increment(1);
+                ctx.counts().conflicts += 1;
+                match self.spec.on_conflict {
+                    ConflictPolicy::Pass => ctx.forward(record),
+                    ConflictPolicy::Drop => {}
+                    ConflictPolicy::DeadLetter => {
+                        return Err(RecordError::new(
+                            &self.name,
+                            "conflict: key seen before with a different payload",
+                        )
+                        .into())
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Settings of a topic sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkSpec {
+    /// Destination topic.
+    pub topic: String,
+}
+
+/// Writes each record to a topic with its key, value, headers and timestamp, and forwards
+/// it, so several sinks in a row write one record to several topics.
+pub struct TopicSink {
+    topic: String,
+    forward: bool,
+}
+
+impl TopicSink {
+    /// A sink to `spec.topic`; `forward` is false for the last stage, which then moves the
+    /// record out instead of copying it.
+    pub fn new(spec: &SinkSpec, forward: bool) -> Self {
+        TopicSink {
+            topic: spec.topic.clone(),
+            forward,
+        }
+    }
+}
+
+impl Processor for TopicSink {
+    fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
+        let timestamp = record.timestamp;
+        let out = |key, value, headers| OutRecord {
+            topic: self.topic.clone(),
+            partition: None,
+            key,
+            value,
+            headers,
+            timestamp,
+        };
+        if self.forward {
+            ctx.emit(out(
+                record.key.clone(),
+                record.value.clone(),
+                record.headers.clone(),
+            ));
+            ctx.forward(record);
+        } else {
+            ctx.emit(out(record.key, record.value, record.headers));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,255 @@
+//! A task: one source partition's processors and state stores, driven one record at a time.
+//!
+//! The same `Task` runs under the Kafka runtime and under the broker-free
+//! [`crate::testing::TestDriver`]. It never writes to a store directly: stages stage their
+//! writes, and [`Task::commit_state`] applies them only when the caller says the outputs
+//! they stand for are durable. [`Task::abort`] drops them.
+
+use crate::error::{Error, RecordError, Result};
+use crate::processor::{Context, Counts, OutRecord, Processor, Record, StageError, Stores};
+use crate::state::{StagedStore, StateBackend};
+use crate::topology::{Format, Topology};
+use bytes::Bytes;
+
+/// Header names of a dead-letter record; the original headers come first.
+pub mod dlq_headers {
+    /// Source topic of the dead record.
+    pub const TOPIC: &str = "onceflow.dlq.source.topic";
+    /// Source partition (decimal text).
+    pub const PARTITION: &str = "onceflow.dlq.source.partition";
+    /// Source offset (decimal text).
+    pub const OFFSET: &str = "onceflow.dlq.source.offset";
+    /// Name of the stage that refused it (`source` for decoding errors).
+    pub const STAGE: &str = "onceflow.dlq.stage";
+    /// The reason, a sentence.
+    pub const REASON: &str = "onceflow.dlq.reason";
+}
+
+/// One source partition's processors and stores.
+pub struct Task {
+    topic: std::sync::Arc<str>,
+    partition: i32,
+    format: Format,
+    nodes: Vec<(String, Box<dyn Processor>)>,
+    stores: Stores,
+    dlq_topic: String,
+    position: Option<i64>,
+    stream_time: i64,
+    counts: Counts,
+    cur: Vec<Record>,
+    next: Vec<Record>,
+    dlq_counter: metrics::Counter,
+}
+
+impl Task {
+    /// Create the task for `partition` of the topology's source, opening its stores.
+    ///
+    /// # Errors
+    /// [`Error::State`] when a store cannot be opened.
+    pub fn new(
+        topology: &Topology,
+        partition: i32,
+        backend: &dyn StateBackend,
+        dlq_topic: &str,
+    ) -> Result<Task> {
+        let mut stores = Stores::new();
+        for s in topology.stores() {
+            let engine = backend.open(&s, partition)?;
+            stores.insert(s, StagedStore::new(engine));
+        }
+        Ok(Task {
+            topic: topology.source().topic.as_str().into(),
+            partition,
+            format: topology.source().format,
+            nodes: topology.instantiate(),
+            stores,
+            dlq_topic: dlq_topic.to_string(),
+            position: None,
+            stream_time: i64::MIN,
+            counts: Counts::default(),
+            cur: Vec::with_capacity(4),
+            next: Vec::with_capacity(4),
+            dlq_counter: metrics::counter!(crate::metrics::DEAD_LETTERS,
+                "topology" => topology.name().to_string(),
+                "topic" => topology.source().topic.clone()),
+        })
+    }
+
+    /// The source partition.
+    pub fn partition(&self) -> i32 {
+        self.partition
+    }
+
+    /// Offset of the next record to process: what the next commit stores for this partition.
+    pub fn position(&self) -> Option<i64> {
+        self.position
+    }
+
+    /// Highest record time seen (ms), `i64::MIN` before the first record.
+    pub fn stream_time(&self) -> i64 {
+        self.stream_time
+    }
+
+    /// Totals since the task started.
+    pub fn counts(&self) -> &Counts {
+        &self.counts
+    }
+
+    /// The task's stores.
+    pub fn stores(&self) -> &Stores {
+        &self.stores
+    }
+
+    /// Process one source record; outputs and dead letters are appended to `out`.
+    ///
+    /// # Errors
+    /// Only system failures ([`Error::State`]); bad records become dead letters.
+    pub fn process(&mut self, mut record: Record, wall_ms: i64, out: &mut Vec<OutRecord>) -> Result<()> {
+        self.counts.records_in += 1;
+        let offset = record.source.offset;
+        if let Some(ts) = record.timestamp {
+            self.stream_time = self.stream_time.max(ts);
+        }
+        // The source record as read, kept for the dead-letter topic (clones share bytes).
+        let original = (record.key.clone(), record.value.clone(), record.timestamp);
+        let headers = record.headers.clone();
+        let dead = |err: RecordError, out: &mut Vec<OutRecord>, counts: &mut Counts| {
+            counts.dead_lettered += 1;
+            out.push(dead_letter(
+                &self.dlq_topic,
+                &record_source(&self.topic, self.partition, offset),
+                original.0.clone(),
+                original.1.clone(),
+                headers.clone(),
+                original.2,
+                &err,
+            ));
+        };
+        if self.format == Format::Json {
+            match record.value.as_deref().map(serde_json::from_slice::<serde_json::Value>) {
+                Some(Ok(v)) => record.json = Some(v),
+                Some(Err(e)) => {
+                    self.dlq_counter.increment(1);
+                    dead(
+                        RecordError::new("source", format!("value is not valid JSON: {e}")),
+                        out,
+                        &mut self.counts,
+                    );
+                    self.position = Some(offset + 1);
+                    return Ok(());
+                }
+                None => {
+                    self.dlq_counter.increment(1);
+                    dead(
+                        RecordError::new("source", "value is null, expected JSON"),
+                        out,
+                        &mut self.counts,
+                    );
+                    self.position = Some(offset + 1);
+                    return Ok(());
+                }
+            }
+        }
+        self.cur.clear();
+        self.cur.push(record);
+        for (_, node) in self.nodes.iter_mut() {
+            self.next.clear();
+            for rec in self.cur.drain(..) {
+                let mut ctx = Context {
+                    stores: &mut self.stores,
+                    forwarded: &mut self.next,
+                    emitted: out,
+                    counts: &mut self.counts,
+                    wall_clock_ms: wall_ms,
+                };
+                match node.process(rec, &mut ctx) {
+                    Ok(()) => {}
+                    Err(StageError::Record(e)) => {
+                        self.dlq_counter.increment(1);
+                        dead(e, out, &mut self.counts);
+                    }
+                    Err(StageError::Fatal(e)) => return Err(e),
+                }
+            }
+            std::mem::swap(&mut self.cur, &mut self.next);
+            if self.cur.is_empty() {
+                break;
+            }
+        }
+        self.cur.clear();
+        self.position = Some(offset + 1);
+        Ok(())
+    }
+
+    /// Apply every store's staged writes, one batch per store. Call only once the outputs
+    /// produced since the last commit are durable: that is what makes a dedup mark never
+    /// hide a lost output.
+    ///
+    /// # Errors
+    /// [`Error::State`] when a store write fails.
+    pub fn commit_state(&mut self) -> Result<()> {
+        for s in self.stores.values_mut() {
+            s.commit(None)?;
+        }
+        Ok(())
+    }
+
+    /// Drop every store's staged writes and forget the position: the caller rewinds the
+    /// partition to its committed offset.
+    pub fn abort(&mut self, committed: Option<i64>) {
+        for s in self.stores.values_mut() {
+            s.abort();
+        }
+        self.position = committed;
+    }
+
+    /// Number of staged (uncommitted) store writes.
+    pub fn pending_writes(&self) -> usize {
+        self.stores.values().map(|s| s.pending_len()).sum()
+    }
+
+    /// Read a committed-or-staged value from store `store`.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] for an unknown store; [`Error::State`] when the read fails.
+    pub fn store_get(&self, store: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.stores
+            .get(store)
+            .ok_or_else(|| Error::Topology {
+                node: store.to_string(),
+                reason: "no such state store".into(),
+            })?
+            .get(key)
+    }
+}
+
+fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64) {
+    (topic.to_string(), partition, offset)
+}
+
+/// Build the dead-letter record for a refused source record: its key, value, timestamp and
+/// headers as read, plus the `onceflow.dlq.*` headers naming source and reason.
+pub fn dead_letter(
+    dlq_topic: &str,
+    source: &(String, i32, i64),
+    key: Option<Bytes>,
+    value: Option<Bytes>,
+    mut headers: Vec<(String, Option<Bytes>)>,
+    timestamp: Option<i64>,
+    err: &RecordError,
+) -> OutRecord {
+    let h = |s: String| Some(Bytes::from(s.into_bytes()));
+    headers.push((dlq_headers::TOPIC.into(), h(source.0.clone())));
+    headers.push((dlq_headers::PARTITION.into(), h(source.1.to_string())));
+    headers.push((dlq_headers::OFFSET.into(), h(source.2.to_string())));
+    headers.push((dlq_headers::STAGE.into(), h(err.stage.clone())));
+    headers.push((dlq_headers::REASON.into(), h(err.reason.clone())));
+    OutRecord {
+        topic: dlq_topic.to_string(),
+        partition: None,
+        key,
+        value,
+        headers,
+        timestamp,
+    }
+}

@@ -1,0 +1,228 @@
+//! The sled engine: one tree per (store, partition) in one sled database per state dir.
+//!
+//! Data keys are stored as `b'd' ++ key` and the changelog offset under `b"m:changelog"`,
+//! so any raw key (empty, binary, one that looks like metadata) stays distinct and a batch's
+//! data and offset land in one atomic `apply_batch`. sled holds an exclusive file lock on its
+//! database, so a second process opening the same state dir fails at start-up.
+
+use super::{KeyValueStore, StateBackend, WriteBatch};
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+const DATA: u8 = b'd';
+const META_CHANGELOG: &[u8] = b"m:changelog";
+
+fn data_key(key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(key.len() + 1);
+    k.push(DATA);
+    k.extend_from_slice(key);
+    k
+}
+
+/// A [`KeyValueStore`] on one sled tree.
+pub struct SledStore {
+    name: String,
+    tree: ::sled::Tree,
+    key_buf: std::cell::RefCell<Vec<u8>>,
+}
+
+impl KeyValueStore for SledStore {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let mut buf = self.key_buf.borrow_mut();
+        buf.clear();
+        buf.push(DATA);
+        buf.extend_from_slice(key);
+        self.tree
+            .get(&buf[..])
+            .map(|v| v.map(|iv| iv.to_vec()))
+            .map_err(|e| Error::state(&self.name, e))
+    }
+
+    fn write(&mut self, batch: WriteBatch) -> Result<()> {
+        let mut b = ::sled::Batch::default();
+        for (k, v) in batch.ops {
+            match v {
+                Some(v) => b.insert(data_key(&k), v),
+                None => b.remove(data_key(&k)),
+            }
+        }
+        if let Some(off) = batch.changelog_offset {
+            b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
+        }
+        self.tree
+            .apply_batch(b)
+            .map_err(|e| Error::state(&self.name, e))
+    }
+
+    fn changelog_offset(&self) -> Result<Option<i64>> {
+        let v = self
+            .tree
+            .get(META_CHANGELOG)
+            .map_err(|e| Error::state(&self.name, e))?;
+        match v {
+            None => Ok(None),
+            Some(b) => {
+                let arr: [u8; 8] = b.as_ref().try_into().map_err(|_| {
+                    Error::state(&self.name, "stored changelog offset is not 8 bytes")
+                })?;
+                Ok(Some(i64::from_be_bytes(arr)))
+            }
+        }
+    }
+
+    fn scan(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        use std::ops::Bound;
+        let lower = match after {
+            Some(a) => Bound::Excluded(data_key(a)),
+            None => Bound::Included(vec![DATA]),
+        };
+        let mut out = Vec::new();
+        for item in self.tree.range((lower, Bound::Unbounded)).take(limit) {
+            let (k, v) = item.map_err(|e| Error::state(&self.name, e))?;
+            if k.first() != Some(&DATA) {
+                break;
+            }
+            out.push((k[1..].to_vec(), v.to_vec()));
+        }
+        Ok(out)
+    }
+}
+
+/// One sled database in a state dir; opens a tree per (store, partition).
+pub struct SledBackend {
+    db: ::sled::Db,
+    path: PathBuf,
+}
+
+impl SledBackend {
+    /// Open the sled database under `dir` (created if missing).
+    ///
+    /// # Errors
+    /// [`Error::State`] when the directory cannot be created or sled cannot open it, in
+    /// particular when another process holds its lock.
+    pub fn open(dir: &Path) -> Result<SledBackend> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+            path: dir.display().to_string(),
+            source: e,
+        })?;
+        let db = ::sled::Config::new()
+            .path(dir)
+            .cache_capacity(256 * 1024 * 1024)
+            .mode(::sled::Mode::HighThroughput)
+            .flush_every_ms(Some(1000))
+            .open()
+            .map_err(|e| {
+                let hint = if e.to_string().contains("lock") {
+                    " (is another onceflow process using this state.dir?)"
+                } else {
+                    ""
+                };
+                Error::state(dir.display().to_string(), format!("cannot open sled database: {e}{hint}"))
+            })?;
+        Ok(SledBackend {
+            db,
+            path: dir.to_path_buf(),
+        })
+    }
+
+    /// Path of the database directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl StateBackend for SledBackend {
+    fn open(&self, store: &str, partition: i32) -> Result<Box<dyn KeyValueStore>> {
+        let name = format!("{store}/{partition}");
+        let tree = self
+            .db
+            .open_tree(format!("{store}-{partition}"))
+            .map_err(|e| Error::state(&name, e))?;
+        Ok(Box::new(SledStore {
+            name,
+            tree,
+            key_buf: std::cell::RefCell::new(Vec::with_capacity(64)),
+        }))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.db
+            .flush()
+            .map(|_| ())
+            .map_err(|e| Error::state(self.path.display().to_string(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn second_open_of_a_state_dir_fails_clearly() {
+        let dir = tempfile::tempdir().unwrap();
+        let _a = SledBackend::open(dir.path()).unwrap();
+        let err = SledBackend::open(dir.path()).err().expect("second open must fail");
+        assert!(err.to_string().contains("another onceflow process"), "{err}");
+    }
+
+    #[test]
+    fn survives_reopen_with_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let b = SledBackend::open(dir.path()).unwrap();
+            let mut s = b.open("dedup", 3).unwrap();
+            s.write(WriteBatch {
+                ops: vec![(vec![0xff, 0x00], Some(b"v".to_vec()))],
+                changelog_offset: Some(99),
+            })
+            .unwrap();
+            b.flush().unwrap();
+        }
+        let b = SledBackend::open(dir.path()).unwrap();
+        let s = b.open("dedup", 3).unwrap();
+        assert_eq!(s.get(&[0xff, 0x00]).unwrap(), Some(b"v".to_vec()));
+        assert_eq!(s.changelog_offset().unwrap(), Some(99));
+        assert_eq!(b.open("dedup", 2).unwrap().get(&[0xff, 0x00]).unwrap(), None);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// The sled store against a BTreeMap model: any raw keys, including ones that look
+        /// like the metadata key, puts and deletes in batches, and a bounded scan.
+        #[test]
+        fn matches_btreemap_model(
+            batches in proptest::collection::vec(
+                proptest::collection::vec(
+                    (proptest::collection::vec(any::<u8>(), 0..4), proptest::option::of(any::<u8>())),
+                    0..20),
+                1..8),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let b = SledBackend::open(dir.path()).unwrap();
+            let mut s = b.open("p", 0).unwrap();
+            let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+            let meta_like = META_CHANGELOG.to_vec();
+            for (i, ops) in batches.into_iter().enumerate() {
+                let mut ops: Vec<_> = ops.into_iter().map(|(k, v)| (k, v.map(|b| vec![b]))).collect();
+                ops.push((meta_like.clone(), Some(vec![i as u8])));
+                for (k, v) in &ops {
+                    match v { Some(v) => { model.insert(k.clone(), v.clone()); } None => { model.remove(k); } }
+                }
+                s.write(WriteBatch { ops, changelog_offset: Some(i as i64) }).unwrap();
+                prop_assert_eq!(s.changelog_offset().unwrap(), Some(i as i64));
+            }
+            for (k, v) in &model {
+                prop_assert_eq!(s.get(k).unwrap(), Some(v.clone()));
+            }
+            let all = s.scan(None, usize::MAX).unwrap();
+            let want: Vec<_> = model.into_iter().collect();
+            prop_assert_eq!(all, want);
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! A broker-free test driver: pipe records into a topology, read what it wrote, move a mock
+//! clock, look into its stores, and simulate crashes and restarts.
+//!
+//! ```
+//! use onceflow::testing::{TestDriver, TestRecord};
+//! use onceflow::topology::{TopologyBuilder, Format};
+//! use onceflow::processor::{key::KeySource, stages::DedupSpec};
+//! let t = TopologyBuilder::new("t").source("in", Format::Json)
+//!     .dedup("dedup", DedupSpec::new(KeySource::JsonPointer("/id".into())))
+//!     .sink("out", "out").build().unwrap();
+//! let mut d = TestDriver::new(t);
+//! d.pipe(TestRecord::json(r#"{"id":1}"#).timestamp(0)).unwrap();
+//! d.pipe(TestRecord::json(r#"{"id":1}"#).timestamp(5)).unwrap();
+//! assert_eq!(d.output("out").len(), 1);
+//! ```
+
+use crate::error::Result;
+use crate::processor::dedup::DedupEntry;
+use crate::processor::{Counts, OutRecord, Record, SourceMeta};
+use crate::runtime::Task;
+use crate::state::{MemoryBackend, StateBackend};
+use crate::topology::Topology;
+use bytes::Bytes;
+use std::collections::BTreeMap;
+
+/// A record to pipe into the driver.
+#[derive(Debug, Clone, Default)]
+pub struct TestRecord {
+    key: Option<Bytes>,
+    value: Option<Bytes>,
+    headers: Vec<(String, Option<Bytes>)>,
+    timestamp: Option<i64>,
+    partition: i32,
+}
+
+impl TestRecord {
+    /// A record with `value` as its bytes (JSON text or anything else).
+    pub fn json(value: impl Into<Vec<u8>>) -> Self {
+        TestRecord {
+            value: Some(Bytes::from(value.into())),
+            ..Default::default()
+        }
+    }
+
+    /// A record with a null value.
+    pub fn null_value() -> Self {
+        TestRecord::default()
+    }
+
+    /// Set the Kafka key.
+    pub fn key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(Bytes::from(key.into()));
+        self
+    }
+
+    /// Add a header.
+    pub fn header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
+        self.headers
+            .push((name.to_string(), Some(Bytes::from(value.into()))));
+        self
+    }
+
+    /// Set the record timestamp (ms).
+    pub fn timestamp(mut self, ms: i64) -> Self {
+        self.timestamp = Some(ms);
+        self
+    }
+
+    /// Set the source partition (default 0).
+    pub fn partition(mut self, p: i32) -> Self {
+        self.partition = p;
+        self
+    }
+}
+
+/// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
+/// outputs become visible when committed (by default after every piped record).
+pub struct TestDriver {
+    topology: Topology,
+    backend: MemoryBackend,
+    tasks: BTreeMap<i32, Task>,
+    next_offset: BTreeMap<i32, i64>,
+    committed_offset: BTreeMap<i32, i64>,
+    clock_ms: i64,
+    pending: Vec<OutRecord>,
+    outputs: Vec<OutRecord>,
+    auto_commit: bool,
+    dlq_topic: String,
+    counts: Counts,
+}
+
+impl TestDriver {
+    /// A driver for `topology`; the dead-letter topic is `test.dlq`, the clock starts at 0.
+    pub fn new(topology: Topology) -> Self {
+        TestDriver {
+            topology,
+            backend: MemoryBackend::default(),
+            tasks: BTreeMap::new(),
+            next_offset: BTreeMap::new(),
+            committed_offset: BTreeMap::new(),
+            clock_ms: 0,
+            pending: Vec::new(),
+            outputs: Vec::new(),
+            auto_commit: true,
+            dlq_topic: "test.dlq".into(),
+            counts: Counts::default(),
+        }
+    }
+
+    /// Commit after every piped record (default `true`); with `false`, call [`Self::commit`].
+    pub fn auto_commit(mut self, on: bool) -> Self {
+        self.auto_commit = on;
+        self
+    }
+
+    /// Name of the dead-letter topic.
+    pub fn dlq_topic(&self) -> &str {
+        &self.dlq_topic
+    }
+
+    fn task(&mut self, partition: i32) -> Result<&mut Task> {
+        if !self.tasks.contains_key(&partition) {
+            let t = Task::new(&self.topology, partition, &self.backend, &self.dlq_topic)?;
+            self.tasks.insert(partition, t);
+        }
+        Ok(self.tasks.get_mut(&partition).expect("inserted above"))
+    }
+
+    /// Pipe one record; returns its offset.
+    ///
+    /// # Errors
+    /// A store failure from the task.
+    pub fn pipe(&mut self, r: TestRecord) -> Result<i64> {
+        let offset = *self.next_offset.entry(r.partition).or_insert(0);
+        self.next_offset.insert(r.partition, offset + 1);
+        let rec = Record {
+            key: r.key,
+            value: r.value,
+            headers: r.headers,
+            timestamp: r.timestamp,
+            json: None,
+            source: SourceMeta {
+                topic: self.topology.source().topic.as_str().into(),
+                partition: r.partition,
+                offset,
+            },
+        };
+        let clock = self.clock_ms;
+        let mut out = Vec::new();
+        self.task(r.partition)?.process(rec, clock, &mut out)?;
+        self.pending.extend(out);
+        if self.auto_commit {
+            self.commit()?;
+        }
+        Ok(offset)
+    }
+
+    /// Commit: outputs become visible, then staged state is applied, then offsets recorded
+    /// (the at_least_once order).
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn commit(&mut self) -> Result<()> {
+        self.outputs.append(&mut self.pending);
+        for (p, t) in self.tasks.iter_mut() {
+            t.commit_state()?;
+            if let Some(pos) = t.position() {
+                self.committed_offset.insert(*p, pos);
+            }
+        }
+        self.backend.flush()
+    }
+
+    /// Simulate a crash before the commit: staged state and unwritten outputs are lost and
+    /// the tasks are closed; the next record reopens them from the stores.
+    pub fn crash(&mut self) {
+        self.pending.clear();
+        for t in self.tasks.values_mut() {
+            t.abort(None);
+        }
+        self.tasks.clear();
+    }
+
+    /// Delete every store, as if the state dir were removed.
+    pub fn wipe_state(&mut self) {
+        self.crash();
+        self.backend.wipe();
+    }
+
+    /// Move the mock wall clock forward.
+    pub fn advance_wall_clock(&mut self, by: std::time::Duration) {
+        self.clock_ms += by.as_millis() as i64;
+    }
+
+    /// The mock wall clock (ms).
+    pub fn wall_clock_ms(&self) -> i64 {
+        self.clock_ms
+    }
+
+    /// Committed outputs written to `topic`, in order.
+    pub fn output(&self, topic: &str) -> Vec<&OutRecord> {
+        self.outputs.iter().filter(|r| r.topic == topic).collect()
+    }
+
+    /// Committed outputs' values written to `topic`, as UTF-8 text (lossy: for assertions).
+    pub fn output_values(&self, topic: &str) -> Vec<String> {
+        self.output(topic)
+            .iter()
+            .map(|r| String::from_utf8_lossy(r.value.as_deref().unwrap_or_default()).into_owned())
+            .collect()
+    }
+
+    /// Committed dead letters.
+    pub fn dead_letters(&self) -> Vec<&OutRecord> {
+        self.output(&self.dlq_topic.clone())
+            .into_iter()
+            .collect::<Vec<_>>()
+    }
+
+    /// The committed offset of `partition` (offset of the next record to read).
+    pub fn committed_offset(&self, partition: i32) -> Option<i64> {
+        self.committed_offset.get(&partition).copied()
+    }
+
+    /// The dedup entry of `key` in `store` for `partition`, as committed or staged.
+    ///
+    /// # Errors
+    /// Unknown store, a store failure, or an entry that does not decode.
+    pub fn dedup_entry(&mut self, store: &str, partition: i32, key: &[u8]) -> Result<Option<DedupEntry>> {
+        use prost::Message;
+        let v = self.task(partition)?.store_get(store, key)?;
+        v.map(|b| {
+            DedupEntry::decode(b.as_slice())
+                .map_err(|e| crate::Error::state(store, format!("corrupt entry: {e}")))
+        })
+        .transpose()
+    }
+
+    /// Totals over all tasks alive now.
+    pub fn counts(&self) -> Counts {
+        let mut c = self.counts;
+        for t in self.tasks.values() {
+            c.add(t.counts());
+        }
+        c
+    }
+}
