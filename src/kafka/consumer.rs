@@ -28,7 +28,15 @@ pub struct SourceContext {
 /// The consumer type of the runtime.
 pub type SourceConsumer = BaseConsumer<SourceContext>;
 
-impl ClientContext for SourceContext {}
+impl ClientContext for SourceContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        // End-of-partition arrives through `poll` as well; it is not an error.
+        if matches!(error, rdkafka::error::KafkaError::PartitionEOF(_)) {
+            return;
+        }
+        tracing::error!(%error, reason, "librdkafka error");
+    }
+}
 
 fn partitions(r: &Rebalance<'_>) -> Vec<i32> {
     match r {

@@ -245,3 +245,6 @@ impl TestDriver {
         c
     }
 }
+
+pub mod gharchive;
+pub mod kafka;

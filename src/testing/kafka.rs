@@ -1,0 +1,254 @@
+//! Helpers for tests, demos and benchmarks that talk to a real broker: read a whole topic,
+//! produce records, reset a consumer group.
+//!
+//! The broker address comes from `ONCEFLOW_BOOTSTRAP_SERVERS` (see [`bootstrap_servers`]),
+//! so any Kafka-compatible broker can stand in for the one `scripts/kafka` starts.
+
+use crate::error::{Error, Result};
+use bytes::Bytes;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use std::time::{Duration, Instant};
+
+/// The broker under test: `ONCEFLOW_BOOTSTRAP_SERVERS`, default `127.0.0.1:9092`.
+pub fn bootstrap_servers() -> String {
+    std::env::var("ONCEFLOW_BOOTSTRAP_SERVERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A record read back from a topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadRecord {
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// Key bytes.
+    pub key: Option<Bytes>,
+    /// Value bytes.
+    pub value: Option<Bytes>,
+    /// Headers.
+    pub headers: Vec<(String, Option<Bytes>)>,
+    /// Timestamp (ms).
+    pub timestamp: Option<i64>,
+}
+
+impl ReadRecord {
+    /// The value of header `name`, as UTF-8 text.
+    pub fn header_str(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_ref())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+}
+
+/// Read every record of `topic` from the beginning to its current end, with
+/// `isolation.level` read_committed (`committed = true`) or read_uncommitted.
+///
+/// The end is each partition's high watermark (for read_committed, the last stable offset)
+/// when reading starts; reading stops when the consumer position has reached it, so
+/// transaction markers, which take offsets but are never delivered, do not make it wait.
+///
+/// # Errors
+/// [`Error::Kafka`] on client errors, [`Error::Broker`] if the topic is missing or the end
+/// is not reached within `timeout`.
+pub fn read_topic(bootstrap: &str, topic: &str, committed: bool, timeout: Duration) -> Result<Vec<ReadRecord>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "onceflow-reader")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", if committed { "read_committed" } else { "read_uncommitted" })
+        .create()
+        .map_err(Error::kafka("create reader"))?;
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(Error::kafka("metadata"))?;
+    let parts: Vec<i32> = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    if parts.is_empty() {
+        return Err(Error::Broker(format!("topic {topic} does not exist")));
+    }
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = std::collections::BTreeMap::new();
+    for p in &parts {
+        let (lo, hi) = consumer
+            .fetch_watermarks(topic, *p, Duration::from_secs(10))
+            .map_err(Error::kafka("watermarks"))?;
+        ends.insert(*p, hi);
+        tpl.add_partition_offset(topic, *p, Offset::Offset(lo))
+            .map_err(Error::kafka("assign"))?;
+    }
+    consumer.assign(&tpl).map_err(Error::kafka("assign"))?;
+    let mut out = Vec::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let pos = consumer.position().map_err(Error::kafka("position"))?;
+        let done = ends.iter().all(|(p, end)| {
+            *end == 0
+                || matches!(pos.find_partition(topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *end)
+        });
+        if done {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Broker(format!(
+                "reading {topic}: end not reached in {timeout:?} (read {} records)",
+                out.len()
+            )));
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            None => {}
+            Some(Err(e)) => return Err(Error::Kafka { op: "read", source: e }),
+            Some(Ok(m)) => out.push(ReadRecord {
+                partition: m.partition(),
+                offset: m.offset(),
+                key: m.key().map(Bytes::copy_from_slice),
+                value: m.payload().map(Bytes::copy_from_slice),
+                headers: m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                timestamp: m.timestamp().to_millis(),
+            }),
+        }
+    }
+    Ok(out)
+}
+
+/// A simple idempotent producer for test input.
+pub struct TestProducer {
+    producer: ThreadedProducer<DefaultProducerContext>,
+}
+
+impl TestProducer {
+    /// Connect to `bootstrap` with `linger.ms=5`, `enable.idempotence=true`.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the client cannot be created.
+    pub fn new(bootstrap: &str) -> Result<TestProducer> {
+        let producer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .set("linger.ms", "5")
+            .set("enable.idempotence", "true")
+            .set("queue.buffering.max.messages", "1000000")
+            .create()
+            .map_err(Error::kafka("create producer"))?;
+        Ok(TestProducer { producer })
+    }
+
+    /// Queue one record (waits while the local queue is full).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when librdkafka refuses the record.
+    pub fn send(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        headers: &[(&str, &[u8])],
+        timestamp: Option<i64>,
+    ) -> Result<()> {
+        let mut r: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(topic);
+        if let Some(k) = key {
+            r = r.key(k);
+        }
+        if let Some(v) = value {
+            r = r.payload(v);
+        }
+        if let Some(p) = partition {
+            r = r.partition(p);
+        }
+        if let Some(t) = timestamp {
+            r = r.timestamp(t);
+        }
+        if !headers.is_empty() {
+            let mut h = rdkafka::message::OwnedHeaders::new();
+            for (k, v) in headers {
+                h = h.insert(rdkafka::message::Header { key: k, value: Some(*v) });
+            }
+            r = r.headers(h);
+        }
+        loop {
+            match self.producer.send(r) {
+                Ok(()) => return Ok(()),
+                Err((rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), back)) => {
+                    r = back;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err((e, _)) => return Err(Error::Kafka { op: "produce", source: e }),
+            }
+        }
+    }
+
+    /// Wait for every queued record to be delivered.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the flush times out.
+    pub fn flush(&self) -> Result<()> {
+        self.producer
+            .flush(Duration::from_secs(120))
+            .map_err(Error::kafka("flush"))
+    }
+}
+
+/// Delete the consumer group `group` (its committed offsets), ignoring a missing group.
+///
+/// # Errors
+/// [`Error::Broker`] when the broker refuses (e.g. the group still has members).
+pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .map_err(Error::kafka("create admin"))?;
+    let res = futures::executor::block_on(admin.delete_groups(&[group], &AdminOptions::new()))
+        .map_err(Error::kafka("delete group"))?;
+    for r in res {
+        match r {
+            Ok(_) => {}
+            Err((_, rdkafka::types::RDKafkaErrorCode::GroupIdNotFound)) => {}
+            Err((g, code)) => return Err(Error::Broker(format!("cannot delete group {g}: {code}"))),
+        }
+    }
+    Ok(())
+}
+
+/// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is
+/// committed).
+///
+/// # Errors
+/// [`Error::Kafka`] on client errors.
+pub fn committed_offsets(bootstrap: &str, group: &str, topic: &str, partitions: usize) -> Result<Vec<Option<i64>>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(Error::kafka("create consumer"))?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p as i32);
+    }
+    let c = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .map_err(Error::kafka("committed offsets"))?;
+    Ok((0..partitions)
+        .map(|p| match c.find_partition(topic, p as i32).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        })
+        .collect())
+}
