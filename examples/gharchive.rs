@@ -7,6 +7,7 @@
 //! ```text
 //! cargo run --release --example gharchive -- load   # create topics, publish with duplicates
 //! cargo run --release --example gharchive -- check  # count gharchive.unique, exit 1 if wrong
+//! cargo run --release --example gharchive -- reset  # delete the demo topics and consumer group
 //! ```
 //! The broker address comes from ONCEFLOW_BOOTSTRAP_SERVERS (default 127.0.0.1:9092).
 
@@ -47,6 +48,26 @@ fn load(bootstrap: &str, dlq: &str) -> onceflow::Result<()> {
     Ok(())
 }
 
+/// Delete the demo topics and the consumer group, so the next load starts from nothing.
+fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
+    let a = admin(bootstrap)?;
+    let topics = [EVENTS, UNIQUE, dlq];
+    a.delete_topics(&topics)?;
+    kafka::delete_group(bootstrap, group)?;
+    // Topic deletion is asynchronous: wait until the broker no longer lists them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for t in topics {
+        while a.partition_count(t)?.is_some() {
+            if std::time::Instant::now() > deadline {
+                return Err(onceflow::Error::Broker(format!("topic {t} still exists after delete")));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    println!("reset: deleted {} and group {group}", topics.join(", "));
+    Ok(())
+}
+
 fn check(bootstrap: &str) -> onceflow::Result<bool> {
     let mut distinct = std::collections::HashSet::new();
     for f in gharchive::hour_files() {
@@ -81,8 +102,9 @@ fn main() -> ExitCode {
     let res = match std::env::args().nth(1).as_deref() {
         Some("load") => load(&bootstrap, &dlq).map(|_| true),
         Some("check") => check(&bootstrap),
+        Some("reset") => reset(&bootstrap, &dlq, "gharchive-dedup").map(|_| true),
         _ => {
-            eprintln!("usage: gharchive load|check");
+            eprintln!("usage: gharchive load|check|reset");
             return ExitCode::from(2);
         }
     };

@@ -131,6 +131,10 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             }
+            if let Err(e) = onceflow::runtime::failpoint::init_from_env() {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
             let shutdown = Arc::new(AtomicBool::new(false));
             watch_signals(shutdown.clone());
             let app = App::new(config, topo);

@@ -16,7 +16,13 @@ pub const DEFAULTS: &str = include_str!("../../config/onceflow.toml");
 
 /// `ONCEFLOW_*` environment variables that are not config keys: the project's scripts and
 /// the log filter use them.
-pub const NON_CONFIG_ENV: &[&str] = &["ONCEFLOW_LOG", "ONCEFLOW_BROKER_", "ONCEFLOW_TEST_"];
+pub const NON_CONFIG_ENV: &[&str] = &[
+    "ONCEFLOW_LOG",
+    "ONCEFLOW_FAILPOINTS",
+    "ONCEFLOW_BROKER_",
+    "ONCEFLOW_TEST_",
+    "ONCEFLOW_BENCH_",
+];
 
 /// Keys onceflow knows, besides `kafka.*`.
 pub const KEYS: &[&str] = &[

@@ -19,7 +19,9 @@ impl Admin {
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
     pub fn new(cfg: &Config) -> Result<Admin> {
-        let client = crate::kafka::client_config(cfg, &[], &Default::default())
+        // A metadata request must never create the topic it asks about (brokers with
+        // auto.create.topics.enable would create it with default settings).
+        let client = crate::kafka::client_config(cfg, &[("allow.auto.create.topics", "false")], &Default::default())
             .create()
             .map_err(crate::kafka::config_error)?;
         Ok(Admin {

@@ -31,7 +31,11 @@ pub type SourceConsumer = BaseConsumer<SourceContext>;
 impl ClientContext for SourceContext {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         // End-of-partition arrives through `poll` as well; it is not an error.
-        if matches!(error, rdkafka::error::KafkaError::PartitionEOF(_)) {
+        use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+        if matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        ) {
             return;
         }
         tracing::error!(%error, reason, "librdkafka error");

@@ -18,7 +18,7 @@ use crate::kafka::admin::Admin;
 use crate::kafka::consumer::{self, RebalanceListener, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
-use crate::runtime::Task;
+use crate::runtime::{failpoint, Task};
 use crate::state::{SledBackend, StateBackend};
 use crate::topology::Topology;
 use bytes::Bytes;
@@ -131,7 +131,9 @@ impl Engine {
             return Ok(());
         }
         // 1-2. Outputs and dead letters durable.
+        failpoint::hit("commit.before_flush");
         self.producer.flush(Duration::from_secs(600))?;
+        failpoint::hit("commit.after_flush");
         // 3. State: one batch per store, then one fsync.
         let mut tpl = TopicPartitionList::new();
         let topic = self.topology.source().topic.clone();
@@ -146,6 +148,7 @@ impl Engine {
             }
         }
         self.backend.flush()?;
+        failpoint::hit("commit.after_state");
         // 4. Offsets.
         if tpl.count() > 0 {
             consumer.commit(&tpl, mode).map_err(Error::kafka("commit offsets"))?;

@@ -1,6 +1,7 @@
 //! The runtime: tasks, the Kafka run loop and its commit protocol, shutdown.
 
 pub mod app;
+pub mod failpoint;
 pub mod task;
 
 pub use app::{App, RunOptions, RunSummary};

@@ -1,0 +1,97 @@
+//! Named failpoints in the commit protocol, for crash tests.
+//!
+//! Chosen by the environment variable `ONCEFLOW_FAILPOINTS`, a comma-separated list of
+//! `name=action[@n]`: `action` is `kill` (the process sends itself SIGKILL: no cleanup, no
+//! commit) or `pause` (log `failpoint <name>: paused` and stop here forever, so a test can
+//! SIGKILL the process at that exact moment); `@n` fires on the n-th hit (default 1).
+//! Off, a failpoint costs one relaxed atomic load.
+//!
+//! Points of the at_least_once commit protocol (see `runtime::app`):
+//! - `commit.before_flush`: records processed and queued, outputs not yet acknowledged;
+//! - `commit.after_flush`: outputs durable, state not applied, offsets not committed;
+//! - `commit.after_state`: state applied and fsynced, offsets not committed.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Failpoint names, to validate `ONCEFLOW_FAILPOINTS`.
+pub const NAMES: &[&str] = &["commit.before_flush", "commit.after_flush", "commit.after_state"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Kill,
+    Pause,
+}
+
+struct Point {
+    action: Action,
+    at: u64,
+    hits: AtomicU64,
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static POINTS: OnceLock<HashMap<String, Point>> = OnceLock::new();
+
+/// Read `ONCEFLOW_FAILPOINTS`; call once at start-up.
+///
+/// # Errors
+/// A config error naming the bad entry (unknown name or action).
+pub fn init_from_env() -> crate::Result<()> {
+    let Ok(spec) = std::env::var("ONCEFLOW_FAILPOINTS") else {
+        return Ok(());
+    };
+    let mut points = HashMap::new();
+    for entry in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let bad = |why: &str| crate::Error::Config(format!("ONCEFLOW_FAILPOINTS entry {entry:?}: {why}"));
+        let (name, rest) = entry.split_once('=').ok_or_else(|| bad("expected name=action[@n]"))?;
+        if !NAMES.contains(&name) {
+            return Err(bad(&format!("unknown failpoint; known: {}", NAMES.join(", "))));
+        }
+        let (action, at) = match rest.split_once('@') {
+            Some((a, n)) => (a, n.parse::<u64>().map_err(|_| bad("@n must be a number"))?),
+            None => (rest, 1),
+        };
+        let action = match action {
+            "kill" => Action::Kill,
+            "pause" => Action::Pause,
+            _ => return Err(bad("action must be kill or pause")),
+        };
+        points.insert(name.to_string(), Point { action, at, hits: AtomicU64::new(0) });
+    }
+    let _ = POINTS.set(points);
+    ENABLED.store(true, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Pass failpoint `name`: does nothing unless it is armed and this is its n-th hit.
+#[inline]
+pub fn hit(name: &str) {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return;
+    }
+    fire(name);
+}
+
+#[cold]
+fn fire(name: &str) {
+    let Some(p) = POINTS.get().and_then(|m| m.get(name)) else { return };
+    if p.hits.fetch_add(1, Ordering::SeqCst) + 1 != p.at {
+        return;
+    }
+    match p.action {
+        Action::Kill => {
+            eprintln!("failpoint {name}: killing the process");
+            // SAFETY: kill(2) on our own pid with a valid signal has no memory effects.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        Action::Pause => {
+            eprintln!("failpoint {name}: paused");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+    }
+}
