@@ -177,6 +177,7 @@ impl TestDriver {
         self.pending.clear();
         for t in self.tasks.values_mut() {
             t.abort(None);
+            self.counts.add(t.counts());
         }
         self.tasks.clear();
     }

@@ -1,0 +1,170 @@
+//! Shared helpers of the integration tests: unique names, topics, the onceflow binary.
+#![allow(dead_code)]
+
+use onceflow::config::Config;
+use onceflow::kafka::admin::Admin;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The broker under test; fails clearly when the suite is run without one.
+pub fn bootstrap() -> String {
+    std::env::var("ONCEFLOW_BOOTSTRAP_SERVERS").expect(
+        "ONCEFLOW_BOOTSTRAP_SERVERS is not set: run the suite with scripts/test, which starts a broker",
+    )
+}
+
+/// A name unique to this test run, e.g. `it-<pid>-<n>-<what>`.
+pub fn unique(what: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("it-{}-{}-{}-{what}", std::process::id(), nanos % 100_000, N.fetch_add(1, Ordering::SeqCst))
+}
+
+pub fn admin() -> Admin {
+    let cfg = Config::load(&[], &[("bootstrap.servers".into(), bootstrap())]).unwrap();
+    Admin::new(&cfg).unwrap()
+}
+
+/// Create topics with `partitions` partitions and no time or size retention.
+pub fn create_topics(topics: &[&str], partitions: usize) {
+    let a = admin();
+    for t in topics {
+        a.ensure_topic(t, partitions, &[("retention.ms", "-1"), ("retention.bytes", "-1")])
+            .unwrap();
+    }
+}
+
+/// Names of one isolated run of a topology: input, output, dlq topics, app id, state dir.
+pub struct Names {
+    pub input: String,
+    pub output: String,
+    pub dlq: String,
+    pub app: String,
+    pub state: tempfile::TempDir,
+    pub topology: PathBuf,
+}
+
+/// Copy the shipped gharchive topology with its topic names replaced by unique ones.
+pub fn gharchive_names(partitions: usize) -> Names {
+    let input = unique("events");
+    let output = unique("unique");
+    let dlq = unique("dlq");
+    let app = unique("app");
+    let state = tempfile::tempdir().unwrap();
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/topologies/gharchive-dedup.yaml")).unwrap();
+    assert!(shipped.contains("gharchive.events") && shipped.contains("gharchive.unique"));
+    let text = shipped.replace("gharchive.events", &input).replace("gharchive.unique", &output);
+    let topology = state.path().join("topology.yaml");
+    std::fs::write(&topology, text).unwrap();
+    create_topics(&[&input, &output, &dlq], partitions);
+    Names { input, output, dlq, app, state, topology }
+}
+
+/// A running `onceflow run`, with its stderr collected.
+pub struct Running {
+    pub child: Child,
+    pub stderr: Arc<Mutex<String>>,
+    stdout: Option<std::process::ChildStdout>,
+}
+
+impl Running {
+    /// Wait until stderr contains `needle`.
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.stderr.lock().unwrap().contains(needle) {
+            assert!(Instant::now() < deadline, "no {needle:?} in the log within {timeout:?}:\n{}", self.stderr.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait for exit; returns (exit status, stdout).
+    pub fn wait(mut self, timeout: Duration) -> (std::process::ExitStatus, String) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                let mut out = String::new();
+                if let Some(mut s) = self.stdout.take() {
+                    use std::io::Read;
+                    s.read_to_string(&mut out).unwrap();
+                }
+                return (st, out);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("onceflow did not exit within {timeout:?}; log:\n{}", self.stderr.lock().unwrap());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Send a signal.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+}
+
+/// Start `onceflow run <topology> --set k=v ... [extra args]` with `env` added.
+pub fn start(names: &Names, sets: &[(&str, String)], env: &[(&str, &str)], extra: &[&str]) -> Running {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
+    cmd.arg("run").arg(&names.topology);
+    let mut all: Vec<(String, String)> = vec![
+        ("application.id".into(), names.app.clone()),
+        ("state.dir".into(), names.state.path().join("state").display().to_string()),
+        ("dlq.topic".into(), names.dlq.clone()),
+    ];
+    all.extend(sets.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    for (k, v) in all {
+        cmd.arg("--set").arg(format!("{k}={v}"));
+    }
+    cmd.args(extra);
+    cmd.env("ONCEFLOW_BOOTSTRAP_SERVERS", bootstrap());
+    cmd.env("ONCEFLOW_LOG", "info");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let err = child.stderr.take().unwrap();
+    let sink = stderr.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let mut s = sink.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    let stdout = child.stdout.take();
+    Running { child, stderr, stdout }
+}
+
+/// Parse `key=value` from the `summary:` line of stdout.
+pub fn summary_field(stdout: &str, key: &str) -> Option<f64> {
+    let line = stdout.lines().find(|l| l.starts_with("summary:"))?;
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The `/id` of a JSON value.
+pub fn json_id(v: Option<&[u8]>) -> String {
+    let v: serde_json::Value = serde_json::from_slice(v.unwrap_or_default()).unwrap();
+    match &v["id"] {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+pub fn path_of(p: &Path) -> String {
+    p.display().to_string()
+}

@@ -1,0 +1,60 @@
+//! Bad input on a real broker: each bad record goes to the dead-letter topic with headers
+//! naming source topic, partition, offset and reason; processing goes on.
+
+mod common;
+
+use common::*;
+use onceflow::runtime::task::dlq_headers;
+use onceflow::testing::kafka;
+use std::time::Duration;
+
+#[test]
+fn bad_records_are_dead_lettered_with_their_source_and_reason() {
+    let names = gharchive_names(1);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    let inputs: [&[u8]; 6] = [
+        br#"{"id":"1"}"#,
+        b"\x00\xffnot json",
+        br#"{"type":"PushEvent"}"#,
+        br#"{"type":"PushEvent"}"#,
+        br#"{"id":[1,2]}"#,
+        br#"{"id":2}"#,
+    ];
+    for v in inputs {
+        p.send(&names.input, Some(0), Some(b"k"), Some(v), &[("h", b"x")], None).unwrap();
+    }
+    p.flush().unwrap();
+    let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(Duration::from_secs(120));
+    assert!(st.success());
+    assert_eq!(summary_field(&out, "dead_lettered"), Some(4.0), "{out}");
+
+    let good = kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let good: Vec<String> = good.iter().map(|r| json_id(r.value.as_deref())).collect();
+    assert_eq!(good, vec!["1", "2"], "processing went on past the bad records");
+
+    let dl = kafka::read_topic(&bootstrap(), &names.dlq, true, Duration::from_secs(60)).unwrap();
+    let got: Vec<(String, String, String, String)> = dl
+        .iter()
+        .map(|r| {
+            (
+                r.header_str(dlq_headers::TOPIC).unwrap(),
+                r.header_str(dlq_headers::PARTITION).unwrap(),
+                r.header_str(dlq_headers::OFFSET).unwrap(),
+                r.header_str(dlq_headers::REASON).unwrap(),
+            )
+        })
+        .collect();
+    let row = |off: &str, reason: &str| (names.input.clone(), "0".to_string(), off.to_string(), reason.to_string());
+    assert_eq!(
+        got,
+        vec![
+            row("1", "value is not valid JSON: expected value at line 1 column 1"),
+            row("2", "key field /id is missing"),
+            row("3", "key field /id is missing"),
+            row("4", "key field /id is an array, expected a string or a number"),
+        ]
+    );
+    assert_eq!(dl[0].value.as_deref(), Some(&b"\x00\xffnot json"[..]), "the raw value, byte for byte");
+    assert_eq!(dl[0].key.as_deref(), Some(&b"k"[..]));
+    assert_eq!(dl[0].header_str("h").as_deref(), Some("x"), "source headers kept");
+}
