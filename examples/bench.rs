@@ -60,7 +60,13 @@ const TTL_MS: i64 = 24 * 3600 * 1000;
 const TARGET_RATIO: f64 = 0.8;
 /// Commit interval of the broker-free dedup runs, in records.
 const STATE_COMMIT_EVERY: usize = 10_000;
-const EVENT_TYPES: [&str; 5] = ["PushEvent", "WatchEvent", "IssuesEvent", "ForkEvent", "CreateEvent"];
+const EVENT_TYPES: [&str; 5] = [
+    "PushEvent",
+    "WatchEvent",
+    "IssuesEvent",
+    "ForkEvent",
+    "CreateEvent",
+];
 
 // ------------------------------------------------------------------------ settings
 
@@ -139,8 +145,9 @@ fn partition_of(id: &[u8]) -> i32 {
 /// A JSON object of exactly `VALUE_LEN` bytes; the payload field pads it with text from
 /// `noise` starting at `at`.
 fn event_json(id: &str, user: u32, kind: &str, ts: i64, noise: &[u8], at: usize) -> Bytes {
-    let mut v = format!(r#"{{"id":"{id}","user":"user-{user:05}","type":"{kind}","ts":{ts},"payload":""#)
-        .into_bytes();
+    let mut v =
+        format!(r#"{{"id":"{id}","user":"user-{user:05}","type":"{kind}","ts":{ts},"payload":""#)
+            .into_bytes();
     let pad = VALUE_LEN.saturating_sub(v.len() + 2);
     v.extend_from_slice(&noise[at..at + pad]);
     v.extend_from_slice(br#""}"#);
@@ -185,7 +192,14 @@ fn generate(n: usize, seed: u64) -> Dataset {
         } else {
             let id = format!("evt-{:09}", firsts.len());
             let kind = EVENT_TYPES[rng.random_range(0..EVENT_TYPES.len())];
-            let value = event_json(&id, rng.random_range(0..50_000), kind, ts, &noise, rng.random_range(0..4096));
+            let value = event_json(
+                &id,
+                rng.random_range(0..50_000),
+                kind,
+                ts,
+                &noise,
+                rng.random_range(0..4096),
+            );
             firsts.push(events.len());
             events.push(Event {
                 partition: partition_of(id.as_bytes()),
@@ -207,7 +221,14 @@ fn load(s: &Settings, ds: &Dataset, topic: &str) -> Res<f64> {
     let p = kafka::TestProducer::new(&s.bootstrap)?;
     let started = Instant::now();
     for e in &ds.events {
-        p.send(topic, Some(e.partition), Some(&e.id), Some(&e.value), &[], Some(e.timestamp))?;
+        p.send(
+            topic,
+            Some(e.partition),
+            Some(&e.id),
+            Some(&e.value),
+            &[],
+            Some(e.timestamp),
+        )?;
     }
     p.flush()?;
     Ok(started.elapsed().as_secs_f64())
@@ -216,7 +237,9 @@ fn load(s: &Settings, ds: &Dataset, topic: &str) -> Res<f64> {
 /// Records in `topic`: the sum of its partitions' high watermarks (no transactions, no
 /// deletions, so offsets are records).
 fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
-    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).create()?;
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()?;
     let mut total = 0;
     for p in 0..PARTITIONS as i32 {
         let (lo, hi) = c.fetch_watermarks(topic, p, Duration::from_secs(10))?;
@@ -244,7 +267,13 @@ impl ProducerContext for Failures {
 
 /// The baseline: consume `input` from the beginning and produce every record unchanged to
 /// `output`. Returns (records, seconds from first record to all consumed and flushed).
-fn passthrough(bootstrap: &str, input: &str, output: &str, group: &str, expected: usize) -> Res<(usize, f64)> {
+fn passthrough(
+    bootstrap: &str,
+    input: &str,
+    output: &str,
+    group: &str,
+    expected: usize,
+) -> Res<(usize, f64)> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", group)
@@ -335,7 +364,10 @@ fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
 fn run_onceflow(bootstrap: &str, input: &str, output: &str, app_id: &str) -> Res<RunSummary> {
     let state = tempfile::tempdir()?;
     let dir = state.path().display().to_string();
-    let cfg = onceflow_config(bootstrap, &[("application.id", app_id), ("state.dir", &dir)])?;
+    let cfg = onceflow_config(
+        bootstrap,
+        &[("application.id", app_id), ("state.dir", &dir)],
+    )?;
     let summary = App::new(cfg, dedup_topology(input, output)?).run(RunOptions {
         stop_at_end: true,
         ..Default::default()
@@ -441,7 +473,10 @@ fn median(xs: &[f64]) -> f64 {
 }
 
 fn rate_list(xs: &[f64]) -> String {
-    xs.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ")
+    xs.iter()
+        .map(|x| format!("{x:.0}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[derive(Default)]
@@ -469,23 +504,52 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         s.rounds
     );
     println!("{:<44} {:>14}  per round", "measure", "median");
-    println!("{:<44} {:>14}  [{}]", "(a) passthrough consume->produce, rec/s", format!("{pa:.0}"), rate_list(&r.passthrough));
-    println!("{:<44} {:>14}  [{}]", "(b) onceflow dedup at_least_once, rec/s", format!("{pb:.0}"), rate_list(&r.onceflow));
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(a) passthrough consume->produce, rec/s",
+        format!("{pa:.0}"),
+        rate_list(&r.passthrough)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(b) onceflow dedup at_least_once, rec/s",
+        format!("{pb:.0}"),
+        rate_list(&r.onceflow)
+    );
     let per_round: Vec<String> = r
         .passthrough
         .iter()
         .zip(&r.onceflow)
         .map(|(a, b)| format!("{:.3}", b / a))
         .collect();
-    println!("{:<44} {:>14}  [{}]", "ratio b/a", format!("{ratio:.3}"), per_round.join(", "));
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "ratio b/a",
+        format!("{ratio:.3}"),
+        per_round.join(", ")
+    );
     println!(
         "{:<44} {:>14}",
         format!("target b/a >= {TARGET_RATIO}"),
         if met { "MET" } else { "NOT MET" }
     );
-    println!("{:<44} {:>14}  [{}]", "dedup alone, sled, decisions/s", format!("{ps:.0}"), rate_list(&r.sled));
-    println!("{:<44} {:>14}  [{}]", "dedup alone, memory, decisions/s", format!("{pm:.0}"), rate_list(&r.memory));
-    println!("{:<44} {:>14}", "ratio sled/memory", format!("{sled_ratio:.3}"));
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "dedup alone, sled, decisions/s",
+        format!("{ps:.0}"),
+        rate_list(&r.sled)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "dedup alone, memory, decisions/s",
+        format!("{pm:.0}"),
+        rate_list(&r.memory)
+    );
+    println!(
+        "{:<44} {:>14}",
+        "ratio sled/memory",
+        format!("{sled_ratio:.3}")
+    );
     println!(
         "bench: records={} rounds={} passthrough_rps={pa:.0} onceflow_rps={pb:.0} ratio={ratio:.3} target_met={met} sled_dps={ps:.0} memory_dps={pm:.0} sled_memory_ratio={sled_ratio:.3}",
         ds.events.len(),
@@ -561,7 +625,10 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
             .into());
         }
         verify_unique(&s.bootstrap, &out, ds.distinct)?;
-        println!("round {round} (b) verified: {} unique records in {out} (read_committed)", ds.distinct);
+        println!(
+            "round {round} (b) verified: {} unique records in {out} (read_committed)",
+            ds.distinct
+        );
         res.onceflow.push(summary.records_per_second());
     }
 
@@ -603,7 +670,11 @@ fn cleanup(s: &Settings, created: &Created) {
         .and_then(|c| Ok(Admin::new(&c)?))
         .and_then(|a| Ok(a.delete_topics(&topics)?));
     match res {
-        Ok(()) => println!("cleanup: deleted {} topics and {} groups", topics.len(), created.groups.len()),
+        Ok(()) => println!(
+            "cleanup: deleted {} topics and {} groups",
+            topics.len(),
+            created.groups.len()
+        ),
         Err(e) => eprintln!("bench: cleanup: deleting topics {topics:?}: {e}"),
     }
 }
@@ -611,7 +682,10 @@ fn cleanup(s: &Settings, created: &Created) {
 fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let s = match Settings::from_env() {
         Ok(s) => s,
         Err(e) => {

@@ -59,7 +59,9 @@ fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
     for t in topics {
         while a.partition_count(t)?.is_some() {
             if std::time::Instant::now() > deadline {
-                return Err(onceflow::Error::Broker(format!("topic {t} still exists after delete")));
+                return Err(onceflow::Error::Broker(format!(
+                    "topic {t} still exists after delete"
+                )));
             }
             std::thread::sleep(Duration::from_millis(200));
         }

@@ -9,7 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 #[derive(Parser)]
-#[command(name = "onceflow", version, about = "Kafka stream processing where every effect happens once")]
+#[command(
+    name = "onceflow",
+    version,
+    about = "Kafka stream processing where every effect happens once"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -55,7 +59,10 @@ fn init_logging() {
 /// Set `flag` on SIGTERM or SIGINT; a second signal exits at once.
 fn watch_signals(flag: Arc<AtomicBool>) {
     std::thread::spawn(move || {
-        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
             Ok(rt) => rt,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the signal handler");
@@ -64,7 +71,10 @@ fn watch_signals(flag: Arc<AtomicBool>) {
         };
         rt.block_on(async move {
             use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
                 tracing::error!("cannot install signal handlers");
                 return;
             };

@@ -23,7 +23,12 @@ fn topology(key: KeySource, ttl_ms: i64, time: TimeSource, format: Format) -> To
 }
 
 fn by_id(ttl_ms: i64) -> TestDriver {
-    TestDriver::new(topology(KeySource::JsonPointer("/id".into()), ttl_ms, TimeSource::Event, Format::Json))
+    TestDriver::new(topology(
+        KeySource::JsonPointer("/id".into()),
+        ttl_ms,
+        TimeSource::Event,
+        Format::Json,
+    ))
 }
 
 fn ev(id: &str, t: i64) -> TestRecord {
@@ -68,7 +73,11 @@ fn processing_time_uses_the_wall_clock() {
     d.pipe(ev("a", 200 * MIN)).unwrap();
     assert_eq!(d.output("out").len(), 2);
     let e = d.dedup_entry("dedup", 0, b"a").unwrap().unwrap();
-    assert_eq!(e.first_seen_ms, 11 * MIN, "first-seen is the wall clock of the renewal");
+    assert_eq!(
+        e.first_seen_ms,
+        11 * MIN,
+        "first-seen is the wall clock of the renewal"
+    );
 }
 
 #[test]
@@ -78,8 +87,14 @@ fn entry_records_first_seen_time_and_source_position() {
     d.pipe(ev("y", 6).partition(2)).unwrap();
     d.pipe(ev("y", 7).partition(2)).unwrap();
     let e = d.dedup_entry("dedup", 2, b"y").unwrap().unwrap();
-    assert_eq!((e.first_seen_ms, e.source_partition, e.source_offset), (6, 2, 1));
-    assert!(d.dedup_entry("dedup", 0, b"y").unwrap().is_none(), "state is per partition");
+    assert_eq!(
+        (e.first_seen_ms, e.source_partition, e.source_offset),
+        (6, 2, 1)
+    );
+    assert!(
+        d.dedup_entry("dedup", 0, b"y").unwrap().is_none(),
+        "state is per partition"
+    );
 }
 
 #[test]
@@ -87,16 +102,27 @@ fn a_mark_never_hides_a_lost_output() {
     let mut d = by_id(10 * MIN).auto_commit(false);
     d.pipe(ev("a", 1)).unwrap();
     d.pipe(ev("a", 2)).unwrap(); // lookups see the batch's own pending entry
-    assert_eq!(d.dedup_entry("dedup", 0, b"a").unwrap().map(|e| e.first_seen_ms), Some(1));
+    assert_eq!(
+        d.dedup_entry("dedup", 0, b"a")
+            .unwrap()
+            .map(|e| e.first_seen_ms),
+        Some(1)
+    );
     // Crash before the outputs were durable: the staged entry must go with them.
     d.crash();
     assert!(d.output("out").is_empty());
-    assert!(d.dedup_entry("dedup", 0, b"a").unwrap().is_none(), "no mark without its output");
+    assert!(
+        d.dedup_entry("dedup", 0, b"a").unwrap().is_none(),
+        "no mark without its output"
+    );
     // Redelivery after the crash: the record passes again, so nothing is lost.
     d.pipe(ev("a", 1)).unwrap();
     d.pipe(ev("a", 2)).unwrap();
     d.commit().unwrap();
-    assert_eq!(d.output_values("out"), vec![r#"{"id":"a","t":1}"#.to_string()]);
+    assert_eq!(
+        d.output_values("out"),
+        vec![r#"{"id":"a","t":1}"#.to_string()]
+    );
     // After the commit the mark is durable: a crash no longer forgets it.
     d.crash();
     d.pipe(ev("a", 3)).unwrap();
@@ -106,39 +132,101 @@ fn a_mark_never_hides_a_lost_output() {
 
 #[test]
 fn keys_sharing_prefixes_or_separators_stay_distinct() {
-    let mut d = TestDriver::new(topology(KeySource::Header("msg-id".into()), 10 * MIN, TimeSource::Event, Format::Bytes));
-    let keys = ["a", "aa", "a:", "a:b", "ab", "ord:4", "ord:42", "ord:42:x", "ord:4"];
+    let mut d = TestDriver::new(topology(
+        KeySource::Header("msg-id".into()),
+        10 * MIN,
+        TimeSource::Event,
+        Format::Bytes,
+    ));
+    let keys = [
+        "a", "aa", "a:", "a:b", "ab", "ord:4", "ord:42", "ord:42:x", "ord:4",
+    ];
     for (i, k) in keys.iter().enumerate() {
-        d.pipe(TestRecord::json(format!("v{i}")).header("msg-id", *k).timestamp(i as i64)).unwrap();
+        d.pipe(
+            TestRecord::json(format!("v{i}"))
+                .header("msg-id", *k)
+                .timestamp(i as i64),
+        )
+        .unwrap();
     }
-    assert_eq!(d.output("out").len(), 8, "the repeat of ord:4 is the only duplicate");
+    assert_eq!(
+        d.output("out").len(),
+        8,
+        "the repeat of ord:4 is the only duplicate"
+    );
     assert_eq!(d.counts().duplicates, 1);
 }
 
 #[test]
 fn non_utf8_keys_are_raw_bytes() {
-    let mut d = TestDriver::new(topology(KeySource::Header("msg-id".into()), 10 * MIN, TimeSource::Event, Format::Bytes));
-    let keys: [&[u8]; 8] = [&[0x00], &[0xFF], &[0xC3, 0x28], &[0xC3, 0xA9], &[0x85], &[0xEF, 0xBF, 0xBD], b"?", &[0xFF]];
+    let mut d = TestDriver::new(topology(
+        KeySource::Header("msg-id".into()),
+        10 * MIN,
+        TimeSource::Event,
+        Format::Bytes,
+    ));
+    let keys: [&[u8]; 8] = [
+        &[0x00],
+        &[0xFF],
+        &[0xC3, 0x28],
+        &[0xC3, 0xA9],
+        &[0x85],
+        &[0xEF, 0xBF, 0xBD],
+        b"?",
+        &[0xFF],
+    ];
     for (i, k) in keys.iter().enumerate() {
-        d.pipe(TestRecord::json(format!("v{i}")).header("msg-id", k.to_vec()).timestamp(i as i64)).unwrap();
+        d.pipe(
+            TestRecord::json(format!("v{i}"))
+                .header("msg-id", k.to_vec())
+                .timestamp(i as i64),
+        )
+        .unwrap();
     }
-    assert_eq!(d.output("out").len(), 7, "no two invalid byte strings merge into U+FFFD or '?'");
+    assert_eq!(
+        d.output("out").len(),
+        7,
+        "no two invalid byte strings merge into U+FFFD or '?'"
+    );
     assert!(d.dedup_entry("dedup", 0, &[0xFF]).unwrap().is_some());
 }
 
 #[test]
 fn kafka_key_and_composite_keys() {
-    let mut d = TestDriver::new(topology(KeySource::KafkaKey, 10 * MIN, TimeSource::Event, Format::Bytes));
+    let mut d = TestDriver::new(topology(
+        KeySource::KafkaKey,
+        10 * MIN,
+        TimeSource::Event,
+        Format::Bytes,
+    ));
     d.pipe(TestRecord::json("1").key("k1")).unwrap();
     d.pipe(TestRecord::json("2").key("k1")).unwrap();
     d.pipe(TestRecord::json("3").key("k2")).unwrap();
     assert_eq!(d.output_values("out"), vec!["1", "3"]);
 
-    let ce = KeySource::Composite(vec![KeySource::Header("ce_id".into()), KeySource::Header("ce_source".into())]);
+    let ce = KeySource::Composite(vec![
+        KeySource::Header("ce_id".into()),
+        KeySource::Header("ce_source".into()),
+    ]);
     let mut d = TestDriver::new(topology(ce, 10 * MIN, TimeSource::Event, Format::Bytes));
-    d.pipe(TestRecord::json("1").header("ce_id", "1").header("ce_source", "/a")).unwrap();
-    d.pipe(TestRecord::json("2").header("ce_id", "1").header("ce_source", "/b")).unwrap();
-    d.pipe(TestRecord::json("3").header("ce_id", "1").header("ce_source", "/a")).unwrap();
+    d.pipe(
+        TestRecord::json("1")
+            .header("ce_id", "1")
+            .header("ce_source", "/a"),
+    )
+    .unwrap();
+    d.pipe(
+        TestRecord::json("2")
+            .header("ce_id", "1")
+            .header("ce_source", "/b"),
+    )
+    .unwrap();
+    d.pipe(
+        TestRecord::json("3")
+            .header("ce_id", "1")
+            .header("ce_source", "/a"),
+    )
+    .unwrap();
     assert_eq!(d.output_values("out"), vec!["1", "2"]);
 }
 
@@ -146,13 +234,22 @@ fn kafka_key_and_composite_keys() {
 fn fingerprint_conflicts_follow_the_policy() {
     for (policy, want_out, want_dlq) in [
         (ConflictPolicy::Drop, vec![r#"{"id":1,"v":"a"}"#], 0),
-        (ConflictPolicy::Pass, vec![r#"{"id":1,"v":"a"}"#, r#"{"id":1,"v":"b"}"#], 0),
+        (
+            ConflictPolicy::Pass,
+            vec![r#"{"id":1,"v":"a"}"#, r#"{"id":1,"v":"b"}"#],
+            0,
+        ),
         (ConflictPolicy::DeadLetter, vec![r#"{"id":1,"v":"a"}"#], 1),
     ] {
         let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
         spec.fingerprint = true;
         spec.on_conflict = policy;
-        let t = TopologyBuilder::new("t").source("in", Format::Json).dedup("dedup", spec).sink("out", "out").build().unwrap();
+        let t = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("dedup", spec)
+            .sink("out", "out")
+            .build()
+            .unwrap();
         let mut d = TestDriver::new(t);
         d.pipe(TestRecord::json(r#"{"id":1,"v":"a"}"#)).unwrap();
         d.pipe(TestRecord::json(r#"{"id":1,"v":"a"}"#)).unwrap(); // same payload: duplicate
@@ -165,17 +262,24 @@ fn fingerprint_conflicts_follow_the_policy() {
 }
 
 fn header(r: &onceflow::processor::OutRecord, name: &str) -> String {
-    let v = r.headers.iter().find(|(k, _)| k == name).and_then(|(_, v)| v.clone()).unwrap_or_default();
+    let v = r
+        .headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| v.clone())
+        .unwrap_or_default();
     String::from_utf8(v.to_vec()).unwrap()
 }
 
 #[test]
 fn bad_records_go_to_the_dead_letter_topic_and_processing_goes_on() {
     let mut d = by_id(10 * MIN);
-    d.pipe(TestRecord::json("not json").key("k0").header("trace", "t0")).unwrap();
+    d.pipe(TestRecord::json("not json").key("k0").header("trace", "t0"))
+        .unwrap();
     d.pipe(TestRecord::json(r#"{"no_id":1}"#)).unwrap();
     d.pipe(TestRecord::json(r#"{"no_id":2}"#)).unwrap();
-    d.pipe(TestRecord::json(r#"{"id":{"nested":true}}"#)).unwrap();
+    d.pipe(TestRecord::json(r#"{"id":{"nested":true}}"#))
+        .unwrap();
     d.pipe(TestRecord::json(r#"{"id":null}"#)).unwrap();
     d.pipe(TestRecord::null_value()).unwrap();
     d.pipe(TestRecord::json(r#"{"id":"ok"}"#)).unwrap();
@@ -183,16 +287,30 @@ fn bad_records_go_to_the_dead_letter_topic_and_processing_goes_on() {
     let dl = d.dead_letters();
     let reasons: Vec<(String, String, String)> = dl
         .iter()
-        .map(|r| (header(r, dlq_headers::OFFSET), header(r, dlq_headers::STAGE), header(r, dlq_headers::REASON)))
+        .map(|r| {
+            (
+                header(r, dlq_headers::OFFSET),
+                header(r, dlq_headers::STAGE),
+                header(r, dlq_headers::REASON),
+            )
+        })
         .collect();
     let s = |a: &str, b: &str, c: &str| (a.to_string(), b.to_string(), c.to_string());
     assert_eq!(
         reasons,
         vec![
-            s("0", "source", "value is not valid JSON: expected ident at line 1 column 2"),
+            s(
+                "0",
+                "source",
+                "value is not valid JSON: expected ident at line 1 column 2"
+            ),
             s("1", "dedup", "key field /id is missing"),
             s("2", "dedup", "key field /id is missing"),
-            s("3", "dedup", "key field /id is an object, expected a string or a number"),
+            s(
+                "3",
+                "dedup",
+                "key field /id is an object, expected a string or a number"
+            ),
             s("4", "dedup", "key field /id is null"),
             s("5", "source", "value is null, expected JSON"),
         ],
@@ -206,7 +324,11 @@ fn bad_records_go_to_the_dead_letter_topic_and_processing_goes_on() {
     assert_eq!(header(first, dlq_headers::TOPIC), "in");
     assert_eq!(header(first, dlq_headers::PARTITION), "0");
     assert_eq!(d.counts().dead_lettered, 6);
-    assert_eq!(d.committed_offset(0), Some(7), "dead letters are committed past, not retried");
+    assert_eq!(
+        d.committed_offset(0),
+        Some(7),
+        "dead letters are committed past, not retried"
+    );
 }
 
 #[test]
@@ -224,12 +346,28 @@ fn dead_letters_are_counted_in_a_metric() {
     let mut got = std::collections::BTreeMap::new();
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
         if let DebugValue::Counter(n) = value {
-            let labels: Vec<String> = key.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            let labels: Vec<String> = key
+                .key()
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
             got.insert(format!("{}{{{}}}", key.key().name(), labels.join(",")), n);
         }
     }
-    assert_eq!(got.get("onceflow_dead_letters_total{topology=t,topic=in}"), Some(&2));
-    assert_eq!(got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=passed}"), Some(&1));
-    assert_eq!(got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=duplicate}"), Some(&1));
-    assert_eq!(got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=error}"), Some(&1));
+    assert_eq!(
+        got.get("onceflow_dead_letters_total{topology=t,topic=in}"),
+        Some(&2)
+    );
+    assert_eq!(
+        got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=passed}"),
+        Some(&1)
+    );
+    assert_eq!(
+        got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=duplicate}"),
+        Some(&1)
+    );
+    assert_eq!(
+        got.get("onceflow_records_processed_total{topology=t,stage=dedup,result=error}"),
+        Some(&1)
+    );
 }

@@ -21,16 +21,29 @@ fn bad_records_are_dead_lettered_with_their_source_and_reason() {
         br#"{"id":2}"#,
     ];
     for v in inputs {
-        p.send(&names.input, Some(0), Some(b"k"), Some(v), &[("h", b"x")], None).unwrap();
+        p.send(
+            &names.input,
+            Some(0),
+            Some(b"k"),
+            Some(v),
+            &[("h", b"x")],
+            None,
+        )
+        .unwrap();
     }
     p.flush().unwrap();
     let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(Duration::from_secs(120));
     assert!(st.success());
     assert_eq!(summary_field(&out, "dead_lettered"), Some(4.0), "{out}");
 
-    let good = kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let good =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
     let good: Vec<String> = good.iter().map(|r| json_id(r.value.as_deref())).collect();
-    assert_eq!(good, vec!["1", "2"], "processing went on past the bad records");
+    assert_eq!(
+        good,
+        vec!["1", "2"],
+        "processing went on past the bad records"
+    );
 
     let dl = kafka::read_topic(&bootstrap(), &names.dlq, true, Duration::from_secs(60)).unwrap();
     let got: Vec<(String, String, String, String)> = dl
@@ -44,17 +57,38 @@ fn bad_records_are_dead_lettered_with_their_source_and_reason() {
             )
         })
         .collect();
-    let row = |off: &str, reason: &str| (names.input.clone(), "0".to_string(), off.to_string(), reason.to_string());
+    let row = |off: &str, reason: &str| {
+        (
+            names.input.clone(),
+            "0".to_string(),
+            off.to_string(),
+            reason.to_string(),
+        )
+    };
     assert_eq!(
         got,
         vec![
-            row("1", "value is not valid JSON: expected value at line 1 column 1"),
+            row(
+                "1",
+                "value is not valid JSON: expected value at line 1 column 1"
+            ),
             row("2", "key field /id is missing"),
             row("3", "key field /id is missing"),
-            row("4", "key field /id is an array, expected a string or a number"),
+            row(
+                "4",
+                "key field /id is an array, expected a string or a number"
+            ),
         ]
     );
-    assert_eq!(dl[0].value.as_deref(), Some(&b"\x00\xffnot json"[..]), "the raw value, byte for byte");
+    assert_eq!(
+        dl[0].value.as_deref(),
+        Some(&b"\x00\xffnot json"[..]),
+        "the raw value, byte for byte"
+    );
     assert_eq!(dl[0].key.as_deref(), Some(&b"k"[..]));
-    assert_eq!(dl[0].header_str("h").as_deref(), Some("x"), "source headers kept");
+    assert_eq!(
+        dl[0].header_str("h").as_deref(),
+        Some("x"),
+        "source headers kept"
+    );
 }

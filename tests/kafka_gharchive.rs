@@ -38,27 +38,47 @@ fn real_data_gives_each_distinct_id_once_and_a_rerun_adds_nothing() {
     let names = gharchive_names(4);
     let rep = load(&names);
     assert_eq!(rep.distinct, 15_129);
-    assert!(rep.published > rep.distinct, "the load must publish duplicates");
+    assert!(
+        rep.published > rep.distinct,
+        "the load must publish duplicates"
+    );
 
     let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
     assert!(st.success(), "exit {st:?}");
-    assert_eq!(summary_field(&out, "records_in"), Some(rep.published as f64), "{out}");
+    assert_eq!(
+        summary_field(&out, "records_in"),
+        Some(rep.published as f64),
+        "{out}"
+    );
     assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
-    assert_eq!(summary_field(&out, "duplicates"), Some((rep.published - 15_129) as f64));
+    assert_eq!(
+        summary_field(&out, "duplicates"),
+        Some((rep.published - 15_129) as f64)
+    );
 
     let counts = output_counts(&names.output);
     let total: usize = counts.values().sum();
     assert_eq!(total, 15_129, "output records");
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), distinct_ids());
+    assert_eq!(
+        counts.keys().cloned().collect::<HashSet<_>>(),
+        distinct_ids()
+    );
 
     // Same application.id and state, offsets reset to earliest: everything is a duplicate.
     kafka::delete_group(&bootstrap(), &names.app).unwrap();
     let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
     assert!(st.success());
-    assert_eq!(summary_field(&out, "records_in"), Some(rep.published as f64), "{out}");
+    assert_eq!(
+        summary_field(&out, "records_in"),
+        Some(rep.published as f64),
+        "{out}"
+    );
     assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
     let again: usize = output_counts(&names.output).values().sum();
-    assert_eq!(again, 15_129, "a rerun over the same input must output nothing new");
+    assert_eq!(
+        again, 15_129,
+        "a rerun over the same input must output nothing new"
+    );
 }
 
 #[test]
@@ -68,7 +88,10 @@ fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
     // Outputs of the 3rd commit are durable, its state and offsets are not: kill there.
     let run = start(
         &names,
-        &[("commit.interval.ms", "20".into()), ("kafka.session.timeout.ms", "6000".into())],
+        &[
+            ("commit.interval.ms", "20".into()),
+            ("kafka.session.timeout.ms", "6000".into()),
+        ],
         &[("ONCEFLOW_FAILPOINTS", "commit.after_flush=pause@3")],
         &["--stop-at-end"],
     );
@@ -77,7 +100,10 @@ fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
     let (st, _) = run.wait(T);
     assert!(!st.success(), "the process was killed");
     let committed = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, 4).unwrap();
-    assert!(committed.iter().any(|c| c.is_some()), "two commits happened before the kill");
+    assert!(
+        committed.iter().any(|c| c.is_some()),
+        "two commits happened before the kill"
+    );
 
     // The killed member stays in the group until its session times out; keep that short.
     let (st, _) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
@@ -86,19 +112,41 @@ fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
     // First input occurrence of every id: (partition, offset).
     let mut first: HashMap<String, (i32, i64)> = HashMap::new();
     for r in kafka::read_topic(&bootstrap(), &names.input, true, T).unwrap() {
-        first.entry(json_id(r.value.as_deref())).or_insert((r.partition, r.offset));
+        first
+            .entry(json_id(r.value.as_deref()))
+            .or_insert((r.partition, r.offset));
     }
     let counts = output_counts(&names.output);
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), distinct_ids(), "no id lost");
-    let twice: Vec<&String> = counts.iter().filter(|(_, n)| **n > 1).map(|(id, _)| id).collect();
-    assert!(counts.values().all(|n| *n <= 2), "an id appeared more than twice");
+    assert_eq!(
+        counts.keys().cloned().collect::<HashSet<_>>(),
+        distinct_ids(),
+        "no id lost"
+    );
+    let twice: Vec<&String> = counts
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        counts.values().all(|n| *n <= 2),
+        "an id appeared more than twice"
+    );
     for id in &twice {
         let (p, off) = first[*id];
         let c = committed[p as usize].unwrap_or(0);
-        assert!(off >= c, "id {id} repeated but its first record (p{p}@{off}) was committed (offset {c})");
+        assert!(
+            off >= c,
+            "id {id} repeated but its first record (p{p}@{off}) was committed (offset {c})"
+        );
     }
-    eprintln!("ids emitted twice (the batch in flight at the kill): {}", twice.len());
-    assert!(!twice.is_empty(), "the kill after the flush must leave a durable, uncommitted batch");
+    eprintln!(
+        "ids emitted twice (the batch in flight at the kill): {}",
+        twice.len()
+    );
+    assert!(
+        !twice.is_empty(),
+        "the kill after the flush must leave a durable, uncommitted batch"
+    );
 }
 
 #[test]
@@ -109,19 +157,31 @@ fn sigterm_finishes_commits_and_exits_zero() {
     // Wait until every distinct id is out, then ask it to stop.
     let deadline = std::time::Instant::now() + T;
     loop {
-        let n: usize = kafka::read_topic(&bootstrap(), &names.output, true, T).unwrap().len();
+        let n: usize = kafka::read_topic(&bootstrap(), &names.output, true, T)
+            .unwrap()
+            .len();
         if n >= 15_129 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "output incomplete: {n}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "output incomplete: {n}"
+        );
         std::thread::sleep(Duration::from_millis(300));
     }
     run.wait_for_log("partitions assigned", T);
     run.signal(libc::SIGTERM);
     let (st, out) = run.wait(T);
     assert!(st.success(), "SIGTERM must exit 0, got {st:?}");
-    assert_eq!(summary_field(&out, "records_in"), Some(rep.published as f64), "{out}");
+    assert_eq!(
+        summary_field(&out, "records_in"),
+        Some(rep.published as f64),
+        "{out}"
+    );
     let committed = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, 2).unwrap();
     let total: i64 = committed.iter().map(|c| c.unwrap_or(0)).sum();
-    assert_eq!(total as usize, rep.published, "every processed record's offset is committed");
+    assert_eq!(
+        total as usize, rep.published,
+        "every processed record's offset is committed"
+    );
 }

@@ -108,7 +108,9 @@ impl Config {
         }
         // Environment: ONCEFLOW_COMMIT_INTERVAL_MS -> commit.interval.ms.
         for (k, v) in env {
-            let Some(rest) = k.strip_prefix("ONCEFLOW_") else { continue };
+            let Some(rest) = k.strip_prefix("ONCEFLOW_") else {
+                continue;
+            };
             if NON_CONFIG_ENV.iter().any(|p| k.starts_with(p)) {
                 continue;
             }
@@ -118,16 +120,26 @@ impl Config {
         for (k, v) in sets {
             flat.insert(k.clone(), (v.clone(), format!("--set {k}={v}")));
         }
-        let origins: BTreeMap<String, String> =
-            flat.iter().map(|(k, (_, o))| (k.clone(), o.clone())).collect();
-        let values: BTreeMap<String, String> =
-            flat.into_iter().map(|(k, (v, _))| (k, v)).collect();
-        let origin = |key: &str| origins.get(key).cloned().unwrap_or_else(|| "nowhere".into());
+        let origins: BTreeMap<String, String> = flat
+            .iter()
+            .map(|(k, (_, o))| (k.clone(), o.clone()))
+            .collect();
+        let values: BTreeMap<String, String> = flat.into_iter().map(|(k, (v, _))| (k, v)).collect();
+        let origin = |key: &str| {
+            origins
+                .get(key)
+                .cloned()
+                .unwrap_or_else(|| "nowhere".into())
+        };
         Self::from_flat(&values, &origin)
     }
 
-    fn from_flat(flat: &BTreeMap<String, String>, origin: &dyn Fn(&str) -> String) -> Result<Config> {
-        let bad = |k: &str, why: String| Error::Config(format!("`{k}` (from {}): {why}", origin(k)));
+    fn from_flat(
+        flat: &BTreeMap<String, String>,
+        origin: &dyn Fn(&str) -> String,
+    ) -> Result<Config> {
+        let bad =
+            |k: &str, why: String| Error::Config(format!("`{k}` (from {}): {why}", origin(k)));
         let mut kafka = BTreeMap::new();
         let mut kafka_consumer = BTreeMap::new();
         let mut kafka_producer = BTreeMap::new();
@@ -164,7 +176,10 @@ impl Config {
             .ok_or_else(|| {
                 bad(
                     "commit.interval.ms",
-                    format!("{:?} is not a positive number of milliseconds", get("commit.interval.ms")),
+                    format!(
+                        "{:?} is not a positive number of milliseconds",
+                        get("commit.interval.ms")
+                    ),
                 )
             })?;
         let processing_guarantee = match get("processing.guarantee").as_str() {
@@ -195,9 +210,10 @@ impl Config {
         };
         let metrics_address = match get("metrics.address") {
             a if a.is_empty() => None,
-            a => Some(a.parse().map_err(|e| {
-                bad("metrics.address", format!("{a:?} is not host:port: {e}"))
-            })?),
+            a => Some(
+                a.parse()
+                    .map_err(|e| bad("metrics.address", format!("{a:?} is not host:port: {e}")))?,
+            ),
         };
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
@@ -261,7 +277,10 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
     }
 
     #[test]
@@ -271,7 +290,10 @@ mod tests {
         assert_eq!(c.application_id, "onceflow");
         assert_eq!(c.dlq_topic, "onceflow.dlq");
         assert_eq!(c.commit_interval_ms, 1000);
-        assert_eq!(c.kafka.get("fetch.queue.backoff.ms").map(String::as_str), Some("20"));
+        assert_eq!(
+            c.kafka.get("fetch.queue.backoff.ms").map(String::as_str),
+            Some("20")
+        );
     }
 
     #[test]
@@ -290,14 +312,20 @@ mod tests {
         let c = Config::load_with_env(
             &[f.clone()],
             &[],
-            env(&[("ONCEFLOW_APPLICATION_ID", "from-env"), ("ONCEFLOW_BROKER_PORT", "1")]),
+            env(&[
+                ("ONCEFLOW_APPLICATION_ID", "from-env"),
+                ("ONCEFLOW_BROKER_PORT", "1"),
+            ]),
         )
         .unwrap();
         assert_eq!(c.application_id, "from-env");
         let c = Config::load_with_env(
             &[f],
             &[("application.id".into(), "from-set".into())],
-            env(&[("ONCEFLOW_APPLICATION_ID", "from-env"), ("ONCEFLOW_KAFKA_LINGER_MS", "9")]),
+            env(&[
+                ("ONCEFLOW_APPLICATION_ID", "from-env"),
+                ("ONCEFLOW_KAFKA_LINGER_MS", "9"),
+            ]),
         )
         .unwrap();
         assert_eq!(c.application_id, "from-set");
@@ -309,7 +337,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("bad.toml");
         std::fs::write(&f, "bootstrap.server = \"x\"\n").unwrap();
-        let e = Config::load_with_env(&[f.clone()], &[], env(&[])).unwrap_err().to_string();
+        let e = Config::load_with_env(&[f.clone()], &[], env(&[]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown config key `bootstrap.server`"), "{e}");
         assert!(e.contains("bad.toml"), "{e}");
         let e = Config::load_with_env(&[], &[], env(&[("ONCEFLOW_STATEDIR", "x")]))
@@ -332,7 +362,9 @@ mod tests {
             ("application.id", "a b", "internal topic"),
             ("metrics.address", "nowhere", "host:port"),
         ] {
-            let e = Config::load_with_env(&[], &set(k, v), env(&[])).unwrap_err().to_string();
+            let e = Config::load_with_env(&[], &set(k, v), env(&[]))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(k) && e.contains(want), "{k}={v}: {e}");
         }
         assert!(Config::load_with_env(&[PathBuf::from("/no/such.toml")], &[], env(&[])).is_err());

@@ -136,7 +136,9 @@ impl KeyDef {
             KeyDef::Header(h) => KeySource::Header(h.clone()),
             KeyDef::KafkaKey => KeySource::KafkaKey,
             KeyDef::ValueHash => KeySource::ValueHash,
-            KeyDef::Composite(parts) => KeySource::Composite(parts.iter().map(|p| p.compile()).collect()),
+            KeyDef::Composite(parts) => {
+                KeySource::Composite(parts.iter().map(|p| p.compile()).collect())
+            }
         }
     }
 }
@@ -197,9 +199,10 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
         errors,
     };
     // Stage kinds and key sources are written as one-key maps (`- dedup: {...}`).
-    let def: TopologyFile =
-        serde_yaml::with::singleton_map_recursive::deserialize(serde_yaml::Deserializer::from_str(text))
-            .map_err(|e| fail(vec![e.to_string()]))?;
+    let def: TopologyFile = serde_yaml::with::singleton_map_recursive::deserialize(
+        serde_yaml::Deserializer::from_str(text),
+    )
+    .map_err(|e| fail(vec![e.to_string()]))?;
     let mut errors = Vec::new();
     let format = match def.source.format {
         FormatDef::Json => Format::Json,
@@ -232,7 +235,10 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                 b = b.dedup(name, spec);
             }
             StageDef::Sink(s) => {
-                let name = s.name.clone().unwrap_or_else(|| format!("sink-{}", s.topic));
+                let name = s
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| format!("sink-{}", s.topic));
                 b = b.sink(name, s.topic.clone());
             }
         }
@@ -258,7 +264,11 @@ mod tests {
 
     #[test]
     fn shipped_gharchive_topology_compiles() {
-        let t = load(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/topologies/gharchive-dedup.yaml"))).unwrap();
+        let t = load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/topologies/gharchive-dedup.yaml"
+        )))
+        .unwrap();
         assert_eq!(t.source().topic, "gharchive.events");
         assert_eq!(t.sink_topics(), vec!["gharchive.unique".to_string()]);
         assert_eq!(t.stores(), vec!["dedup".to_string()]);

@@ -21,9 +21,13 @@ impl Admin {
     pub fn new(cfg: &Config) -> Result<Admin> {
         // A metadata request must never create the topic it asks about (brokers with
         // auto.create.topics.enable would create it with default settings).
-        let client = crate::kafka::client_config(cfg, &[("allow.auto.create.topics", "false")], &Default::default())
-            .create()
-            .map_err(crate::kafka::config_error)?;
+        let client = crate::kafka::client_config(
+            cfg,
+            &[("allow.auto.create.topics", "false")],
+            &Default::default(),
+        )
+        .create()
+        .map_err(crate::kafka::config_error)?;
         Ok(Admin {
             client,
             timeout: Duration::from_secs(30),
@@ -48,7 +52,9 @@ impl Admin {
             None => Ok(None),
             Some(e) => {
                 let code: RDKafkaErrorCode = e.into();
-                if code == RDKafkaErrorCode::UnknownTopicOrPartition || code == RDKafkaErrorCode::UnknownTopic {
+                if code == RDKafkaErrorCode::UnknownTopicOrPartition
+                    || code == RDKafkaErrorCode::UnknownTopic
+                {
                     Ok(None)
                 } else {
                     Err(Error::Broker(format!("metadata of topic {topic}: {code}")))
@@ -63,7 +69,12 @@ impl Admin {
     /// # Errors
     /// [`Error::Broker`] when the broker refuses the creation for any reason other than
     /// the topic already existing.
-    pub fn ensure_topic(&self, topic: &str, partitions: usize, configs: &[(&str, &str)]) -> Result<bool> {
+    pub fn ensure_topic(
+        &self,
+        topic: &str,
+        partitions: usize,
+        configs: &[(&str, &str)],
+    ) -> Result<bool> {
         let mut nt = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(-1));
         for (k, v) in configs {
             nt = nt.set(k, v);
@@ -94,7 +105,9 @@ impl Admin {
         for r in res {
             match r {
                 Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
-                Err((t, code)) => return Err(Error::Broker(format!("cannot delete topic {t}: {code}"))),
+                Err((t, code)) => {
+                    return Err(Error::Broker(format!("cannot delete topic {t}: {code}")))
+                }
             }
         }
         Ok(())

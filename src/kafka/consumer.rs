@@ -80,7 +80,11 @@ impl ConsumerContext for SourceContext {
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create(cfg: &Config, partition_eof: bool, listener: Arc<dyn RebalanceListener>) -> Result<SourceConsumer> {
+pub fn create(
+    cfg: &Config,
+    partition_eof: bool,
+    listener: Arc<dyn RebalanceListener>,
+) -> Result<SourceConsumer> {
     let ctx = SourceContext::default();
     let _ = ctx.listener.set(listener);
     crate::kafka::client_config(
@@ -91,7 +95,10 @@ pub fn create(cfg: &Config, partition_eof: bool, listener: Arc<dyn RebalanceList
             ("enable.auto.offset.store", "false"),
             ("auto.offset.reset", "earliest"),
             ("isolation.level", "read_committed"),
-            ("enable.partition.eof", if partition_eof { "true" } else { "false" }),
+            (
+                "enable.partition.eof",
+                if partition_eof { "true" } else { "false" },
+            ),
         ],
         &cfg.kafka_consumer,
     )

@@ -30,7 +30,11 @@ impl ProducerContext for DeliveryTracker {
             self.failures.fetch_add(1, Ordering::SeqCst);
             let mut f = self.first_failure.lock().expect("delivery tracker lock");
             if f.is_none() {
-                *f = Some(format!("delivery to {}/{} failed: {e}", msg.topic(), msg.partition()));
+                *f = Some(format!(
+                    "delivery to {}/{} failed: {e}",
+                    msg.topic(),
+                    msg.partition()
+                ));
             }
         }
     }
@@ -120,10 +124,16 @@ impl OutputProducer {
     /// [`Error::Broker`] naming the first failed delivery since the producer started;
     /// [`Error::Kafka`] when the flush times out.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
-        self.producer.flush(timeout).map_err(Error::kafka("flush"))?;
+        self.producer
+            .flush(timeout)
+            .map_err(Error::kafka("flush"))?;
         let ctx = self.producer.context();
         if ctx.failures.load(Ordering::SeqCst) > 0 {
-            let first = ctx.first_failure.lock().expect("delivery tracker lock").clone();
+            let first = ctx
+                .first_failure
+                .lock()
+                .expect("delivery tracker lock")
+                .clone();
             return Err(Error::Broker(format!(
                 "{} output record(s) could not be delivered; first: {}",
                 ctx.failures.load(Ordering::SeqCst),

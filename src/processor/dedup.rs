@@ -147,16 +147,33 @@ mod tests {
             (Some(entry(60 * MIN, None)), 0, None, Decision::Duplicate), // late record: not expired
             (Some(entry(0, Some(1))), MIN, Some(1), Decision::Duplicate),
             (Some(entry(0, Some(1))), MIN, Some(2), Decision::Conflict),
-            (Some(entry(0, Some(1))), 11 * MIN, Some(2), Decision::Renewed),
+            (
+                Some(entry(0, Some(1))),
+                11 * MIN,
+                Some(2),
+                Decision::Renewed,
+            ),
             (Some(entry(0, None)), MIN, Some(2), Decision::Duplicate), // no stored fingerprint
-            (Some(entry(i64::MIN, None)), i64::MAX, None, Decision::Renewed), // no overflow
+            (
+                Some(entry(i64::MIN, None)),
+                i64::MAX,
+                None,
+                Decision::Renewed,
+            ), // no overflow
         ];
         for (i, (prev, t, fp, want)) in cases.into_iter().enumerate() {
             let (got, new) = decide(prev.as_ref(), &obs(t, fp), &p);
             assert_eq!(got, want, "case {i}");
-            assert_eq!(new.is_some(), want.passes(), "case {i}: entry written iff passed");
+            assert_eq!(
+                new.is_some(),
+                want.passes(),
+                "case {i}: entry written iff passed"
+            );
             if let Some(n) = new {
-                assert_eq!(n.first_seen_ms, t, "case {i}: first-seen is the record time");
+                assert_eq!(
+                    n.first_seen_ms, t,
+                    "case {i}: first-seen is the record time"
+                );
                 assert_eq!((n.source_partition, n.source_offset), (1, t));
             }
         }

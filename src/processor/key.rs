@@ -49,7 +49,11 @@ impl KeySource {
             KeySource::ValueHash => "value hash".into(),
             KeySource::Composite(parts) => format!(
                 "composite({})",
-                parts.iter().map(|p| p.describe()).collect::<Vec<_>>().join(", ")
+                parts
+                    .iter()
+                    .map(|p| p.describe())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         }
     }
@@ -174,7 +178,10 @@ mod tests {
     #[test]
     fn json_pointer_string_and_number() {
         let p = KeySource::JsonPointer("/id".into());
-        assert_eq!(key(&p, &rec(serde_json::json!({"id": "abc"}))).unwrap(), b"abc");
+        assert_eq!(
+            key(&p, &rec(serde_json::json!({"id": "abc"}))).unwrap(),
+            b"abc"
+        );
         assert_eq!(key(&p, &rec(serde_json::json!({"id": 42}))).unwrap(), b"42");
     }
 
@@ -199,7 +206,10 @@ mod tests {
     #[test]
     fn header_bytes_are_raw() {
         let h = KeySource::Header("msg-id".into());
-        assert_eq!(key(&h, &rec(serde_json::json!({}))).unwrap(), vec![0xff, 0x00]);
+        assert_eq!(
+            key(&h, &rec(serde_json::json!({}))).unwrap(),
+            vec![0xff, 0x00]
+        );
     }
 
     #[test]
@@ -216,6 +226,9 @@ mod tests {
     #[test]
     fn null_kafka_key_is_missing_not_a_key() {
         let r = rec(serde_json::json!({}));
-        assert!(matches!(key(&KeySource::KafkaKey, &r), Err(KeyError::Missing(_))));
+        assert!(matches!(
+            key(&KeySource::KafkaKey, &r),
+            Err(KeyError::Missing(_))
+        ));
     }
 }

@@ -1,6 +1,6 @@
 //! Built-in stages: dedup and topic sink.
 
-use super::dedup::{decide, DedupEntry, Decision, Observation, Policy};
+use super::dedup::{decide, Decision, DedupEntry, Observation, Policy};
 use super::key::KeySource;
 use super::{Context, OutRecord, Processor, Record, StageError};
 use crate::error::RecordError;
@@ -120,9 +120,10 @@ impl Processor for Dedup {
             time_ms,
             partition: record.source.partition,
             offset: record.source.offset,
-            fingerprint: self.spec.fingerprint.then(|| {
-                xxhash_rust::xxh3::xxh3_64(record.value.as_deref().unwrap_or_default())
-            }),
+            fingerprint: self
+                .spec
+                .fingerprint
+                .then(|| xxhash_rust::xxh3::xxh3_64(record.value.as_deref().unwrap_or_default())),
         };
         let policy = Policy {
             ttl_ms: self.spec.ttl_ms,

@@ -125,7 +125,12 @@ impl Engine {
     }
 
     /// The commit protocol: flush outputs, apply state, fsync, commit offsets.
-    fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode, only: Option<&[i32]>) -> Result<()> {
+    fn commit(
+        &mut self,
+        consumer: &SourceConsumer,
+        mode: CommitMode,
+        only: Option<&[i32]>,
+    ) -> Result<()> {
         self.last_commit = Instant::now();
         if self.uncommitted == 0 {
             return Ok(());
@@ -151,7 +156,9 @@ impl Engine {
         failpoint::hit("commit.after_state");
         // 4. Offsets.
         if tpl.count() > 0 {
-            consumer.commit(&tpl, mode).map_err(Error::kafka("commit offsets"))?;
+            consumer
+                .commit(&tpl, mode)
+                .map_err(Error::kafka("commit offsets"))?;
         }
         if only.is_none() {
             self.uncommitted = 0;
@@ -322,7 +329,10 @@ impl App {
         }
         e.tasks.clear();
         e.backend.flush()?;
-        let seconds = e.first_record.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let seconds = e
+            .first_record
+            .map(|t| t.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
         let summary = RunSummary {
             counts,
             seconds,
@@ -331,7 +341,12 @@ impl App {
         result.map(|_| summary)
     }
 
-    fn run_loop(&self, consumer: &SourceConsumer, engine: &Arc<Mutex<Engine>>, opts: &RunOptions) -> Result<()> {
+    fn run_loop(
+        &self,
+        consumer: &SourceConsumer,
+        engine: &Arc<Mutex<Engine>>,
+        opts: &RunOptions,
+    ) -> Result<()> {
         loop {
             if opts.shutdown.load(Ordering::SeqCst) {
                 tracing::info!("shutdown requested: committing and closing");

@@ -16,7 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// Failpoint names, to validate `ONCEFLOW_FAILPOINTS`.
-pub const NAMES: &[&str] = &["commit.before_flush", "commit.after_flush", "commit.after_state"];
+pub const NAMES: &[&str] = &[
+    "commit.before_flush",
+    "commit.after_flush",
+    "commit.after_state",
+];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
@@ -43,10 +47,16 @@ pub fn init_from_env() -> crate::Result<()> {
     };
     let mut points = HashMap::new();
     for entry in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let bad = |why: &str| crate::Error::Config(format!("ONCEFLOW_FAILPOINTS entry {entry:?}: {why}"));
-        let (name, rest) = entry.split_once('=').ok_or_else(|| bad("expected name=action[@n]"))?;
+        let bad =
+            |why: &str| crate::Error::Config(format!("ONCEFLOW_FAILPOINTS entry {entry:?}: {why}"));
+        let (name, rest) = entry
+            .split_once('=')
+            .ok_or_else(|| bad("expected name=action[@n]"))?;
         if !NAMES.contains(&name) {
-            return Err(bad(&format!("unknown failpoint; known: {}", NAMES.join(", "))));
+            return Err(bad(&format!(
+                "unknown failpoint; known: {}",
+                NAMES.join(", ")
+            )));
         }
         let (action, at) = match rest.split_once('@') {
             Some((a, n)) => (a, n.parse::<u64>().map_err(|_| bad("@n must be a number"))?),
@@ -57,7 +67,14 @@ pub fn init_from_env() -> crate::Result<()> {
             "pause" => Action::Pause,
             _ => return Err(bad("action must be kill or pause")),
         };
-        points.insert(name.to_string(), Point { action, at, hits: AtomicU64::new(0) });
+        points.insert(
+            name.to_string(),
+            Point {
+                action,
+                at,
+                hits: AtomicU64::new(0),
+            },
+        );
     }
     let _ = POINTS.set(points);
     ENABLED.store(true, Ordering::Relaxed);
@@ -75,7 +92,9 @@ pub fn hit(name: &str) {
 
 #[cold]
 fn fire(name: &str) {
-    let Some(p) = POINTS.get().and_then(|m| m.get(name)) else { return };
+    let Some(p) = POINTS.get().and_then(|m| m.get(name)) else {
+        return;
+    };
     if p.hits.fetch_add(1, Ordering::SeqCst) + 1 != p.at {
         return;
     }

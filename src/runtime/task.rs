@@ -104,7 +104,12 @@ impl Task {
     ///
     /// # Errors
     /// Only system failures ([`Error::State`]); bad records become dead letters.
-    pub fn process(&mut self, mut record: Record, wall_ms: i64, out: &mut Vec<OutRecord>) -> Result<()> {
+    pub fn process(
+        &mut self,
+        mut record: Record,
+        wall_ms: i64,
+        out: &mut Vec<OutRecord>,
+    ) -> Result<()> {
         self.counts.records_in += 1;
         let offset = record.source.offset;
         if let Some(ts) = record.timestamp {
@@ -126,7 +131,11 @@ impl Task {
             ));
         };
         if self.format == Format::Json {
-            match record.value.as_deref().map(serde_json::from_slice::<serde_json::Value>) {
+            match record
+                .value
+                .as_deref()
+                .map(serde_json::from_slice::<serde_json::Value>)
+            {
                 Some(Ok(v)) => record.json = Some(v),
                 Some(Err(e)) => {
                     self.dlq_counter.increment(1);

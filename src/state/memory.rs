@@ -20,7 +20,13 @@ impl KeyValueStore for MemoryStore {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        Ok(self.data.lock().expect("memory store lock").0.get(key).cloned())
+        Ok(self
+            .data
+            .lock()
+            .expect("memory store lock")
+            .0
+            .get(key)
+            .cloned())
     }
 
     fn write(&mut self, batch: WriteBatch) -> Result<()> {

@@ -185,7 +185,11 @@ mod tests {
         let mut s = StagedStore::new(backend.open("s", 0).unwrap());
         s.stage(b"a".to_vec(), Some(b"1".to_vec()));
         assert_eq!(s.get(b"a").unwrap(), Some(b"1".to_vec()));
-        assert_eq!(s.engine().get(b"a").unwrap(), None, "not applied before commit");
+        assert_eq!(
+            s.engine().get(b"a").unwrap(),
+            None,
+            "not applied before commit"
+        );
         s.abort();
         assert_eq!(s.get(b"a").unwrap(), None, "abort drops staged writes");
         s.stage(b"a".to_vec(), Some(b"2".to_vec()));

@@ -121,7 +121,10 @@ impl SledBackend {
                 } else {
                     ""
                 };
-                Error::state(dir.display().to_string(), format!("cannot open sled database: {e}{hint}"))
+                Error::state(
+                    dir.display().to_string(),
+                    format!("cannot open sled database: {e}{hint}"),
+                )
             })?;
         Ok(SledBackend {
             db,
@@ -167,8 +170,13 @@ mod tests {
     fn second_open_of_a_state_dir_fails_clearly() {
         let dir = tempfile::tempdir().unwrap();
         let _a = SledBackend::open(dir.path()).unwrap();
-        let err = SledBackend::open(dir.path()).err().expect("second open must fail");
-        assert!(err.to_string().contains("another onceflow process"), "{err}");
+        let err = SledBackend::open(dir.path())
+            .err()
+            .expect("second open must fail");
+        assert!(
+            err.to_string().contains("another onceflow process"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -188,7 +196,10 @@ mod tests {
         let s = b.open("dedup", 3).unwrap();
         assert_eq!(s.get(&[0xff, 0x00]).unwrap(), Some(b"v".to_vec()));
         assert_eq!(s.changelog_offset().unwrap(), Some(99));
-        assert_eq!(b.open("dedup", 2).unwrap().get(&[0xff, 0x00]).unwrap(), None);
+        assert_eq!(
+            b.open("dedup", 2).unwrap().get(&[0xff, 0x00]).unwrap(),
+            None
+        );
     }
 
     proptest! {

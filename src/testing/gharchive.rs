@@ -40,7 +40,10 @@ pub fn hour_files() -> Vec<PathBuf> {
 /// [`Error::Io`] for an unreadable file; [`Error::Broker`]-free: a line that is not an
 /// event (no `id`, `actor.id` or `created_at`) is an error naming the file and line.
 pub fn read_hour(path: &Path) -> Result<Vec<Event>> {
-    let io = |e: std::io::Error| Error::Io { path: path.display().to_string(), source: e };
+    let io = |e: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
     let f = std::fs::File::open(path).map_err(io)?;
     let r = std::io::BufReader::new(flate2::read::GzDecoder::new(f));
     let mut out = Vec::new();
@@ -54,19 +57,29 @@ pub fn read_hour(path: &Path) -> Result<Vec<Event>> {
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string()),
         };
         let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| bad(&e.to_string()))?;
-        let id = v["id"].as_str().ok_or_else(|| bad("no string /id"))?.to_string();
+        let id = v["id"]
+            .as_str()
+            .ok_or_else(|| bad("no string /id"))?
+            .to_string();
         let actor = match &v["actor"]["id"] {
             serde_json::Value::Number(n) => n.to_string(),
             serde_json::Value::String(s) => s.clone(),
             _ => return Err(bad("no /actor/id")),
         };
-        let created = v["created_at"].as_str().ok_or_else(|| bad("no /created_at"))?;
+        let created = v["created_at"]
+            .as_str()
+            .ok_or_else(|| bad("no /created_at"))?;
         let t = humantime::parse_rfc3339(created).map_err(|e| bad(&e.to_string()))?;
         let timestamp_ms = t
             .duration_since(std::time::UNIX_EPOCH)
             .map_err(|e| bad(&e.to_string()))?
             .as_millis() as i64;
-        out.push(Event { id, actor, timestamp_ms, line: line.into_bytes() });
+        out.push(Event {
+            id,
+            actor,
+            timestamp_ms,
+            line: line.into_bytes(),
+        });
     }
     Ok(out)
 }
@@ -97,7 +110,14 @@ pub fn publish(producer: &TestProducer, topic: &str, tail: usize, seed: u64) -> 
         let events = read_hour(&f)?;
         rep.distinct += events.len();
         let send = |e: &Event| {
-            producer.send(topic, None, Some(e.actor.as_bytes()), Some(&e.line), &[], Some(e.timestamp_ms))
+            producer.send(
+                topic,
+                None,
+                Some(e.actor.as_bytes()),
+                Some(&e.line),
+                &[],
+                Some(e.timestamp_ms),
+            )
         };
         for e in &events {
             send(e)?;

@@ -55,12 +55,24 @@ impl ReadRecord {
 /// # Errors
 /// [`Error::Kafka`] on client errors, [`Error::Broker`] if the topic is missing or the end
 /// is not reached within `timeout`.
-pub fn read_topic(bootstrap: &str, topic: &str, committed: bool, timeout: Duration) -> Result<Vec<ReadRecord>> {
+pub fn read_topic(
+    bootstrap: &str,
+    topic: &str,
+    committed: bool,
+    timeout: Duration,
+) -> Result<Vec<ReadRecord>> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "onceflow-reader")
         .set("enable.auto.commit", "false")
-        .set("isolation.level", if committed { "read_committed" } else { "read_uncommitted" })
+        .set(
+            "isolation.level",
+            if committed {
+                "read_committed"
+            } else {
+                "read_uncommitted"
+            },
+        )
         .create()
         .map_err(Error::kafka("create reader"))?;
     let md = consumer
@@ -105,7 +117,12 @@ pub fn read_topic(bootstrap: &str, topic: &str, committed: bool, timeout: Durati
         }
         match consumer.poll(Duration::from_millis(200)) {
             None => {}
-            Some(Err(e)) => return Err(Error::Kafka { op: "read", source: e }),
+            Some(Err(e)) => {
+                return Err(Error::Kafka {
+                    op: "read",
+                    source: e,
+                })
+            }
             Some(Ok(m)) => out.push(ReadRecord {
                 partition: m.partition(),
                 offset: m.offset(),
@@ -176,18 +193,31 @@ impl TestProducer {
         if !headers.is_empty() {
             let mut h = rdkafka::message::OwnedHeaders::new();
             for (k, v) in headers {
-                h = h.insert(rdkafka::message::Header { key: k, value: Some(*v) });
+                h = h.insert(rdkafka::message::Header {
+                    key: k,
+                    value: Some(*v),
+                });
             }
             r = r.headers(h);
         }
         loop {
             match self.producer.send(r) {
                 Ok(()) => return Ok(()),
-                Err((rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), back)) => {
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    back,
+                )) => {
                     r = back;
                     std::thread::sleep(Duration::from_millis(2));
                 }
-                Err((e, _)) => return Err(Error::Kafka { op: "produce", source: e }),
+                Err((e, _)) => {
+                    return Err(Error::Kafka {
+                        op: "produce",
+                        source: e,
+                    })
+                }
             }
         }
     }
@@ -220,7 +250,9 @@ pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
         match r {
             Ok(_) => {}
             Err((_, rdkafka::types::RDKafkaErrorCode::GroupIdNotFound)) => {}
-            Err((g, code)) => return Err(Error::Broker(format!("cannot delete group {g}: {code}"))),
+            Err((g, code)) => {
+                return Err(Error::Broker(format!("cannot delete group {g}: {code}")))
+            }
         }
     }
     Ok(())
@@ -231,7 +263,12 @@ pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Kafka`] on client errors.
-pub fn committed_offsets(bootstrap: &str, group: &str, topic: &str, partitions: usize) -> Result<Vec<Option<i64>>> {
+pub fn committed_offsets(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    partitions: usize,
+) -> Result<Vec<Option<i64>>> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", group)
@@ -246,9 +283,11 @@ pub fn committed_offsets(bootstrap: &str, group: &str, topic: &str, partitions: 
         .committed_offsets(tpl, Duration::from_secs(10))
         .map_err(Error::kafka("committed offsets"))?;
     Ok((0..partitions)
-        .map(|p| match c.find_partition(topic, p as i32).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => Some(o),
-            _ => None,
-        })
+        .map(
+            |p| match c.find_partition(topic, p as i32).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            },
+        )
         .collect())
 }

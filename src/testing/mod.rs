@@ -227,7 +227,12 @@ impl TestDriver {
     ///
     /// # Errors
     /// Unknown store, a store failure, or an entry that does not decode.
-    pub fn dedup_entry(&mut self, store: &str, partition: i32, key: &[u8]) -> Result<Option<DedupEntry>> {
+    pub fn dedup_entry(
+        &mut self,
+        store: &str,
+        partition: i32,
+        key: &[u8],
+    ) -> Result<Option<DedupEntry>> {
         use prost::Message;
         let v = self.task(partition)?.store_get(store, key)?;
         v.map(|b| {

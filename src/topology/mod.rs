@@ -244,14 +244,20 @@ impl TopologyBuilder {
                 Some(s)
             }
             None => {
-                errors.push(err("source", "missing: a topology needs a source topic".into()));
+                errors.push(err(
+                    "source",
+                    "missing: a topology needs a source topic".into(),
+                ));
                 None
             }
         };
         let mut seen = std::collections::HashSet::new();
         for st in &self.stages {
             if st.name.is_empty() {
-                errors.push(err(st.kind.kind_name(), "field `name`: must not be empty".into()));
+                errors.push(err(
+                    st.kind.kind_name(),
+                    "field `name`: must not be empty".into(),
+                ));
             } else if !st
                 .name
                 .chars()

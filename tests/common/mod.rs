@@ -24,7 +24,12 @@ pub fn unique(what: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .subsec_nanos();
-    format!("it-{}-{}-{}-{what}", std::process::id(), nanos % 100_000, N.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "it-{}-{}-{}-{what}",
+        std::process::id(),
+        nanos % 100_000,
+        N.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 pub fn admin() -> Admin {
@@ -36,8 +41,12 @@ pub fn admin() -> Admin {
 pub fn create_topics(topics: &[&str], partitions: usize) {
     let a = admin();
     for t in topics {
-        a.ensure_topic(t, partitions, &[("retention.ms", "-1"), ("retention.bytes", "-1")])
-            .unwrap();
+        a.ensure_topic(
+            t,
+            partitions,
+            &[("retention.ms", "-1"), ("retention.bytes", "-1")],
+        )
+        .unwrap();
     }
 }
 
@@ -58,13 +67,26 @@ pub fn gharchive_names(partitions: usize) -> Names {
     let dlq = unique("dlq");
     let app = unique("app");
     let state = tempfile::tempdir().unwrap();
-    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/topologies/gharchive-dedup.yaml")).unwrap();
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/topologies/gharchive-dedup.yaml"
+    ))
+    .unwrap();
     assert!(shipped.contains("gharchive.events") && shipped.contains("gharchive.unique"));
-    let text = shipped.replace("gharchive.events", &input).replace("gharchive.unique", &output);
+    let text = shipped
+        .replace("gharchive.events", &input)
+        .replace("gharchive.unique", &output);
     let topology = state.path().join("topology.yaml");
     std::fs::write(&topology, text).unwrap();
     create_topics(&[&input, &output, &dlq], partitions);
-    Names { input, output, dlq, app, state, topology }
+    Names {
+        input,
+        output,
+        dlq,
+        app,
+        state,
+        topology,
+    }
 }
 
 /// A running `onceflow run`, with its stderr collected.
@@ -79,7 +101,11 @@ impl Running {
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while !self.stderr.lock().unwrap().contains(needle) {
-            assert!(Instant::now() < deadline, "no {needle:?} in the log within {timeout:?}:\n{}", self.stderr.lock().unwrap());
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the log within {timeout:?}:\n{}",
+                self.stderr.lock().unwrap()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -98,7 +124,10 @@ impl Running {
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
-                panic!("onceflow did not exit within {timeout:?}; log:\n{}", self.stderr.lock().unwrap());
+                panic!(
+                    "onceflow did not exit within {timeout:?}; log:\n{}",
+                    self.stderr.lock().unwrap()
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -114,12 +143,20 @@ impl Running {
 }
 
 /// Start `onceflow run <topology> --set k=v ... [extra args]` with `env` added.
-pub fn start(names: &Names, sets: &[(&str, String)], env: &[(&str, &str)], extra: &[&str]) -> Running {
+pub fn start(
+    names: &Names,
+    sets: &[(&str, String)],
+    env: &[(&str, &str)],
+    extra: &[&str],
+) -> Running {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
     cmd.arg("run").arg(&names.topology);
     let mut all: Vec<(String, String)> = vec![
         ("application.id".into(), names.app.clone()),
-        ("state.dir".into(), names.state.path().join("state").display().to_string()),
+        (
+            "state.dir".into(),
+            names.state.path().join("state").display().to_string(),
+        ),
         ("dlq.topic".into(), names.dlq.clone()),
     ];
     all.extend(sets.iter().map(|(k, v)| (k.to_string(), v.clone())));
@@ -145,7 +182,11 @@ pub fn start(names: &Names, sets: &[(&str, String)], env: &[(&str, &str)], extra
         }
     });
     let stdout = child.stdout.take();
-    Running { child, stderr, stdout }
+    Running {
+        child,
+        stderr,
+        stdout,
+    }
 }
 
 /// Parse `key=value` from the `summary:` line of stdout.
