@@ -6,13 +6,14 @@
 //!    repeats of an earlier id (half near repeats, within the last 64 distinct ids; half far
 //!    repeats, any earlier id), produced to a fresh 4-partition topic. Each id always goes
 //!    to the same partition (xxh3 of the id), so per-partition dedup sees every repeat.
-//! 2. Against the broker, alternating for R rounds (default 2: a, b, a, b):
-//!    (a) passthrough: a plain rdkafka BaseConsumer → ThreadedProducer loop, no state,
-//!        every record copied to an output topic, async offset commit every ~1 s, a flush
-//!        at the end; records/s from the first record to "all N consumed and flushed";
-//!    (b) onceflow: `App::run` with the dedup-on-/id (TTL 24 h) topology, at_least_once,
-//!        stop at end, fresh application.id and state dir; records/s from `RunSummary`.
-//!        The output is read back read_committed and must hold each distinct id once.
+//! 2. Against the broker, alternating for R rounds (default 3: a, b, a, b, a, b):
+//!    - (a) passthrough: a plain rdkafka BaseConsumer → ThreadedProducer loop, no state,
+//!      every record copied to an output topic, async offset commit every ~1 s, a flush at
+//!      the end; records/s from the first record to "all N consumed and flushed";
+//!    - (b) onceflow: `App::run` with the dedup-on-/id (TTL 24 h) topology, at_least_once,
+//!      stop at end, fresh application.id and state dir; records/s from `RunSummary`. The
+//!      output is read back read_committed and must hold each distinct id once.
+//!
 //!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported.
 //! 3. Without a broker: `Task`s (one per partition) over the same N pre-built records,
 //!    with the sled backend and with the memory backend, committing state every 10,000
@@ -25,7 +26,7 @@
 //! ONCEFLOW_BENCH_RECORDS=50000 scripts/bench     # quick smoke run
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
-//! (1000000), ONCEFLOW_BENCH_ROUNDS (2), ONCEFLOW_LOG (warn).
+//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
 
 use bytes::Bytes;
 use onceflow::config::Config;
@@ -95,7 +96,7 @@ impl Settings {
         Ok(Settings {
             bootstrap: kafka::bootstrap_servers(),
             records: env_usize("ONCEFLOW_BENCH_RECORDS", 1_000_000)?,
-            rounds: env_usize("ONCEFLOW_BENCH_ROUNDS", 2)?,
+            rounds: env_usize("ONCEFLOW_BENCH_ROUNDS", 3)?,
             run_id: format!("{stamp}-{}", std::process::id()),
         })
     }
@@ -436,13 +437,13 @@ fn dedup_alone(ds: &Dataset, backend: &dyn StateBackend) -> Res<(Counts, f64)> {
         out.clear();
         if (i + 1) % STATE_COMMIT_EVERY == 0 {
             for t in tasks.iter_mut() {
-                t.commit_state()?;
+                t.commit_state(|_| None)?;
             }
             backend.flush()?;
         }
     }
     for t in tasks.iter_mut() {
-        t.commit_state()?;
+        t.commit_state(|_| None)?;
     }
     backend.flush()?;
     let seconds = started.elapsed().as_secs_f64();

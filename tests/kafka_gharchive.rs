@@ -81,21 +81,22 @@ fn real_data_gives_each_distinct_id_once_and_a_rerun_adds_nothing() {
     );
 }
 
-#[test]
-fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
+/// Kill the process with SIGKILL when it reaches `failpoint` for the 3rd time, restart it,
+/// and check that no id is lost and that every repeated id's first record lies in the batch
+/// that was in flight (at or after the committed offset). Returns the repeated ids.
+fn kill_at_failpoint_and_restart(failpoint: &str) -> usize {
     let names = gharchive_names(4);
     load(&names);
-    // Outputs of the 3rd commit are durable, its state and offsets are not: kill there.
-    let run = start(
+    let mut run = start(
         &names,
         &[
             ("commit.interval.ms", "20".into()),
             ("kafka.session.timeout.ms", "6000".into()),
         ],
-        &[("ONCEFLOW_FAILPOINTS", "commit.after_flush=pause@3")],
+        &[("ONCEFLOW_FAILPOINTS", &format!("{failpoint}=pause@3"))],
         &["--stop-at-end"],
     );
-    run.wait_for_log("failpoint commit.after_flush: paused", T);
+    run.wait_for_log(&format!("failpoint {failpoint}: paused"), T);
     run.signal(libc::SIGKILL);
     let (st, _) = run.wait(T);
     assert!(!st.success(), "the process was killed");
@@ -105,8 +106,8 @@ fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
         "two commits happened before the kill"
     );
 
-    // The killed member stays in the group until its session times out; keep that short.
-    let (st, _) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
+    // The killed member stays in the group until its session times out (kept short above).
+    let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
     assert!(st.success());
 
     // First input occurrence of every id: (partition, offset).
@@ -140,20 +141,39 @@ fn sigkill_in_the_middle_loses_nothing_and_repeats_only_the_batch_in_flight() {
         );
     }
     eprintln!(
-        "ids emitted twice (the batch in flight at the kill): {}",
-        twice.len()
+        "{failpoint}: ids emitted twice (the batch in flight at the kill): {}; restart summary: {}",
+        twice.len(),
+        out.trim()
     );
+    twice.len()
+}
+
+#[test]
+fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
+    // Outputs durable, no changelog, no state, no offsets: the batch is processed again.
+    let twice = kill_at_failpoint_and_restart("commit.after_flush");
     assert!(
-        !twice.is_empty(),
+        twice > 0,
         "the kill after the flush must leave a durable, uncommitted batch"
     );
+}
+
+#[test]
+fn sigkill_after_changelog_repeats_nothing() {
+    // The changelog holds the batch's marks: the restart restores them, nothing repeats.
+    assert_eq!(kill_at_failpoint_and_restart("commit.after_changelog"), 0);
+}
+
+#[test]
+fn sigkill_after_state_repeats_nothing() {
+    assert_eq!(kill_at_failpoint_and_restart("commit.after_state"), 0);
 }
 
 #[test]
 fn sigterm_finishes_commits_and_exits_zero() {
     let names = gharchive_names(2);
     let rep = load(&names);
-    let run = start(&names, &[], &[], &[]);
+    let mut run = start(&names, &[], &[], &[]);
     // Wait until every distinct id is out, then ask it to stop.
     let deadline = std::time::Instant::now() + T;
     loop {

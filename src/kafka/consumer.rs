@@ -105,3 +105,26 @@ pub fn create(
     .create_with_context(ctx)
     .map_err(crate::kafka::config_error)
 }
+
+/// Create the restore consumer: no group, manual assignment of changelog partitions,
+/// `read_committed`, then the user's `kafka.*` and `kafka.consumer.*` properties (except
+/// `group.id`-related ones, which it does not use).
+///
+/// # Errors
+/// [`crate::Error::Config`] when librdkafka refuses a property.
+pub fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
+    crate::kafka::client_config(
+        cfg,
+        &[
+            ("group.id", &format!("{}-restore", cfg.application_id)),
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("isolation.level", "read_committed"),
+            ("enable.partition.eof", "false"),
+        ],
+        &cfg.kafka_consumer,
+    )
+    .create()
+    .map_err(crate::kafka::config_error)
+}

@@ -17,6 +17,9 @@ use std::time::Duration;
 pub struct DeliveryTracker {
     failures: AtomicU64,
     first_failure: Mutex<Option<String>>,
+    changelog_topics: std::collections::HashSet<String>,
+    /// Highest delivered offset per changelog (topic, partition).
+    changelog_offsets: Mutex<std::collections::HashMap<(String, i32), i64>>,
 }
 
 impl ClientContext for DeliveryTracker {}
@@ -25,6 +28,19 @@ impl ProducerContext for DeliveryTracker {
     type DeliveryOpaque = ();
 
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if let Ok(msg) = result {
+            use rdkafka::Message;
+            if self.changelog_topics.contains(msg.topic()) {
+                let mut m = self
+                    .changelog_offsets
+                    .lock()
+                    .expect("delivery tracker lock");
+                let e = m
+                    .entry((msg.topic().to_string(), msg.partition()))
+                    .or_insert(-1);
+                *e = (*e).max(msg.offset());
+            }
+        }
         if let Err((e, msg)) = result {
             use rdkafka::Message;
             self.failures.fetch_add(1, Ordering::SeqCst);
@@ -56,13 +72,19 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
-    pub fn new(cfg: &Config) -> Result<OutputProducer> {
+    pub fn new(
+        cfg: &Config,
+        changelog_topics: std::collections::HashSet<String>,
+    ) -> Result<OutputProducer> {
         let producer = crate::kafka::client_config(
             cfg,
             &[("enable.idempotence", "true"), ("linger.ms", "5")],
             &cfg.kafka_producer,
         )
-        .create_with_context(DeliveryTracker::default())
+        .create_with_context(DeliveryTracker {
+            changelog_topics,
+            ..Default::default()
+        })
         .map_err(crate::kafka::config_error)?;
         Ok(OutputProducer { producer })
     }
@@ -141,6 +163,18 @@ impl OutputProducer {
             )));
         }
         Ok(())
+    }
+
+    /// The offset after the highest delivered record of changelog `topic`'s `partition`
+    /// (what a store checkpoints after a commit), `None` before the first delivery.
+    pub fn changelog_next_offset(&self, topic: &str, partition: i32) -> Option<i64> {
+        self.producer
+            .context()
+            .changelog_offsets
+            .lock()
+            .expect("delivery tracker lock")
+            .get(&(topic.to_string(), partition))
+            .map(|o| o + 1)
     }
 
     /// Records queued and not yet delivered.

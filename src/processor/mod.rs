@@ -78,6 +78,8 @@ pub struct Context<'a> {
     pub(crate) counts: &'a mut Counts,
     /// Wall-clock time in ms (the test driver's mock clock under test).
     pub wall_clock_ms: i64,
+    /// The partition's stream time: the highest record timestamp seen (ms).
+    pub stream_time_ms: i64,
 }
 
 impl Context<'_> {
@@ -118,4 +120,13 @@ pub trait Processor: Send {
     /// [`StageError::Record`] sends the record to the dead-letter topic with the reason;
     /// [`StageError::Fatal`] stops the batch (the runtime rewinds to the committed offsets).
     fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError>;
+
+    /// Periodic work before each commit (expiry sweeps); bounded so it never stalls
+    /// processing. Default: nothing.
+    ///
+    /// # Errors
+    /// A store failure.
+    fn punctuate(&mut self, _ctx: &mut Context<'_>) -> Result<(), Error> {
+        Ok(())
+    }
 }

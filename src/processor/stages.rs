@@ -42,6 +42,10 @@ pub struct DedupSpec {
     pub fingerprint: bool,
     /// What to do with a conflict.
     pub on_conflict: ConflictPolicy,
+    /// Grace after the TTL, in ms (default 1 h): the sweep deletes an entry once the
+    /// partition's stream time passes first-seen + TTL + grace, and the changelog keeps
+    /// records for TTL + grace (`retention.ms`).
+    pub grace_ms: i64,
 }
 
 impl DedupSpec {
@@ -53,9 +57,18 @@ impl DedupSpec {
             time: TimeSource::Event,
             fingerprint: false,
             on_conflict: ConflictPolicy::Drop,
+            grace_ms: 3600 * 1000,
         }
     }
+
+    /// `retention.ms` of the changelog: TTL + grace.
+    pub fn changelog_retention_ms(&self) -> i64 {
+        self.ttl_ms.saturating_add(self.grace_ms)
+    }
 }
+
+/// Entries the expiry sweep looks at per commit and store partition.
+pub const SWEEP_BATCH: usize = 1000;
 
 struct StageMetrics {
     passed: metrics::Counter,
@@ -90,6 +103,11 @@ pub struct Dedup {
     spec: DedupSpec,
     key_buf: Vec<u8>,
     metrics: StageMetrics,
+    sweep_after: Option<Vec<u8>>,
+    swept: metrics::Counter,
+    /// Stream time as the sweep sees it: the highest record time, but advancing by at most
+    /// `grace` per record, so one far-future timestamp cannot sweep live entries.
+    sweep_time: i64,
 }
 
 impl Dedup {
@@ -101,11 +119,48 @@ impl Dedup {
             spec,
             key_buf: Vec::with_capacity(64),
             metrics: StageMetrics::new(topology, name),
+            sweep_after: None,
+            sweep_time: i64::MIN,
+            swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
         }
     }
 }
 
 impl Processor for Dedup {
+    /// The expiry sweep: looks at up to [`SWEEP_BATCH`] entries from where the last sweep
+    /// stopped, and deletes (with a changelog tombstone) each entry whose first-seen time
+    /// plus TTL plus grace lies before the stream time. Stream time only moves with records,
+    /// so downtime never expires state; and it moves by at most `grace` per record, so one
+    /// far-future timestamp cannot sweep entries that are live for the records around it.
+    fn punctuate(&mut self, ctx: &mut Context<'_>) -> Result<(), crate::error::Error> {
+        let stream_time = self.sweep_time;
+        if stream_time == i64::MIN {
+            return Ok(());
+        }
+        let horizon = self.spec.ttl_ms.saturating_add(self.spec.grace_ms);
+        let store = ctx.store(&self.store)?;
+        let batch = store
+            .engine()
+            .scan(self.sweep_after.as_deref(), SWEEP_BATCH)?;
+        self.sweep_after = if batch.len() < SWEEP_BATCH {
+            None
+        } else {
+            batch.last().map(|(k, _)| k.clone())
+        };
+        for (k, _) in batch {
+            // Judge the current value: a staged renewal must not be swept.
+            let Some(v) = store.get(&k)? else { continue };
+            let entry = DedupEntry::decode(v.as_slice()).map_err(|e| {
+                crate::error::Error::state(store.name(), format!("corrupt dedup entry: {e}"))
+            })?;
+            if stream_time.saturating_sub(entry.first_seen_ms) > horizon {
+                store.stage(k, None);
+                self.swept.increment(1);
+            }
+        }
+        Ok(())
+    }
+
     fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
         if let Err(e) = self.spec.key.extract_into(&record, &mut self.key_buf) {
             self.metrics.error.increment(1);
@@ -115,6 +170,12 @@ impl Processor for Dedup {
         let time_ms = match self.spec.time {
             TimeSource::Event => record.timestamp.unwrap_or(ctx.wall_clock_ms),
             TimeSource::Processing => ctx.wall_clock_ms,
+        };
+        self.sweep_time = if self.sweep_time == i64::MIN {
+            time_ms
+        } else {
+            self.sweep_time
+                .max(time_ms.min(self.sweep_time.saturating_add(self.spec.grace_ms)))
         };
         let obs = Observation {
             time_ms,

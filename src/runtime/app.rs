@@ -1,16 +1,32 @@
-//! The Kafka run loop and the at_least_once commit protocol.
+//! The Kafka run loop: assignment and restore, processing, and the at_least_once commit
+//! protocol.
 //!
 //! # Commit protocol (at_least_once), in this order, per commit interval
 //! 1. process records: each task's stages stage their state writes (lookups see the
 //!    staged writes of the same batch) and their outputs are queued on the producer;
 //! 2. flush the producer: wait until every output and dead letter is acknowledged;
-//! 3. apply each task's staged writes to its sled tree in one batch, and fsync;
-//! 4. commit the consumer offsets of the processed records.
+//! 3. run the stages' periodic work (the expiry sweep), staging its deletes;
+//! 4. produce the staged writes to the stores' changelog topics (tombstones for deletes),
+//!    each record stamped with the wall-clock time it is written, and flush again;
+//! 5. apply each task's staged writes to its sled tree in one batch together with the
+//!    changelog offset they reached, and fsync;
+//! 6. commit the consumer offsets of the processed records.
 //!
-//! A crash anywhere before 4 replays the batch from the last committed offsets: its outputs
-//! may appear twice, never get lost. Because 3 follows 2, a dedup mark is never written for
-//! an output that is not durable, so a replayed record whose mark exists truly was emitted.
-//! Because 4 follows 3, no committed offset stands for state that could be lost.
+//! A crash anywhere before 6 replays the batch from the last committed offsets: its outputs
+//! may appear twice, never get lost. Because 4 and 5 follow 2, a dedup mark (in the
+//! changelog or in sled) is never written for an output that is not durable, so a replayed
+//! record whose mark exists truly was emitted; and because 5 follows 4, the changelog always
+//! holds at least what the local store holds. A crash after 4 repeats nothing: the restore
+//! brings the marks of the batch back from the changelog.
+//!
+//! # Assignment and restore
+//! On assignment the new partitions are paused at once (in the callback, which does
+//! nothing slow). The run loop then captures each changelog partition's end offset and
+//! restores the stores with a separate restore consumer, a bounded batch per loop turn,
+//! while the other partitions keep processing; a partition is resumed only when all its
+//! stores are restored. On revocation the work of all partitions is committed (the
+//! producer flush covers them all), then the revoked tasks are closed; their sled trees stay
+//! on disk and are reused, from their stored changelog offset, if the partitions return.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -19,13 +35,14 @@ use crate::kafka::consumer::{self, RebalanceListener, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
 use crate::runtime::{failpoint, Task};
-use crate::state::{SledBackend, StateBackend};
-use crate::topology::Topology;
+use crate::state::restore::{changelog_topic, ChangelogRecord};
+use crate::state::{SledBackend, StateBackend, StateDirLock};
+use crate::topology::{StageKind, Topology};
 use bytes::Bytes;
-use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,6 +66,8 @@ pub struct RunSummary {
     pub seconds: f64,
     /// Commits made.
     pub commits: u64,
+    /// Changelog records applied by restores.
+    pub restored: u64,
 }
 
 impl RunSummary {
@@ -65,9 +84,9 @@ impl RunSummary {
     pub fn line(&self) -> String {
         let c = &self.counts;
         format!(
-            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} commits={} seconds={:.3} records_per_second={:.0}",
+            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} restored={} commits={} seconds={:.3} records_per_second={:.0}",
             c.records_in, c.passed, c.duplicates, c.conflicts, c.dead_lettered, c.records_out,
-            self.commits, self.seconds, self.records_per_second()
+            self.restored, self.commits, self.seconds, self.records_per_second()
         )
     }
 }
@@ -78,39 +97,68 @@ pub struct App {
     topology: Topology,
 }
 
+/// Restore records taken per loop turn, so a restore never stalls the other partitions.
+const RESTORE_BATCH: usize = 20_000;
+
 struct Engine {
     topology: Topology,
     config: Config,
+    source_topic: String,
     backend: SledBackend,
     producer: OutputProducer,
+    restore_consumer: BaseConsumer,
+    /// Changelog topic of each store.
+    changelogs: BTreeMap<String, String>,
     tasks: BTreeMap<i32, Task>,
+    /// Assigned partitions whose restore is not planned yet.
+    unplanned: BTreeSet<i32>,
+    /// Offset to seek back to when a restoring partition resumes (a record slipped in).
+    replay_from: BTreeMap<i32, i64>,
     at_end: BTreeSet<i32>,
     closed_counts: Counts,
     last_commit: Instant,
+    last_restore_log: Instant,
     uncommitted: usize,
     commits: u64,
+    restored: u64,
     failed: Option<Error>,
     out: Vec<OutRecord>,
     first_record: Option<Instant>,
 }
 
 impl Engine {
-    fn process(&mut self, m: &BorrowedMessage<'_>) -> Result<()> {
+    fn tpl_one(topic: &str, p: i32, offset: Option<i64>) -> Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        match offset {
+            Some(o) => {
+                tpl.add_partition_offset(topic, p, Offset::Offset(o))
+                    .map_err(Error::kafka("partition list"))?;
+            }
+            None => {
+                tpl.add_partition(topic, p);
+            }
+        }
+        Ok(tpl)
+    }
+
+    fn process(&mut self, consumer: &SourceConsumer, m: &BorrowedMessage<'_>) -> Result<()> {
         let p = m.partition();
         self.first_record.get_or_insert_with(Instant::now);
         self.at_end.remove(&p);
-        let task = match self.tasks.get_mut(&p) {
-            Some(t) => t,
-            None => {
-                // Assignment callback not seen yet (cannot happen with librdkafka's ordering,
-                // but never process a record without its task and stores).
-                let t = Task::new(&self.topology, p, &self.backend, &self.config.dlq_topic)?;
-                self.tasks.entry(p).or_insert(t)
-            }
+        let Some(task) = self.tasks.get_mut(&p) else {
+            // Not ours (any more): never process a record without its task and stores.
+            return Ok(());
         };
-        let record = to_record(m, &self.topology.source().topic);
-        let wall = wall_clock_ms();
-        task.process(record, wall, &mut self.out)?;
+        if task.is_restoring() || self.unplanned.contains(&p) {
+            // Fetched before the pause took effect: read it again once restored.
+            self.replay_from.entry(p).or_insert(m.offset());
+            consumer
+                .pause(&Self::tpl_one(&self.source_topic, p, None)?)
+                .map_err(Error::kafka("pause"))?;
+            return Ok(());
+        }
+        let record = to_record(m, &self.source_topic);
+        task.process(record, wall_clock_ms(), &mut self.out)?;
         for o in self.out.drain(..) {
             self.producer.send(&o)?;
         }
@@ -124,53 +172,193 @@ impl Engine {
                 || self.uncommitted >= 200_000)
     }
 
-    /// The commit protocol: flush outputs, apply state, fsync, commit offsets.
-    fn commit(
-        &mut self,
-        consumer: &SourceConsumer,
-        mode: CommitMode,
-        only: Option<&[i32]>,
-    ) -> Result<()> {
+    /// The commit protocol (see the module docs).
+    fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
         self.last_commit = Instant::now();
         if self.uncommitted == 0 {
             return Ok(());
         }
-        // 1-2. Outputs and dead letters durable.
+        let now = wall_clock_ms();
+        // 2. Outputs and dead letters durable.
         failpoint::hit("commit.before_flush");
         self.producer.flush(Duration::from_secs(600))?;
         failpoint::hit("commit.after_flush");
-        // 3. State: one batch per store, then one fsync.
-        let mut tpl = TopicPartitionList::new();
-        let topic = self.topology.source().topic.clone();
-        for (p, t) in self.tasks.iter_mut() {
-            if only.is_some_and(|o| !o.contains(p)) {
-                continue;
+        // 3-4. Sweep, then the changelog records of every staged write, durable. Only now:
+        // a changelog record is state, and state may not run ahead of its outputs.
+        for t in self.tasks.values_mut() {
+            t.punctuate(now)?;
+        }
+        let mut changelog_out = Vec::new();
+        for (p, t) in &self.tasks {
+            t.for_each_staged_write(|store, k, v| {
+                changelog_out.push(OutRecord {
+                    topic: self.changelogs[store].clone(),
+                    partition: Some(*p),
+                    key: Some(Bytes::copy_from_slice(k)),
+                    value: v.map(Bytes::copy_from_slice),
+                    headers: Vec::new(),
+                    timestamp: Some(now),
+                });
+            });
+        }
+        if !changelog_out.is_empty() {
+            for r in &changelog_out {
+                self.producer.send(r)?;
             }
-            t.commit_state()?;
+            self.producer.flush(Duration::from_secs(600))?;
+        }
+        failpoint::hit("commit.after_changelog");
+        // 5. State with its changelog offsets, then one fsync.
+        let mut tpl = TopicPartitionList::new();
+        for (p, t) in self.tasks.iter_mut() {
+            let producer = &self.producer;
+            let changelogs = &self.changelogs;
+            t.commit_state(|store| producer.changelog_next_offset(&changelogs[store], *p))?;
             if let Some(pos) = t.position() {
-                tpl.add_partition_offset(&topic, *p, Offset::Offset(pos))
+                tpl.add_partition_offset(&self.source_topic, *p, Offset::Offset(pos))
                     .map_err(Error::kafka("build offsets"))?;
             }
         }
         self.backend.flush()?;
         failpoint::hit("commit.after_state");
-        // 4. Offsets.
+        // 6. Offsets.
         if tpl.count() > 0 {
             consumer
                 .commit(&tpl, mode)
                 .map_err(Error::kafka("commit offsets"))?;
         }
-        if only.is_none() {
-            self.uncommitted = 0;
-        }
+        self.uncommitted = 0;
         self.commits += 1;
         metrics::counter!(crate::metrics::COMMITS, "topology" => self.topology.name().to_string())
             .increment(1);
         Ok(())
     }
 
+    /// Capture the changelog ends of newly assigned partitions and start their restores.
+    fn plan_restores(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        let partitions: Vec<i32> = std::mem::take(&mut self.unplanned).into_iter().collect();
+        for p in partitions {
+            let Some(task) = self.tasks.get_mut(&p) else {
+                continue;
+            };
+            for (store, topic) in &self.changelogs {
+                let (low, end) = self
+                    .restore_consumer
+                    .fetch_watermarks(topic, p, Duration::from_secs(30))
+                    .map_err(Error::kafka("changelog end offsets"))?;
+                if let Some(start) = task.plan_restore(store, low, end)? {
+                    self.restore_consumer
+                        .incremental_assign(&Self::tpl_one(topic, p, Some(start))?)
+                        .map_err(Error::kafka("assign changelog"))?;
+                }
+            }
+            if !task.is_restoring() {
+                self.resume(consumer, p)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn resume(&mut self, consumer: &SourceConsumer, p: i32) -> Result<()> {
+        let tpl = Self::tpl_one(&self.source_topic, p, None)?;
+        if let Some(off) = self.replay_from.remove(&p) {
+            consumer
+                .seek_partitions(
+                    Self::tpl_one(&self.source_topic, p, Some(off))?,
+                    Duration::from_secs(10),
+                )
+                .map_err(Error::kafka("seek"))?;
+        }
+        consumer.resume(&tpl).map_err(Error::kafka("resume"))
+    }
+
+    fn any_restoring(&self) -> bool {
+        !self.unplanned.is_empty() || self.tasks.values().any(|t| t.is_restoring())
+    }
+
+    /// One bounded step of every restore in progress.
+    fn restore_step(&mut self, consumer: &SourceConsumer, timeout: Duration) -> Result<()> {
+        if !self.tasks.values().any(|t| t.is_restoring()) {
+            return Ok(());
+        }
+        let mut batches: HashMap<(String, i32), Vec<ChangelogRecord>> = HashMap::new();
+        let mut n = 0;
+        let mut wait = timeout;
+        while n < RESTORE_BATCH {
+            match self.restore_consumer.poll(wait) {
+                None => break,
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => {}
+                Some(Err(e)) => {
+                    return Err(Error::Kafka {
+                        op: "restore",
+                        source: e,
+                    })
+                }
+                Some(Ok(m)) => {
+                    batches
+                        .entry((m.topic().to_string(), m.partition()))
+                        .or_default()
+                        .push(ChangelogRecord {
+                            key: m.key().unwrap_or_default().to_vec(),
+                            value: m.payload().map(<[u8]>::to_vec),
+                            offset: m.offset(),
+                        });
+                    n += 1;
+                }
+            }
+            wait = Duration::ZERO;
+        }
+        let positions = self
+            .restore_consumer
+            .position()
+            .map_err(Error::kafka("restore position"))?;
+        let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
+        let mut finished = Vec::new();
+        for (p, task) in self.tasks.iter_mut() {
+            let stores: Vec<String> = task
+                .restorers()
+                .iter()
+                .map(|r| r.store().to_string())
+                .collect();
+            if stores.is_empty() {
+                continue;
+            }
+            for store in stores {
+                let topic = &self.changelogs[&store];
+                let pos = match positions.find_partition(topic, *p).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => o,
+                    _ => continue,
+                };
+                let recs = batches.remove(&(topic.clone(), *p)).unwrap_or_default();
+                self.restored += recs.len() as u64;
+                if task.apply_restore(&store, &recs, pos)? {
+                    self.restore_consumer
+                        .incremental_unassign(&Self::tpl_one(topic, *p, None)?)
+                        .map_err(Error::kafka("unassign changelog"))?;
+                } else if log_now {
+                    for r in task.restorers().iter().filter(|r| r.store() == store) {
+                        r.log_progress();
+                    }
+                }
+            }
+            if !task.is_restoring() {
+                finished.push(*p);
+            }
+        }
+        if log_now {
+            self.last_restore_log = Instant::now();
+        }
+        // Restored partitions were paused at assignment: let them go.
+        for p in finished {
+            self.resume(consumer, p)?;
+        }
+        Ok(())
+    }
+
     fn all_at_end(&self) -> bool {
-        !self.tasks.is_empty() && self.tasks.keys().all(|p| self.at_end.contains(p))
+        !self.tasks.is_empty()
+            && !self.any_restoring()
+            && self.tasks.keys().all(|p| self.at_end.contains(p))
     }
 }
 
@@ -182,9 +370,7 @@ impl RebalanceListener for Listener {
     fn on_revoke(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
         tracing::info!(?partitions, "partitions revoked: committing their work");
-        // The producer flush covers every partition's outputs, so commit all of them: the
-        // partitions we keep lose nothing by an early commit.
-        if let Err(err) = e.commit(consumer, CommitMode::Sync, None) {
+        if let Err(err) = e.commit(consumer, CommitMode::Sync) {
             tracing::error!(error = %err, "commit on revocation failed");
             e.failed.get_or_insert(err);
             return;
@@ -193,14 +379,34 @@ impl RebalanceListener for Listener {
             if let Some(t) = e.tasks.remove(p) {
                 let c = *t.counts();
                 e.closed_counts.add(&c);
+                for r in t.restorers() {
+                    let topic = e.changelogs[r.store()].clone();
+                    if let Ok(tpl) = Engine::tpl_one(&topic, *p, None) {
+                        let _ = e.restore_consumer.incremental_unassign(&tpl);
+                    }
+                }
             }
+            e.unplanned.remove(p);
+            e.replay_from.remove(p);
             e.at_end.remove(p);
         }
     }
 
-    fn on_assign(&self, _consumer: &SourceConsumer, partitions: &[i32]) {
+    fn on_assign(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
         tracing::info!(?partitions, "partitions assigned");
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            tpl.add_partition(&e.source_topic, *p);
+        }
+        // Nothing is processed before the restore: pause first, plan in the run loop.
+        if let Err(err) = consumer.pause(&tpl) {
+            e.failed.get_or_insert(Error::Kafka {
+                op: "pause",
+                source: err,
+            });
+            return;
+        }
         for p in partitions {
             if e.tasks.contains_key(p) {
                 continue;
@@ -208,6 +414,7 @@ impl RebalanceListener for Listener {
             match Task::new(&e.topology, *p, &e.backend, &e.config.dlq_topic) {
                 Ok(t) => {
                     e.tasks.insert(*p, t);
+                    e.unplanned.insert(*p);
                 }
                 Err(err) => {
                     e.failed.get_or_insert(err);
@@ -252,11 +459,32 @@ impl App {
         App { config, topology }
     }
 
+    /// The changelog topic of each store, with its `retention.ms` (TTL + grace).
+    pub fn changelog_topics(&self) -> BTreeMap<String, (String, i64)> {
+        self.topology
+            .stages()
+            .iter()
+            .filter_map(|s| match &s.kind {
+                StageKind::Dedup(d) => Some((
+                    s.name.clone(),
+                    (
+                        changelog_topic(&self.config.application_id, &s.name),
+                        d.changelog_retention_ms(),
+                    ),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Check the topics before the run: the source must exist; missing sink topics and the
-    /// dead-letter topic are created with the source's partition count.
+    /// dead-letter topic are created with the source's partition count; changelog topics
+    /// are created (`cleanup.policy=compact,delete`, `retention.ms` = TTL + grace) or
+    /// checked to have the source's partition count.
     ///
     /// # Errors
-    /// [`Error::Broker`] when the source topic is missing or topics cannot be created.
+    /// [`Error::Broker`] when the source topic is missing, a changelog has another partition
+    /// count than the source, or topics cannot be created.
     pub fn prepare_topics(&self) -> Result<usize> {
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
@@ -273,31 +501,66 @@ impl App {
                 tracing::info!(topic = %t, partitions = n, "created topic");
             }
         }
+        for (store, (topic, retention)) in self.changelog_topics() {
+            match admin.partition_count(&topic)? {
+                Some(m) if m != n => {
+                    return Err(Error::Broker(format!(
+                        "changelog topic {topic} of store {store} has {m} partitions, but source topic {src} has {n}; \
+                         they must match (delete the changelog to rebuild it, or use a new application.id)"
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    let retention = retention.to_string();
+                    admin.ensure_topic(
+                        &topic,
+                        n,
+                        &[("cleanup.policy", "compact,delete"), ("retention.ms", &retention)],
+                    )?;
+                    tracing::info!(topic = %topic, partitions = n, retention_ms = %retention, "created changelog topic");
+                }
+            }
+        }
         Ok(n)
     }
 
     /// Run until shutdown is requested (or, with `stop_at_end`, the input is exhausted).
     ///
     /// # Errors
-    /// Start-up errors (state dir locked, source topic missing, bad `kafka.*` property) and
-    /// fatal run errors (a delivery that failed for good, a store failure). Nothing of the
-    /// failed batch is committed: a restart processes it again.
+    /// Start-up errors (state dir locked, source topic missing, changelog partition count
+    /// wrong, bad `kafka.*` property) and fatal run errors (a delivery that failed for
+    /// good, a store failure). Nothing of the failed batch is committed: a restart
+    /// processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
+        let _lock = StateDirLock::acquire(&self.config.state_dir)?;
         self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
         let backend = SledBackend::open(&dir)?;
-        let producer = OutputProducer::new(&self.config)?;
+        let changelogs: BTreeMap<String, String> = self
+            .changelog_topics()
+            .into_iter()
+            .map(|(s, (t, _))| (s, t))
+            .collect();
+        let producer = OutputProducer::new(&self.config, changelogs.values().cloned().collect())?;
+        let restore_consumer = consumer::create_restore_consumer(&self.config)?;
         let engine = Arc::new(Mutex::new(Engine {
             topology: self.topology.clone(),
             config: self.config.clone(),
+            source_topic: self.topology.source().topic.clone(),
             backend,
             producer,
+            restore_consumer,
+            changelogs,
             tasks: BTreeMap::new(),
+            unplanned: BTreeSet::new(),
+            replay_from: BTreeMap::new(),
             at_end: BTreeSet::new(),
             closed_counts: Counts::default(),
             last_commit: Instant::now(),
+            last_restore_log: Instant::now(),
             uncommitted: 0,
             commits: 0,
+            restored: 0,
             failed: None,
             out: Vec::with_capacity(16),
             first_record: None,
@@ -318,10 +581,12 @@ impl App {
         let mut e = engine.lock().expect("engine lock");
         let result = result.and_then(|_| {
             // Graceful stop: commit what was processed, then leave the group.
-            e.commit(&consumer, CommitMode::Sync, None)
+            e.commit(&consumer, CommitMode::Sync)
         });
         drop(e);
-        consumer.unsubscribe();
+        if result.is_ok() {
+            consumer.unsubscribe();
+        }
         let mut e = engine.lock().expect("engine lock");
         let mut counts = e.closed_counts;
         for t in e.tasks.values() {
@@ -337,6 +602,7 @@ impl App {
             counts,
             seconds,
             commits: e.commits,
+            restored: e.restored,
         };
         result.map(|_| summary)
     }
@@ -352,7 +618,22 @@ impl App {
                 tracing::info!("shutdown requested: committing and closing");
                 return Ok(());
             }
-            let polled = consumer.poll(Duration::from_millis(100));
+            let restoring = {
+                let mut e = engine.lock().expect("engine lock");
+                if !e.unplanned.is_empty() {
+                    e.plan_restores(consumer)?;
+                }
+                let restoring = e.any_restoring();
+                if restoring {
+                    e.restore_step(consumer, Duration::from_millis(50))?;
+                }
+                restoring
+            };
+            let polled = consumer.poll(if restoring {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(100)
+            });
             let mut e = engine.lock().expect("engine lock");
             if let Some(err) = e.failed.take() {
                 return Err(err);
@@ -370,10 +651,10 @@ impl App {
                 Some(Err(err)) => {
                     tracing::warn!(error = %err, "consumer error");
                 }
-                Some(Ok(m)) => e.process(&m)?,
+                Some(Ok(m)) => e.process(consumer, &m)?,
             }
             if e.commit_due() {
-                e.commit(consumer, CommitMode::Async, None)?;
+                e.commit(consumer, CommitMode::Async)?;
             }
         }
     }

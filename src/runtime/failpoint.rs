@@ -8,7 +8,8 @@
 //!
 //! Points of the at_least_once commit protocol (see `runtime::app`):
 //! - `commit.before_flush`: records processed and queued, outputs not yet acknowledged;
-//! - `commit.after_flush`: outputs durable, state not applied, offsets not committed;
+//! - `commit.after_flush`: outputs durable, changelog not written, offsets not committed;
+//! - `commit.after_changelog`: changelog durable, local state not applied;
 //! - `commit.after_state`: state applied and fsynced, offsets not committed.
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use std::sync::OnceLock;
 pub const NAMES: &[&str] = &[
     "commit.before_flush",
     "commit.after_flush",
+    "commit.after_changelog",
     "commit.after_state",
 ];
 

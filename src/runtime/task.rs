@@ -7,6 +7,7 @@
 
 use crate::error::{Error, RecordError, Result};
 use crate::processor::{Context, Counts, OutRecord, Processor, Record, StageError, Stores};
+use crate::state::restore::{ChangelogRecord, Restorer};
 use crate::state::{StagedStore, StateBackend};
 use crate::topology::{Format, Topology};
 use bytes::Bytes;
@@ -39,6 +40,7 @@ pub struct Task {
     cur: Vec<Record>,
     next: Vec<Record>,
     dlq_counter: metrics::Counter,
+    restorers: Vec<Restorer>,
 }
 
 impl Task {
@@ -72,6 +74,7 @@ impl Task {
             dlq_counter: metrics::counter!(crate::metrics::DEAD_LETTERS,
                 "topology" => topology.name().to_string(),
                 "topic" => topology.source().topic.clone()),
+            restorers: Vec::new(),
         })
     }
 
@@ -110,6 +113,12 @@ impl Task {
         wall_ms: i64,
         out: &mut Vec<OutRecord>,
     ) -> Result<()> {
+        if self.is_restoring() {
+            return Err(Error::state(
+                format!("{}/{}", self.topic, self.partition),
+                "a record reached a partition that is still restoring (internal error)",
+            ));
+        }
         self.counts.records_in += 1;
         let offset = record.source.offset;
         if let Some(ts) = record.timestamp {
@@ -170,6 +179,7 @@ impl Task {
                     emitted: out,
                     counts: &mut self.counts,
                     wall_clock_ms: wall_ms,
+                    stream_time_ms: self.stream_time,
                 };
                 match node.process(rec, &mut ctx) {
                     Ok(()) => {}
@@ -190,17 +200,128 @@ impl Task {
         Ok(())
     }
 
-    /// Apply every store's staged writes, one batch per store. Call only once the outputs
-    /// produced since the last commit are durable: that is what makes a dedup mark never
-    /// hide a lost output.
+    /// Run every stage's periodic work (the expiry sweep), staging its writes.
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn punctuate(&mut self, wall_ms: i64) -> Result<()> {
+        if self.is_restoring() {
+            return Ok(());
+        }
+        let mut out = Vec::new();
+        let mut sink = Vec::new();
+        for (_, node) in self.nodes.iter_mut() {
+            let mut ctx = Context {
+                stores: &mut self.stores,
+                forwarded: &mut sink,
+                emitted: &mut out,
+                counts: &mut self.counts,
+                wall_clock_ms: wall_ms,
+                stream_time_ms: self.stream_time,
+            };
+            node.punctuate(&mut ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Visit every staged write, store by store, in first-write order: the changelog
+    /// records of this commit.
+    pub fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+        for (name, s) in &self.stores {
+            for (k, v) in s.pending() {
+                f(name, k, v);
+            }
+        }
+    }
+
+    /// Apply every store's staged writes, one batch per store, each with the changelog
+    /// offset `changelog_offset(store)` returns (`None`: no changelog, or nothing written).
+    /// Call only once the outputs produced since the last commit, and the changelog records
+    /// of these writes, are durable: that is what makes a dedup mark never hide a lost
+    /// output.
     ///
     /// # Errors
     /// [`Error::State`] when a store write fails.
-    pub fn commit_state(&mut self) -> Result<()> {
-        for s in self.stores.values_mut() {
-            s.commit(None)?;
+    pub fn commit_state(&mut self, changelog_offset: impl Fn(&str) -> Option<i64>) -> Result<()> {
+        for (name, s) in self.stores.iter_mut() {
+            s.commit(changelog_offset(name))?;
         }
         Ok(())
+    }
+
+    /// Start restoring `store` from its changelog, whose offsets are `low..end` now.
+    /// Returns the first changelog offset to read, or `None` if nothing is to be restored.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] for an unknown store; a store failure.
+    pub fn plan_restore(&mut self, store: &str, low: i64, end: i64) -> Result<Option<i64>> {
+        let partition = self.partition;
+        let s = self.stores.get_mut(store).ok_or_else(|| Error::Topology {
+            node: store.to_string(),
+            reason: "no such state store".into(),
+        })?;
+        let r = Restorer::plan(store, partition, s.engine_mut(), low, end)?;
+        if r.is_done() {
+            return Ok(None);
+        }
+        let start = r.start_offset();
+        tracing::info!(
+            store,
+            partition,
+            start,
+            end,
+            total = end - start,
+            "restore starting"
+        );
+        self.restorers.push(r);
+        Ok(Some(start))
+    }
+
+    /// Apply changelog `records` of `store`, the restore consumer's position now being
+    /// `position`. Returns true when that store's restore just finished.
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn apply_restore(
+        &mut self,
+        store: &str,
+        records: &[ChangelogRecord],
+        position: i64,
+    ) -> Result<bool> {
+        let Some(i) = self.restorers.iter().position(|r| r.store() == store) else {
+            return Ok(false);
+        };
+        let engine = self
+            .stores
+            .get_mut(store)
+            .expect("restorers exist only for known stores")
+            .engine_mut();
+        self.restorers[i].apply(engine, records, position)?;
+        if self.restorers[i].is_done() {
+            let r = self.restorers.remove(i);
+            let p = r.progress();
+            tracing::info!(
+                store,
+                partition = self.partition,
+                done = p.done,
+                total = p.total,
+                rate = format!("{:.0}/s", p.rate),
+                "restore complete"
+            );
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Whether any store of this task is still restoring; the task must not process
+    /// records until it is not.
+    pub fn is_restoring(&self) -> bool {
+        !self.restorers.is_empty()
+    }
+
+    /// The restores in progress.
+    pub fn restorers(&self) -> &[Restorer] {
+        &self.restorers
     }
 
     /// Drop every store's staged writes and forget the position: the caller rewinds the

@@ -43,6 +43,13 @@ impl KeyValueStore for MemoryStore {
         Ok(())
     }
 
+    fn clear(&mut self) -> Result<()> {
+        let mut d = self.data.lock().expect("memory store lock");
+        d.0.clear();
+        d.1 = None;
+        Ok(())
+    }
+
     fn changelog_offset(&self) -> Result<Option<i64>> {
         Ok(self.data.lock().expect("memory store lock").1)
     }

@@ -8,6 +8,7 @@
 //! batch reached, so a crash leaves either the whole batch or none of it.
 
 mod memory;
+pub mod restore;
 mod sled;
 
 pub use self::memory::{MemoryBackend, MemoryStore};
@@ -56,6 +57,12 @@ pub trait KeyValueStore: Send {
     /// [`crate::Error::State`] when the engine fails to read.
     fn changelog_offset(&self) -> Result<Option<i64>>;
 
+    /// Remove every entry and the changelog offset.
+    ///
+    /// # Errors
+    /// [`crate::Error::State`] when the engine fails to write.
+    fn clear(&mut self) -> Result<()>;
+
     /// Up to `limit` entries in key order starting after `after` (from the start if `None`).
     ///
     /// # Errors
@@ -76,6 +83,54 @@ pub trait StateBackend: Send + Sync {
     /// # Errors
     /// [`crate::Error::State`] when the flush fails.
     fn flush(&self) -> Result<()>;
+}
+
+/// An exclusive lock on a state dir (`<state.dir>/onceflow.lock`, flock), held for the life
+/// of the value, so two processes on one state dir fail fast instead of sharing stores.
+pub struct StateDirLock {
+    _file: std::fs::File,
+}
+
+impl StateDirLock {
+    /// Create `dir` if needed and lock it.
+    ///
+    /// # Errors
+    /// [`crate::Error::State`] naming the dir and the pid holding it, when another process
+    /// has it; [`crate::Error::Io`] when the dir or lock file cannot be created.
+    pub fn acquire(dir: &std::path::Path) -> Result<StateDirLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::io::AsRawFd;
+        let io = |e: std::io::Error| crate::Error::Io {
+            path: dir.display().to_string(),
+            source: e,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let path = dir.join("onceflow.lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        // SAFETY: flock on a file descriptor we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(crate::Error::state(
+                dir.display().to_string(),
+                format!(
+                    "state.dir is locked by another onceflow process (pid {}); give each instance its own state.dir",
+                    holder.trim()
+                ),
+            ));
+        }
+        file.set_len(0).map_err(io)?;
+        file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
+        write!(file, "{}", std::process::id()).map_err(io)?;
+        Ok(StateDirLock { _file: file })
+    }
 }
 
 /// A store with the writes of the open commit kept pending in memory.
@@ -178,6 +233,25 @@ impl StagedStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_locked_state_dir_fails_fast() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = StateDirLock::acquire(dir.path()).unwrap();
+        // flock locks belong to open file descriptions: a second open conflicts even in
+        // one process, as it would across two.
+        let err = StateDirLock::acquire(dir.path())
+            .err()
+            .expect("second lock must fail");
+        let msg = err.to_string();
+        assert!(msg.contains("locked by another onceflow process"), "{msg}");
+        assert!(
+            msg.contains(&std::process::id().to_string()),
+            "names the holder: {msg}"
+        );
+        drop(held);
+        StateDirLock::acquire(dir.path()).expect("free again once released");
+    }
 
     #[test]
     fn staged_writes_are_visible_but_not_applied_until_commit() {

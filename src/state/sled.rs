@@ -58,6 +58,10 @@ impl KeyValueStore for SledStore {
             .map_err(|e| Error::state(&self.name, e))
     }
 
+    fn clear(&mut self) -> Result<()> {
+        self.tree.clear().map_err(|e| Error::state(&self.name, e))
+    }
+
     fn changelog_offset(&self) -> Result<Option<i64>> {
         let v = self
             .tree

@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::processor::dedup::DedupEntry;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
 use crate::runtime::Task;
+use crate::state::restore::ChangelogRecord;
 use crate::state::{MemoryBackend, StateBackend};
 use crate::topology::Topology;
 use bytes::Bytes;
@@ -87,6 +88,8 @@ pub struct TestDriver {
     auto_commit: bool,
     dlq_topic: String,
     counts: Counts,
+    changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
+    restored: u64,
 }
 
 impl TestDriver {
@@ -104,6 +107,8 @@ impl TestDriver {
             auto_commit: true,
             dlq_topic: "test.dlq".into(),
             counts: Counts::default(),
+            changelog: BTreeMap::new(),
+            restored: 0,
         }
     }
 
@@ -118,12 +123,60 @@ impl TestDriver {
         &self.dlq_topic
     }
 
+    /// The task of `partition`; a new task is first restored from the in-memory changelog,
+    /// from its store's checkpoint to the changelog's end, as on assignment.
     fn task(&mut self, partition: i32) -> Result<&mut Task> {
         if !self.tasks.contains_key(&partition) {
-            let t = Task::new(&self.topology, partition, &self.backend, &self.dlq_topic)?;
+            let t = self.restored_task(partition, usize::MAX)?;
             self.tasks.insert(partition, t);
         }
         Ok(self.tasks.get_mut(&partition).expect("inserted above"))
+    }
+
+    fn restored_task(&mut self, partition: i32, limit: usize) -> Result<Task> {
+        let mut t = Task::new(&self.topology, partition, &self.backend, &self.dlq_topic)?;
+        for store in self.topology.stores() {
+            let log = self
+                .changelog
+                .get(&(store.clone(), partition))
+                .cloned()
+                .unwrap_or_default();
+            let end = log.len() as i64;
+            if let Some(start) = t.plan_restore(&store, 0, end)? {
+                let upto = (start as usize).saturating_add(limit).min(log.len());
+                let batch = &log[start as usize..upto];
+                self.restored += batch.len() as u64;
+                t.apply_restore(&store, batch, upto as i64)?;
+            }
+        }
+        Ok(t)
+    }
+
+    /// Simulate a rebalance in the middle of a restore: `partition`'s task is (re)created,
+    /// restores at most `limit` changelog records per store, and is revoked.
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn restore_partially(&mut self, partition: i32, limit: usize) -> Result<()> {
+        if let Some(t) = self.tasks.remove(&partition) {
+            self.counts.add(t.counts());
+        }
+        let t = self.restored_task(partition, limit)?;
+        assert!(limit == 0 || t.is_restoring() || t.restorers().is_empty());
+        Ok(())
+    }
+
+    /// Changelog records applied by restores so far.
+    pub fn restored_records(&self) -> u64 {
+        self.restored
+    }
+
+    /// The in-memory changelog of `store`'s `partition`.
+    pub fn changelog(&self, store: &str, partition: i32) -> &[ChangelogRecord] {
+        self.changelog
+            .get(&(store.to_string(), partition))
+            .map(Vec::as_slice)
+            .unwrap_or_default()
     }
 
     /// Pipe one record; returns its offset.
@@ -161,9 +214,31 @@ impl TestDriver {
     /// # Errors
     /// A store failure.
     pub fn commit(&mut self) -> Result<()> {
+        let clock = self.clock_ms;
+        for t in self.tasks.values_mut() {
+            t.punctuate(clock)?;
+        }
         self.outputs.append(&mut self.pending);
         for (p, t) in self.tasks.iter_mut() {
-            t.commit_state()?;
+            let mut written = std::collections::BTreeSet::new();
+            let log = &mut self.changelog;
+            t.for_each_staged_write(|store, k, v| {
+                let l = log.entry((store.to_string(), *p)).or_default();
+                l.push(ChangelogRecord {
+                    key: k.to_vec(),
+                    value: v.map(<[u8]>::to_vec),
+                    offset: l.len() as i64,
+                });
+                written.insert(store.to_string());
+            });
+            let ends: BTreeMap<String, i64> = written
+                .into_iter()
+                .map(|s| {
+                    let end = log.get(&(s.clone(), *p)).map_or(0, |l| l.len() as i64);
+                    (s, end)
+                })
+                .collect();
+            t.commit_state(|s| ends.get(s).copied())?;
             if let Some(pos) = t.position() {
                 self.committed_offset.insert(*p, pos);
             }
@@ -182,7 +257,8 @@ impl TestDriver {
         self.tasks.clear();
     }
 
-    /// Delete every store, as if the state dir were removed.
+    /// Delete every store, as if the state dir were removed; the changelog stays, and the
+    /// next record of a partition restores its stores from it.
     pub fn wipe_state(&mut self) {
         self.crash();
         self.backend.wipe();

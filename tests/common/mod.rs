@@ -98,9 +98,16 @@ pub struct Running {
 
 impl Running {
     /// Wait until stderr contains `needle`.
-    pub fn wait_for_log(&self, needle: &str, timeout: Duration) {
+    pub fn wait_for_log(&mut self, needle: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while !self.stderr.lock().unwrap().contains(needle) {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(100));
+                panic!(
+                    "onceflow exited ({st}) before logging {needle:?}:\n{}",
+                    self.stderr.lock().unwrap()
+                );
+            }
             assert!(
                 Instant::now() < deadline,
                 "no {needle:?} in the log within {timeout:?}:\n{}",
