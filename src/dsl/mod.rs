@@ -74,6 +74,9 @@ pub struct DedupDef {
     pub ttl: Option<String>,
     /// `event` (record timestamp, default) or `processing` (wall clock).
     pub time: Option<TimeDef>,
+    /// Grace after the TTL before the sweep deletes an entry (default `1h`); the changelog
+    /// keeps records for TTL + grace.
+    pub grace: Option<String>,
     /// Store a payload hash and count same-key-other-payload as a conflict (default false).
     #[serde(default)]
     pub fingerprint: bool,
@@ -222,6 +225,14 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                         )),
                     }
                 }
+                if let Some(grace) = &d.grace {
+                    match humantime::parse_duration(grace) {
+                        Ok(t) => spec.grace_ms = t.as_millis().min(i64::MAX as u128) as i64,
+                        Err(e) => errors.push(format!(
+                            "stages[{i}] (dedup `{name}`): field `grace`: {grace:?} is not a duration like 1h or 0s: {e}"
+                        )),
+                    }
+                }
                 spec.time = match d.time {
                     None | Some(TimeDef::Event) => TimeSource::Event,
                     Some(TimeDef::Processing) => TimeSource::Processing,
@@ -287,7 +298,7 @@ mod tests {
         let cases = [
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: {json_pointer: /id}, ttll: 1h}\n  - sink: {topic: b}\n",
-                "t.yaml: stages[0].dedup: unknown field `ttll`, expected one of `name`, `key`, `ttl`, `time`, `fingerprint`, `on_conflict` at line 4 column 39",
+                "t.yaml: stages[0].dedup: unknown field `ttll`, expected one of `name`, `key`, `ttl`, `time`, `grace`, `fingerprint`, `on_conflict` at line 4 column 39",
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {name: d, key: {json_pointer: /id}, ttl: 2 parsecs}\n  - sink: {topic: b}\n",

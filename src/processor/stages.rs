@@ -105,9 +105,9 @@ pub struct Dedup {
     metrics: StageMetrics,
     sweep_after: Option<Vec<u8>>,
     swept: metrics::Counter,
-    /// Stream time as the sweep sees it: the highest record time, but advancing by at most
-    /// `grace` per record, so one far-future timestamp cannot sweep live entries.
-    sweep_time: i64,
+    /// The two highest record times seen (highest first). The sweep goes by the second:
+    /// stream time that one far-future timestamp alone cannot move.
+    top_times: [i64; 2],
 }
 
 impl Dedup {
@@ -120,7 +120,7 @@ impl Dedup {
             key_buf: Vec::with_capacity(64),
             metrics: StageMetrics::new(topology, name),
             sweep_after: None,
-            sweep_time: i64::MIN,
+            top_times: [i64::MIN; 2],
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
         }
     }
@@ -130,10 +130,11 @@ impl Processor for Dedup {
     /// The expiry sweep: looks at up to [`SWEEP_BATCH`] entries from where the last sweep
     /// stopped, and deletes (with a changelog tombstone) each entry whose first-seen time
     /// plus TTL plus grace lies before the stream time. Stream time only moves with records,
-    /// so downtime never expires state; and it moves by at most `grace` per record, so one
-    /// far-future timestamp cannot sweep entries that are live for the records around it.
+    /// so downtime never expires state; and the sweep takes the second-highest record time
+    /// as stream time, so one far-future timestamp cannot sweep entries that are live for
+    /// the records around it.
     fn punctuate(&mut self, ctx: &mut Context<'_>) -> Result<(), crate::error::Error> {
-        let stream_time = self.sweep_time;
+        let stream_time = self.top_times[1];
         if stream_time == i64::MIN {
             return Ok(());
         }
@@ -171,12 +172,11 @@ impl Processor for Dedup {
             TimeSource::Event => record.timestamp.unwrap_or(ctx.wall_clock_ms),
             TimeSource::Processing => ctx.wall_clock_ms,
         };
-        self.sweep_time = if self.sweep_time == i64::MIN {
-            time_ms
-        } else {
-            self.sweep_time
-                .max(time_ms.min(self.sweep_time.saturating_add(self.spec.grace_ms)))
-        };
+        if time_ms > self.top_times[0] {
+            self.top_times = [time_ms, self.top_times[0]];
+        } else if time_ms > self.top_times[1] {
+            self.top_times[1] = time_ms;
+        }
         let obs = Observation {
             time_ms,
             partition: record.source.partition,

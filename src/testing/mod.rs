@@ -90,6 +90,7 @@ pub struct TestDriver {
     counts: Counts,
     changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
     restored: u64,
+    uncommitted: usize,
 }
 
 impl TestDriver {
@@ -109,6 +110,7 @@ impl TestDriver {
             counts: Counts::default(),
             changelog: BTreeMap::new(),
             restored: 0,
+            uncommitted: 0,
         }
     }
 
@@ -202,18 +204,25 @@ impl TestDriver {
         let mut out = Vec::new();
         self.task(r.partition)?.process(rec, clock, &mut out)?;
         self.pending.extend(out);
+        self.uncommitted += 1;
         if self.auto_commit {
             self.commit()?;
         }
         Ok(offset)
     }
 
-    /// Commit: outputs become visible, then staged state is applied, then offsets recorded
-    /// (the at_least_once order).
+    /// Commit, in the runtime's order: outputs become visible, the sweep runs, staged writes
+    /// go to the in-memory changelog, state is applied with its changelog offset, offsets are
+    /// recorded.
     ///
     /// # Errors
     /// A store failure.
     pub fn commit(&mut self) -> Result<()> {
+        // As the runtime: no record since the last commit, nothing to do.
+        if self.uncommitted == 0 {
+            return Ok(());
+        }
+        self.uncommitted = 0;
         let clock = self.clock_ms;
         for t in self.tasks.values_mut() {
             t.punctuate(clock)?;
@@ -250,6 +259,7 @@ impl TestDriver {
     /// the tasks are closed; the next record reopens them from the stores.
     pub fn crash(&mut self) {
         self.pending.clear();
+        self.uncommitted = 0;
         for t in self.tasks.values_mut() {
             t.abort(None);
             self.counts.add(t.counts());
