@@ -362,14 +362,28 @@ fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
         })
 }
 
-fn run_onceflow(bootstrap: &str, input: &str, output: &str, app_id: &str) -> Res<RunSummary> {
+/// Run the dedup topology in-process to the end of `input`. The topics it creates (dead
+/// letters, changelogs) are recorded in `created` before the run, for the cleanup.
+fn run_onceflow(
+    bootstrap: &str,
+    input: &str,
+    output: &str,
+    app_id: &str,
+    created: &mut Created,
+) -> Res<RunSummary> {
     let state = tempfile::tempdir()?;
     let dir = state.path().display().to_string();
     let cfg = onceflow_config(
         bootstrap,
         &[("application.id", app_id), ("state.dir", &dir)],
     )?;
-    let summary = App::new(cfg, dedup_topology(input, output)?).run(RunOptions {
+    created.topics.push(cfg.dlq_topic.clone());
+    created.groups.push(app_id.to_string());
+    let app = App::new(cfg, dedup_topology(input, output)?);
+    created
+        .topics
+        .extend(app.changelog_topics().into_values().map(|(topic, _)| topic));
+    let summary = app.run(RunOptions {
         stop_at_end: true,
         ..Default::default()
     })?;
@@ -613,9 +627,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         let app = format!("bench-dedup-{}-{round}", s.run_id);
         admin.ensure_topic(&out, PARTITIONS, &keep)?;
         created.topics.push(out.clone());
-        created.topics.push(format!("{app}.dlq"));
-        created.groups.push(app.clone());
-        let summary = run_onceflow(&s.bootstrap, &input, &out, &app)?;
+        let summary = run_onceflow(&s.bootstrap, &input, &out, &app, created)?;
         println!("round {round} (b) onceflow: {}", summary.line());
         if summary.counts.records_in as usize != ds.events.len() {
             return Err(format!(

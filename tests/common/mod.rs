@@ -60,6 +60,37 @@ pub struct Names {
     pub topology: PathBuf,
 }
 
+/// An isolated run of a topology given as YAML text with `{input}` and `{output}` holes.
+pub fn names_for(yaml: &str, partitions: usize) -> Names {
+    let input = unique("in");
+    let output = unique("out");
+    let dlq = unique("dlq");
+    let app = unique("app");
+    let state = tempfile::tempdir().unwrap();
+    let topology = state.path().join("topology.yaml");
+    std::fs::write(
+        &topology,
+        yaml.replace("{input}", &input).replace("{output}", &output),
+    )
+    .unwrap();
+    create_topics(&[&input, &output, &dlq], partitions);
+    Names {
+        input,
+        output,
+        dlq,
+        app,
+        state,
+        topology,
+    }
+}
+
+impl Names {
+    /// The default state dir of `start` (instance 0).
+    pub fn state_dir(&self) -> PathBuf {
+        self.state.path().join("state")
+    }
+}
+
 /// Copy the shipped gharchive topology with its topic names replaced by unique ones.
 pub fn gharchive_names(partitions: usize) -> Names {
     let input = unique("events");

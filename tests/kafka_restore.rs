@@ -1,0 +1,256 @@
+//! State that survives, on the real broker: wipe an instance's state dir and its stores
+//! come back from the changelog before any record is processed (cases a-d with exact
+//! outputs), restore is reported in logs, summary and metrics, and a changelog with the
+//! wrong partition count stops start-up.
+
+mod common;
+
+use common::*;
+use onceflow::testing::kafka;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(120);
+const MIN: i64 = 60_000;
+const T0: i64 = 1_420_070_400_000;
+
+fn run_to_end(names: &Names) -> String {
+    let (st, out) = start(names, &[], &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "exit {st:?}\n{out}");
+    out
+}
+
+fn wipe(names: &Names) {
+    std::fs::remove_dir_all(names.state_dir()).unwrap();
+}
+
+fn send(names: &Names, value: &[u8], headers: &[(&str, &[u8])], ts: Option<i64>) {
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    p.send(&names.input, Some(0), None, Some(value), headers, ts)
+        .unwrap();
+    p.flush().unwrap();
+}
+
+fn outputs(names: &Names) -> Vec<String> {
+    kafka::read_topic(&bootstrap(), &names.output, true, T)
+        .unwrap()
+        .iter()
+        .map(|r| String::from_utf8_lossy(r.value.as_deref().unwrap_or_default()).into_owned())
+        .collect()
+}
+
+const BY_ID: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 10m}\n  - sink: {topic: '{output}'}\n";
+const BY_HEADER: &str = "name: t\nsource: {topic: '{input}', format: bytes}\nstages:\n  - dedup: {name: dedup, key: {header: msg-id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n";
+
+#[test]
+fn a_restore_completes_before_the_first_source_record() {
+    let names = names_for(BY_ID, 1);
+    for i in 1..=5 {
+        send(
+            &names,
+            format!(r#"{{"id":"a{i}"}}"#).as_bytes(),
+            &[],
+            Some(T0),
+        );
+    }
+    run_to_end(&names);
+    wipe(&names);
+    for i in 1..=5 {
+        send(
+            &names,
+            format!(r#"{{"id":"a{i}"}}"#).as_bytes(),
+            &[],
+            Some(T0 + MIN),
+        );
+    }
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "restored"), Some(5.0), "{out}");
+    assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
+    let want: Vec<String> = (1..=5).map(|i| format!(r#"{{"id":"a{i}"}}"#)).collect();
+    assert_eq!(outputs(&names), want, "5 records, not 10");
+}
+
+#[test]
+fn b_a_renewal_restores_in_log_order() {
+    let names = names_for(BY_ID, 1);
+    for t in [0, 11, 12] {
+        send(
+            &names,
+            format!(r#"{{"id":"k","t":{t}}}"#).as_bytes(),
+            &[],
+            Some(T0 + t * MIN),
+        );
+    }
+    run_to_end(&names);
+    wipe(&names);
+    send(&names, br#"{"id":"k","t":13}"#, &[], Some(T0 + 13 * MIN));
+    send(&names, br#"{"id":"m","t":13}"#, &[], Some(T0 + 13 * MIN));
+    run_to_end(&names);
+    assert_eq!(
+        outputs(&names),
+        vec![
+            r#"{"id":"k","t":0}"#,
+            r#"{"id":"k","t":11}"#,
+            r#"{"id":"m","t":13}"#
+        ]
+    );
+}
+
+#[test]
+fn c_keys_sharing_prefixes_or_separators_stay_distinct() {
+    let names = names_for(BY_HEADER, 1);
+    let keys = ["a", "aa", "a:", "a:b", "ab", "ord:4", "ord:42", "ord:42:x"];
+    for k in keys {
+        send(&names, k.as_bytes(), &[("msg-id", k.as_bytes())], None);
+    }
+    run_to_end(&names);
+    wipe(&names);
+    send(&names, b"ord:4 again", &[("msg-id", b"ord:4")], None);
+    run_to_end(&names);
+    assert_eq!(outputs(&names), keys.to_vec());
+}
+
+#[test]
+fn d_non_utf8_keys_survive_a_wipe_and_restore() {
+    let names = names_for(BY_HEADER, 1);
+    let raw: [&[u8]; 5] = [&[0x00], &[0xFF], &[0xC3, 0x28], &[0xC3, 0xA9], &[0x85]];
+    for (i, k) in raw.iter().enumerate() {
+        send(&names, format!("r{i}").as_bytes(), &[("msg-id", k)], None);
+    }
+    run_to_end(&names);
+    wipe(&names);
+    for (i, k) in raw.iter().enumerate() {
+        send(
+            &names,
+            format!("again{i}").as_bytes(),
+            &[("msg-id", k)],
+            None,
+        );
+    }
+    send(&names, b"fffd", &[("msg-id", &[0xEF, 0xBF, 0xBD])], None);
+    send(&names, b"qmark", &[("msg-id", b"?")], None);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "restored"), Some(5.0), "{out}");
+    assert_eq!(
+        outputs(&names),
+        vec!["r0", "r1", "r2", "r3", "r4", "fffd", "qmark"]
+    );
+}
+
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body
+}
+
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.starts_with(name)
+                && (l.as_bytes().get(name.len()) == Some(&b'{')
+                    || l.as_bytes().get(name.len()) == Some(&b' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_wiped_state_dir_is_restored_from_the_changelog_and_reported() {
+    let names = gharchive_names(4);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    onceflow::testing::gharchive::publish(&p, &names.input, 2000, 11).unwrap();
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(15_129.0));
+    wipe(&names);
+    // The same events again: every one must be a duplicate after the restore.
+    let rep = onceflow::testing::gharchive::publish(&p, &names.input, 0, 12).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut run = start(&names, &[("metrics.address", addr.clone())], &[], &[]);
+    run.wait_for_log("restore complete", T);
+    // Wait until everything is processed and committed.
+    let total_in = {
+        let c = kafka::read_topic(&bootstrap(), &names.input, true, T).unwrap();
+        c.len() as i64
+    };
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let c = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, 4).unwrap();
+        if c.iter().map(|o| o.unwrap_or(0)).sum::<i64>() >= total_in {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not all committed");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = scrape(&addr);
+    let restored = metric_sum(&metrics, "onceflow_restore_records_total");
+    assert_eq!(
+        restored, 15_129.0,
+        "one changelog record per distinct id:\n{metrics}"
+    );
+    assert_eq!(
+        metric_sum(&metrics, "onceflow_restore_remaining_records"),
+        0.0
+    );
+    let log = run.stderr.lock().unwrap().clone();
+    assert!(log.contains("restore starting"), "restore log lines");
+    run.signal(libc::SIGTERM);
+    let (st, out) = run.wait(T);
+    assert!(st.success());
+    assert_eq!(summary_field(&out, "restored"), Some(15_129.0), "{out}");
+    assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
+    assert_eq!(
+        summary_field(&out, "duplicates"),
+        Some(rep.published as f64),
+        "{out}"
+    );
+    assert_eq!(
+        kafka::read_topic(&bootstrap(), &names.output, true, T)
+            .unwrap()
+            .len(),
+        15_129
+    );
+}
+
+#[test]
+fn a_changelog_with_another_partition_count_stops_start_up() {
+    let names = names_for(BY_ID, 2);
+    create_topics(&[&format!("{}-dedup-changelog", names.app)], 3);
+    let run = start(&names, &[], &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(T);
+    assert!(!st.success());
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log.contains("has 3 partitions, but source topic") && log.contains("has 2"),
+        "{log}"
+    );
+}
+
+#[test]
+fn two_processes_on_one_state_dir_fail_fast() {
+    let names = names_for(BY_ID, 1);
+    let mut first = start(&names, &[], &[], &[]);
+    first.wait_for_log("running", T);
+    let second = start(&names, &[("application.id", unique("other"))], &[], &[]);
+    let log = second.stderr.clone();
+    let (st, _) = second.wait(T);
+    assert!(
+        !st.success(),
+        "the second process must refuse the locked state dir"
+    );
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log.contains("state.dir is locked by another onceflow process"),
+        "{log}"
+    );
+    first.signal(libc::SIGTERM);
+    let (st, _) = first.wait(T);
+    assert!(st.success());
+}
