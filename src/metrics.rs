@@ -17,6 +17,8 @@ pub const TRANSACTIONS: &str = "onceflow_transactions_total";
 pub const SINK_EFFECTS: &str = "onceflow_sink_effects_total";
 /// Counter `{topology,topic,stage}`: records sent to the dead-letter topic.
 pub const DEAD_LETTERS: &str = "onceflow_dead_letters_total";
+/// Counter `{topology,store,partition}`: entries evicted by `max_keys`, oldest first.
+pub const EVICTED: &str = "onceflow_dedup_evicted_total";
 /// Counter `{topology,store}`: entries removed by the expiry sweep.
 pub const EXPIRED: &str = "onceflow_dedup_expired_total";
 /// Counter `{topology}`: commits of the at_least_once protocol.

@@ -245,3 +245,62 @@ fn neither_downtime_nor_one_far_future_timestamp_expires_live_state() {
     assert_eq!(ids(&d), vec!["k@0", "far@525600"]);
     assert!(d.dedup_entry("dedup", 0, b"k").unwrap().is_some());
 }
+
+#[test]
+fn max_keys_evicts_the_oldest_with_a_tombstone_and_a_metric() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let (out, log) = metrics::with_local_recorder(&recorder, || {
+        let spec = DedupSpec::new(KeySource::JsonPointer("/id".into())).with_max_keys(3);
+        let t = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("dedup", spec)
+            .sink("out", "out")
+            .build()
+            .unwrap();
+        let mut d = TestDriver::new(t);
+        d.pipe(ev("c", T + 2 * MIN)).unwrap();
+        d.pipe(ev("a", T)).unwrap();
+        d.pipe(ev("b", T + MIN)).unwrap();
+        d.pipe(ev("d", T + 3 * MIN)).unwrap(); // 4 keys: a (oldest first-seen) goes
+        d.pipe(ev("b", T + 4 * MIN)).unwrap(); // still kept: duplicate
+        d.pipe(ev("a", T + 5 * MIN)).unwrap(); // evicted: passes again, evicting b
+                                               // The eviction survives a restore: it is in the changelog as a tombstone.
+        d.wipe_state();
+        d.pipe(ev("b", T + 6 * MIN)).unwrap();
+        let log: Vec<(String, bool)> = d
+            .changelog("dedup", 0)
+            .iter()
+            .map(|r| (String::from_utf8(r.key.clone()).unwrap(), r.value.is_some()))
+            .collect();
+        (ids(&d), log)
+    });
+    assert_eq!(out, vec!["c@2", "a@0", "b@1", "d@3", "a@5", "b@6"]);
+    let s = |k: &str, put: bool| (k.to_string(), put);
+    assert_eq!(
+        log,
+        vec![
+            s("c", true),
+            s("a", true),
+            s("b", true),
+            s("d", true),
+            s("a", false),
+            s("a", true),
+            s("b", false),
+            s("b", true),
+            s("c", false)
+        ]
+    );
+    let mut evicted = 0;
+    let mut keys = None;
+    for (key, _, _, value) in snap.snapshot().into_vec() {
+        match (key.key().name(), value) {
+            ("onceflow_dedup_evicted_total", DebugValue::Counter(n)) => evicted += n,
+            ("onceflow_dedup_keys", DebugValue::Gauge(g)) => keys = Some(g.into_inner()),
+            _ => {}
+        }
+    }
+    assert_eq!(evicted, 3);
+    assert_eq!(keys, Some(3.0));
+}

@@ -77,6 +77,8 @@ pub struct DedupDef {
     /// Grace after the TTL before the sweep deletes an entry (default `1h`); the changelog
     /// keeps records for TTL + grace.
     pub grace: Option<String>,
+    /// Keys kept per partition at most; past it the oldest are evicted (default unlimited).
+    pub max_keys: Option<u64>,
     /// Store a payload hash and count same-key-other-payload as a conflict (default false).
     #[serde(default)]
     pub fingerprint: bool,
@@ -238,6 +240,7 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                     Some(TimeDef::Processing) => TimeSource::Processing,
                 };
                 spec.fingerprint = d.fingerprint;
+                spec.max_keys = d.max_keys;
                 spec.on_conflict = match d.on_conflict {
                     None | Some(ConflictDef::Drop) => ConflictPolicy::Drop,
                     Some(ConflictDef::Pass) => ConflictPolicy::Pass,
@@ -298,7 +301,7 @@ mod tests {
         let cases = [
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: {json_pointer: /id}, ttll: 1h}\n  - sink: {topic: b}\n",
-                "t.yaml: stages[0].dedup: unknown field `ttll`, expected one of `name`, `key`, `ttl`, `time`, `grace`, `fingerprint`, `on_conflict` at line 4 column 39",
+                "t.yaml: stages[0].dedup: unknown field `ttll`, expected one of `name`, `key`, `ttl`, `time`, `grace`, `max_keys`, `fingerprint`, `on_conflict` at line 4 column 39",
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {name: d, key: {json_pointer: /id}, ttl: 2 parsecs}\n  - sink: {topic: b}\n",

@@ -46,6 +46,8 @@ pub struct DedupSpec {
     /// partition's stream time passes first-seen + TTL + grace, and the changelog keeps
     /// records for TTL + grace (`retention.ms`).
     pub grace_ms: i64,
+    /// Keys kept per partition at most (default unlimited); the oldest are evicted.
+    pub max_keys: Option<u64>,
 }
 
 impl DedupSpec {
@@ -58,7 +60,16 @@ impl DedupSpec {
             fingerprint: false,
             on_conflict: ConflictPolicy::Drop,
             grace_ms: 3600 * 1000,
+            max_keys: None,
         }
+    }
+
+    /// Limit the keys kept per partition (default none); past it, the entries with the
+    /// oldest first-seen time are evicted (with a changelog tombstone), counted in
+    /// `onceflow_dedup_evicted_total`.
+    pub fn with_max_keys(mut self, max: u64) -> Self {
+        self.max_keys = Some(max);
+        self
     }
 
     /// `retention.ms` of the changelog: TTL + grace.
@@ -108,6 +119,83 @@ pub struct Dedup {
     /// The two highest record times seen (highest first). The sweep goes by the second:
     /// stream time that one far-future timestamp alone cannot move.
     top_times: [i64; 2],
+    topology: String,
+    book: Option<KeyBook>,
+}
+
+/// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
+/// and, with `max_keys`, the keys by first-seen time for eviction. Built by one scan of
+/// the store when the task processes its first record (after its restore), then kept up
+/// to date by the stage's own writes.
+struct KeyBook {
+    count: u64,
+    by_age: Option<std::collections::BTreeSet<(i64, Vec<u8>)>>,
+    gauge: metrics::Gauge,
+    evicted: metrics::Counter,
+}
+
+impl KeyBook {
+    fn build(
+        store: &crate::state::StagedStore,
+        with_index: bool,
+        gauge: metrics::Gauge,
+        evicted: metrics::Counter,
+    ) -> Result<KeyBook, crate::error::Error> {
+        let mut book = KeyBook {
+            count: 0,
+            by_age: with_index.then(Default::default),
+            gauge,
+            evicted,
+        };
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let chunk = store.engine().scan(after.as_deref(), 10_000)?;
+            for (k, v) in &chunk {
+                book.count += 1;
+                if let Some(idx) = &mut book.by_age {
+                    let e = decode_entry(store, v)?;
+                    idx.insert((e.first_seen_ms, k.clone()));
+                }
+            }
+            if chunk.len() < 10_000 {
+                break;
+            }
+            after = chunk.last().map(|(k, _)| k.clone());
+        }
+        book.gauge.set(book.count as f64);
+        Ok(book)
+    }
+
+    fn added(&mut self, key: &[u8], prev: Option<&DedupEntry>, new: &DedupEntry) {
+        match prev {
+            None => self.count += 1,
+            Some(p) => {
+                if let Some(idx) = &mut self.by_age {
+                    idx.remove(&(p.first_seen_ms, key.to_vec()));
+                }
+            }
+        }
+        if let Some(idx) = &mut self.by_age {
+            idx.insert((new.first_seen_ms, key.to_vec()));
+        }
+        self.gauge.set(self.count as f64);
+    }
+
+    fn removed(&mut self, key: &[u8], entry: &DedupEntry) {
+        self.count = self.count.saturating_sub(1);
+        if let Some(idx) = &mut self.by_age {
+            idx.remove(&(entry.first_seen_ms, key.to_vec()));
+        }
+        self.gauge.set(self.count as f64);
+    }
+}
+
+fn decode_entry(
+    store: &crate::state::StagedStore,
+    v: &[u8],
+) -> Result<DedupEntry, crate::error::Error> {
+    DedupEntry::decode(v)
+        .map_err(|e| crate::error::Error::state(store.name(), format!("corrupt dedup entry: {e}")))
 }
 
 impl Dedup {
@@ -121,6 +209,8 @@ impl Dedup {
             metrics: StageMetrics::new(topology, name),
             sweep_after: None,
             top_times: [i64::MIN; 2],
+            topology: topology.to_string(),
+            book: None,
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
         }
     }
@@ -151,10 +241,11 @@ impl Processor for Dedup {
         for (k, _) in batch {
             // Judge the current value: a staged renewal must not be swept.
             let Some(v) = store.get(&k)? else { continue };
-            let entry = DedupEntry::decode(v.as_slice()).map_err(|e| {
-                crate::error::Error::state(store.name(), format!("corrupt dedup entry: {e}"))
-            })?;
+            let entry = decode_entry(store, &v)?;
             if stream_time.saturating_sub(entry.first_seen_ms) > horizon {
+                if let Some(book) = &mut self.book {
+                    book.removed(&k, &entry);
+                }
                 store.stage(k, None);
                 self.swept.increment(1);
             }
@@ -190,15 +281,41 @@ impl Processor for Dedup {
             ttl_ms: self.spec.ttl_ms,
         };
         let store = ctx.store(&self.store)?;
+        if self.book.is_none() {
+            let labels = [
+                ("topology", self.topology.clone()),
+                ("store", self.store.clone()),
+                ("partition", record.source.partition.to_string()),
+            ];
+            self.book = Some(KeyBook::build(
+                store,
+                self.spec.max_keys.is_some(),
+                metrics::gauge!(crate::metrics::DEDUP_KEYS, &labels),
+                metrics::counter!(crate::metrics::EVICTED, &labels),
+            )?);
+        }
         let prev = match store.get(&self.key_buf)? {
             None => None,
-            Some(bytes) => Some(DedupEntry::decode(bytes.as_slice()).map_err(|e| {
-                crate::error::Error::state(store.name(), format!("corrupt dedup entry: {e}"))
-            })?),
+            Some(bytes) => Some(decode_entry(store, &bytes)?),
         };
         let (decision, new) = decide(prev.as_ref(), &obs, &policy);
         if let Some(entry) = new {
+            let book = self.book.as_mut().expect("built above");
+            book.added(&self.key_buf, prev.as_ref(), &entry);
             store.stage(self.key_buf.clone(), Some(entry.encode_to_vec()));
+            // Bound the keys: evict the oldest first-seen entries past max_keys.
+            if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
+                while book.count > max {
+                    let Some((first_seen, k)) = idx.pop_first() else {
+                        break;
+                    };
+                    book.count -= 1;
+                    book.evicted.increment(1);
+                    tracing::debug!(store = %self.store, first_seen, "evicting the oldest key (max_keys)");
+                    store.stage(k, None);
+                }
+                book.gauge.set(book.count as f64);
+            }
         }
         self.metrics.check.record(started.elapsed().as_secs_f64());
         match decision {
