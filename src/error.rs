@@ -35,6 +35,10 @@ pub enum Error {
         #[source]
         source: rdkafka::error::KafkaError,
     },
+    /// Another instance with the same transactional.id (or a newer group generation) took
+    /// over: this instance is a zombie and must stop, not retry.
+    #[error("fenced: {0}")]
+    Fenced(String),
     /// Kafka-side condition that is not a client error (wrong partition count, missing topic).
     #[error("{0}")]
     Broker(String),
@@ -52,7 +56,11 @@ impl Error {
     pub fn fault(&self) -> Fault {
         match self {
             Error::Config(_) | Error::Topology { .. } => Fault::User,
-            Error::State { .. } | Error::Kafka { .. } | Error::Broker(_) | Error::Io { .. } => {
+            Error::State { .. }
+            | Error::Kafka { .. }
+            | Error::Broker(_)
+            | Error::Io { .. }
+            | Error::Fenced(_) => {
                 Fault::External
             }
         }
@@ -61,6 +69,25 @@ impl Error {
     /// Shorthand for a [`Error::Kafka`] naming the operation.
     pub fn kafka(op: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> Error {
         move |source| Error::Kafka { op, source }
+    }
+
+    /// For a failed transactional operation: whether it is fatal (fenced, or the producer
+    /// is unusable) rather than abortable or retriable.
+    pub fn is_fatal_transaction_error(&self) -> bool {
+        match self {
+            Error::Fenced(_) => true,
+            Error::Kafka { source, .. } => match source {
+                rdkafka::error::KafkaError::Transaction(e) => e.is_fatal(),
+                other => matches!(
+                    other.rdkafka_error_code(),
+                    Some(rdkafka::types::RDKafkaErrorCode::Fenced)
+                        | Some(rdkafka::types::RDKafkaErrorCode::ProducerFenced)
+                        | Some(rdkafka::types::RDKafkaErrorCode::InvalidProducerEpoch)
+                        | Some(rdkafka::types::RDKafkaErrorCode::TransactionalIdAuthorizationFailed)
+                ),
+            },
+            _ => false,
+        }
     }
 
     /// Shorthand for a [`Error::State`].

@@ -33,6 +33,7 @@ pub const KEYS: &[&str] = &[
     "processing.guarantee",
     "dlq.topic",
     "metrics.address",
+    "instance.id",
 ];
 
 /// `processing.guarantee`.
@@ -40,6 +41,9 @@ pub const KEYS: &[&str] = &[
 pub enum Guarantee {
     /// Outputs may repeat after a crash (the batch in flight), never get lost.
     AtLeastOnce,
+    /// Outputs, changelog records and consumed offsets commit in one Kafka transaction
+    /// (KIP-98, KIP-447): read_committed consumers see each output once.
+    ExactlyOnceV2,
 }
 
 /// The typed configuration of one onceflow instance.
@@ -51,8 +55,10 @@ pub struct Config {
     pub application_id: String,
     /// `state.dir`: where the sled database lives.
     pub state_dir: PathBuf,
-    /// `commit.interval.ms` (default 1000).
+    /// `commit.interval.ms` (default 1000; 100 under exactly_once_v2).
     pub commit_interval_ms: u64,
+    /// `instance.id` (default the host name): unique per instance of an application.
+    pub instance_id: String,
     /// `processing.guarantee` (default at_least_once).
     pub processing_guarantee: Guarantee,
     /// `dlq.topic` (default `<application.id>.dlq`).
@@ -169,7 +175,24 @@ impl Config {
                 format!("it prefixes internal topic names: {r}"),
             ));
         }
-        let commit_interval_ms: u64 = get("commit.interval.ms")
+        let processing_guarantee = match get("processing.guarantee").as_str() {
+            "at_least_once" => Guarantee::AtLeastOnce,
+            "exactly_once_v2" => Guarantee::ExactlyOnceV2,
+            other => {
+                return Err(bad(
+                    "processing.guarantee",
+                    format!("{other:?} is not one of at_least_once, exactly_once_v2"),
+                ))
+            }
+        };
+        let default_interval = match processing_guarantee {
+            Guarantee::AtLeastOnce => "1000",
+            Guarantee::ExactlyOnceV2 => "100",
+        };
+        let commit_interval_ms: u64 = flat
+            .get("commit.interval.ms")
+            .map(String::as_str)
+            .unwrap_or(default_interval)
             .parse()
             .ok()
             .filter(|v| *v > 0)
@@ -182,21 +205,6 @@ impl Config {
                     ),
                 )
             })?;
-        let processing_guarantee = match get("processing.guarantee").as_str() {
-            "at_least_once" => Guarantee::AtLeastOnce,
-            "exactly_once_v2" => {
-                return Err(bad(
-                    "processing.guarantee",
-                    "exactly_once_v2 is not available in this version; use at_least_once".into(),
-                ))
-            }
-            other => {
-                return Err(bad(
-                    "processing.guarantee",
-                    format!("{other:?} is not one of at_least_once, exactly_once_v2"),
-                ))
-            }
-        };
         let bootstrap_servers = get("bootstrap.servers");
         if bootstrap_servers.is_empty() {
             return Err(bad("bootstrap.servers", "must not be empty".into()));
@@ -219,7 +227,15 @@ impl Config {
         if state_dir.is_empty() {
             return Err(bad("state.dir", "must not be empty".into()));
         }
+        let instance_id = match get("instance.id") {
+            id if id.is_empty() => host_name(),
+            id => id,
+        };
+        if let Err(r) = crate::topology::check_topic_name(&format!("{application_id}-{instance_id}")) {
+            return Err(bad("instance.id", format!("it is part of the transactional.id: {r}")));
+        }
         Ok(Config {
+            instance_id,
             bootstrap_servers,
             application_id,
             state_dir: Path::new(&state_dir).to_path_buf(),
@@ -261,6 +277,33 @@ fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
     out.insert(prefix.to_string(), text);
 }
 
+/// The host name, or `onceflow` if it cannot be read.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    match (rc, std::str::from_utf8(&buf[..end])) {
+        (0, Ok(h)) if !h.is_empty() => h
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
+            .collect(),
+        _ => "onceflow".into(),
+    }
+}
+
+impl Config {
+    /// Whether `processing.guarantee` is exactly_once_v2.
+    pub fn exactly_once(&self) -> bool {
+        self.processing_guarantee == Guarantee::ExactlyOnceV2
+    }
+
+    /// The producer's `transactional.id`: `<application.id>-<instance.id>`.
+    pub fn transactional_id(&self) -> String {
+        format!("{}-{}", self.application_id, self.instance_id)
+    }
+}
+
 /// Parse `key=value` (the `--set` argument).
 ///
 /// # Errors
@@ -290,6 +333,20 @@ mod tests {
         assert_eq!(c.application_id, "onceflow");
         assert_eq!(c.dlq_topic, "onceflow.dlq");
         assert_eq!(c.commit_interval_ms, 1000);
+        let eos = Config::load_with_env(&[], &[("processing.guarantee".into(), "exactly_once_v2".into())], env(&[])).unwrap();
+        assert_eq!(eos.commit_interval_ms, 100, "exactly_once_v2 commits every 100 ms by default");
+        let eos = Config::load_with_env(
+            &[],
+            &[
+                ("processing.guarantee".into(), "exactly_once_v2".into()),
+                ("commit.interval.ms".into(), "250".into()),
+                ("instance.id".into(), "a1".into()),
+            ],
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(eos.commit_interval_ms, 250);
+        assert_eq!(eos.transactional_id(), "onceflow-a1");
         assert_eq!(
             c.kafka.get("fetch.queue.backoff.ms").map(String::as_str),
             Some("20")

@@ -177,6 +177,70 @@ impl OutputProducer {
             .map(|o| o + 1)
     }
 
+    /// Forget delivery failures (after an aborted transaction: its records are gone anyway).
+    pub fn reset_failures(&self) {
+        let ctx = self.producer.context();
+        ctx.failures.store(0, Ordering::SeqCst);
+        *ctx.first_failure.lock().expect("delivery tracker lock") = None;
+        ctx.changelog_offsets.lock().expect("delivery tracker lock").clear();
+    }
+
+    /// Register the transactional.id with the coordinator, fencing any earlier producer
+    /// with the same id and aborting its open transaction (KIP-98).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the coordinator cannot be reached in time.
+    pub fn init_transactions(&self) -> Result<()> {
+        self.producer
+            .init_transactions(Duration::from_secs(60))
+            .map_err(Error::kafka("init transactions"))
+    }
+
+    /// Begin a transaction.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] (fatal when fenced).
+    pub fn begin_transaction(&self) -> Result<()> {
+        self.producer
+            .begin_transaction()
+            .map_err(Error::kafka("begin transaction"))
+    }
+
+    /// Add the consumed offsets to the transaction with the consumer's group metadata, so
+    /// the group coordinator fences a zombie of an older generation (KIP-447).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`]; abortable or fatal per the error.
+    pub fn send_offsets_to_transaction(
+        &self,
+        offsets: &rdkafka::TopicPartitionList,
+        cgm: &rdkafka::consumer::ConsumerGroupMetadata,
+    ) -> Result<()> {
+        self.producer
+            .send_offsets_to_transaction(offsets, cgm, Duration::from_secs(60))
+            .map_err(Error::kafka("send offsets to transaction"))
+    }
+
+    /// Commit the transaction (flushes first).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`]; abortable or fatal per the error.
+    pub fn commit_transaction(&self) -> Result<()> {
+        self.producer
+            .commit_transaction(Duration::from_secs(120))
+            .map_err(Error::kafka("commit transaction"))
+    }
+
+    /// Abort the transaction: its records are never visible read_committed.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] (fatal when fenced).
+    pub fn abort_transaction(&self) -> Result<()> {
+        self.producer
+            .abort_transaction(Duration::from_secs(120))
+            .map_err(Error::kafka("abort transaction"))
+    }
+
     /// Records queued and not yet delivered.
     pub fn in_flight(&self) -> i32 {
         self.producer.in_flight_count()

@@ -129,4 +129,8 @@ pub trait Processor: Send {
     fn punctuate(&mut self, _ctx: &mut Context<'_>) -> Result<(), Error> {
         Ok(())
     }
+
+    /// The open commit was aborted: its staged writes are gone and its records will be
+    /// processed again. Drop anything derived from them. Default: nothing.
+    fn on_abort(&mut self) {}
 }

@@ -217,6 +217,11 @@ impl Dedup {
 }
 
 impl Processor for Dedup {
+    fn on_abort(&mut self) {
+        // The key book counted staged writes that are gone: rebuild it from the store.
+        self.book = None;
+    }
+
     /// The expiry sweep: looks at up to [`SWEEP_BATCH`] entries from where the last sweep
     /// stopped, and deletes (with a changelog tombstone) each entry whose first-seen time
     /// plus TTL plus grace lies before the stream time. Stream time only moves with records,

@@ -101,6 +101,10 @@ pub struct App {
 const RESTORE_BATCH: usize = 20_000;
 
 struct Engine {
+    /// processing.guarantee is exactly_once_v2.
+    eos: bool,
+    /// A transaction is open (exactly_once_v2).
+    txn_open: bool,
     topology: Topology,
     config: Config,
     source_topic: String,
@@ -159,8 +163,13 @@ impl Engine {
         }
         let record = to_record(m, &self.source_topic);
         task.process(record, wall_clock_ms(), &mut self.out)?;
-        for o in self.out.drain(..) {
-            self.producer.send(&o)?;
+        if !self.out.is_empty() {
+            self.ensure_txn()?;
+            let mut out = std::mem::take(&mut self.out);
+            let sent = out.iter().try_for_each(|o| self.producer.send(o));
+            out.clear();
+            self.out = out;
+            sent.map_err(|e| self.fenced_or(e))?;
         }
         self.uncommitted += 1;
         Ok(())
@@ -172,26 +181,36 @@ impl Engine {
                 || self.uncommitted >= 200_000)
     }
 
-    /// The commit protocol (see the module docs).
-    fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
-        self.last_commit = Instant::now();
-        if self.uncommitted == 0 {
-            return Ok(());
+    /// Begin the transaction of this commit interval if none is open (exactly_once_v2).
+    fn ensure_txn(&mut self) -> Result<()> {
+        if self.eos && !self.txn_open {
+            self.producer.begin_transaction().map_err(|e| self.fenced_or(e))?;
+            self.txn_open = true;
         }
-        let now = wall_clock_ms();
-        // 2. Outputs and dead letters durable.
-        failpoint::hit("commit.before_flush");
-        self.producer.flush(Duration::from_secs(600))?;
-        failpoint::hit("commit.after_flush");
-        // 3-4. Sweep, then the changelog records of every staged write, durable. Only now:
-        // a changelog record is state, and state may not run ahead of its outputs.
+        Ok(())
+    }
+
+    /// A fatal transactional error becomes [`Error::Fenced`]; others pass through.
+    fn fenced_or(&self, e: Error) -> Error {
+        if e.is_fatal_transaction_error() {
+            Error::Fenced(format!(
+                "transactional.id {} was taken over by another instance ({e}); this instance stops",
+                self.config.transactional_id()
+            ))
+        } else {
+            e
+        }
+    }
+
+    /// Run the sweep, then turn every staged write into a changelog record stamped `now`.
+    fn changelog_records(&mut self, now: i64) -> Result<Vec<OutRecord>> {
         for t in self.tasks.values_mut() {
             t.punctuate(now)?;
         }
-        let mut changelog_out = Vec::new();
+        let mut out = Vec::new();
         for (p, t) in &self.tasks {
             t.for_each_staged_write(|store, k, v| {
-                changelog_out.push(OutRecord {
+                out.push(OutRecord {
                     topic: self.changelogs[store].clone(),
                     partition: Some(*p),
                     key: Some(Bytes::copy_from_slice(k)),
@@ -201,14 +220,12 @@ impl Engine {
                 });
             });
         }
-        if !changelog_out.is_empty() {
-            for r in &changelog_out {
-                self.producer.send(r)?;
-            }
-            self.producer.flush(Duration::from_secs(600))?;
-        }
-        failpoint::hit("commit.after_changelog");
-        // 5. State with its changelog offsets, then one fsync.
+        Ok(out)
+    }
+
+    /// Apply every task's staged writes with the changelog offsets they reached; return the
+    /// source offsets to commit.
+    fn apply_state(&mut self) -> Result<TopicPartitionList> {
         let mut tpl = TopicPartitionList::new();
         for (p, t) in self.tasks.iter_mut() {
             let producer = &self.producer;
@@ -219,7 +236,48 @@ impl Engine {
                     .map_err(Error::kafka("build offsets"))?;
             }
         }
-        self.backend.flush()?;
+        Ok(tpl)
+    }
+
+    fn processed_offsets(&self) -> Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        for (p, t) in &self.tasks {
+            if let Some(pos) = t.position() {
+                tpl.add_partition_offset(&self.source_topic, *p, Offset::Offset(pos))
+                    .map_err(Error::kafka("build offsets"))?;
+            }
+        }
+        Ok(tpl)
+    }
+
+    /// The commit protocol (see the module docs).
+    fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
+        self.last_commit = Instant::now();
+        if self.uncommitted == 0 {
+            return Ok(());
+        }
+        if self.eos {
+            return self.commit_transaction(consumer);
+        }
+        let now = wall_clock_ms();
+        // 2. Outputs and dead letters durable.
+        failpoint::hit("commit.before_flush");
+        self.producer.flush(Duration::from_secs(600))?;
+        failpoint::hit("commit.after_flush");
+        // 3-4. Sweep, then the changelog records of every staged write, durable. Only now:
+        // a changelog record is state, and state may not run ahead of its outputs.
+        let changelog_out = self.changelog_records(now)?;
+        if !changelog_out.is_empty() {
+            for r in &changelog_out {
+                self.producer.send(r)?;
+            }
+            self.producer.flush(Duration::from_secs(600))?;
+        }
+        failpoint::hit("commit.after_changelog");
+        // 5. State with its changelog offsets. No fsync: the changelog is durable, and sled
+        // recovers a prefix of atomic batches, each with its checkpoint, so a lost tail is
+        // restored from the changelog.
+        let tpl = self.apply_state()?;
         failpoint::hit("commit.after_state");
         // 6. Offsets.
         if tpl.count() > 0 {
@@ -231,6 +289,86 @@ impl Engine {
         self.commits += 1;
         metrics::counter!(crate::metrics::COMMITS, "topology" => self.topology.name().to_string())
             .increment(1);
+        Ok(())
+    }
+
+    /// exactly_once_v2: outputs (already in the open transaction), changelog records and
+    /// consumed offsets commit in one transaction; the sled batch is applied only after the
+    /// commit succeeded. An abortable failure aborts and rewinds; a fatal one (fenced)
+    /// stops the instance.
+    fn commit_transaction(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        self.ensure_txn()?;
+        failpoint::hit("eos.after_produce");
+        let attempt = (|| -> Result<()> {
+            let changelog_out = self.changelog_records(wall_clock_ms())?;
+            for r in &changelog_out {
+                self.producer.send(r)?;
+            }
+            failpoint::hit("eos.after_changelog");
+            let offsets = self.processed_offsets()?;
+            if offsets.count() > 0 {
+                let cgm = consumer.group_metadata().ok_or_else(|| {
+                    Error::Broker("the consumer has no group metadata (not in a group)".into())
+                })?;
+                self.producer.send_offsets_to_transaction(&offsets, &cgm)?;
+            }
+            failpoint::hit("eos.before_commit");
+            self.producer.commit_transaction()
+        })();
+        if let Err(e) = attempt {
+            let e = self.fenced_or(e);
+            if matches!(e, Error::Fenced(_)) {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "transaction failed: aborting and rewinding to the committed offsets");
+            return self.abort_and_rewind(consumer);
+        }
+        self.txn_open = false;
+        metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "committed").increment(1);
+        failpoint::hit("eos.after_commit");
+        self.apply_state()?;
+        self.uncommitted = 0;
+        self.commits += 1;
+        metrics::counter!(crate::metrics::COMMITS, "topology" => self.topology.name().to_string())
+            .increment(1);
+        Ok(())
+    }
+
+    /// Abort the open transaction, drop every staged write, and seek every partition back
+    /// to its committed offset: the records are processed again in a new transaction.
+    fn abort_and_rewind(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        if self.txn_open {
+            self.producer.abort_transaction().map_err(|e| self.fenced_or(e))?;
+            self.txn_open = false;
+        }
+        metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
+        self.producer.reset_failures();
+        let mut tpl = TopicPartitionList::new();
+        for p in self.tasks.keys() {
+            tpl.add_partition(&self.source_topic, *p);
+        }
+        let committed = consumer
+            .committed_offsets(tpl, Duration::from_secs(30))
+            .map_err(Error::kafka("committed offsets"))?;
+        let mut seek = TopicPartitionList::new();
+        for (p, t) in self.tasks.iter_mut() {
+            let off = match committed.find_partition(&self.source_topic, *p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            };
+            let processed = t.position().is_some();
+            t.abort(off);
+            if processed && !t.is_restoring() {
+                seek.add_partition_offset(&self.source_topic, *p, off.map_or(Offset::Beginning, Offset::Offset))
+                    .map_err(Error::kafka("build offsets"))?;
+            }
+        }
+        if seek.count() > 0 {
+            consumer
+                .seek_partitions(seek, Duration::from_secs(30))
+                .map_err(Error::kafka("seek"))?;
+        }
+        self.uncommitted = 0;
         Ok(())
     }
 
@@ -331,7 +469,11 @@ impl Engine {
                 };
                 let recs = batches.remove(&(topic.clone(), *p)).unwrap_or_default();
                 self.restored += recs.len() as u64;
-                if task.apply_restore(&store, &recs, pos)? {
+                let done = task.apply_restore(&store, &recs, pos)?;
+                if !recs.is_empty() {
+                    failpoint::hit("restore.during");
+                }
+                if done {
                     self.restore_consumer
                         .incremental_unassign(&Self::tpl_one(topic, *p, None)?)
                         .map_err(Error::kafka("unassign changelog"))?;
@@ -543,7 +685,13 @@ impl App {
             .collect();
         let producer = OutputProducer::new(&self.config, changelogs.values().cloned().collect())?;
         let restore_consumer = consumer::create_restore_consumer(&self.config)?;
+        if self.config.exactly_once() {
+            producer.init_transactions()?;
+            tracing::info!(transactional_id = %self.config.transactional_id(), "transactions initialised");
+        }
         let engine = Arc::new(Mutex::new(Engine {
+            eos: self.config.exactly_once(),
+            txn_open: false,
             topology: self.topology.clone(),
             config: self.config.clone(),
             source_topic: self.topology.source().topic.clone(),

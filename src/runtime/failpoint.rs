@@ -11,6 +11,13 @@
 //! - `commit.after_flush`: outputs durable, changelog not written, offsets not committed;
 //! - `commit.after_changelog`: changelog durable, local state not applied;
 //! - `commit.after_state`: state applied and fsynced, offsets not committed.
+//!
+//! Points of the exactly_once_v2 commit (one transaction per commit interval):
+//! - `eos.after_produce`: outputs in the open transaction, changelog not produced;
+//! - `eos.after_changelog`: changelog produced, offsets not added;
+//! - `eos.before_commit`: offsets added, transaction not committed;
+//! - `eos.after_commit`: transaction committed, sled batch not applied;
+//! - `restore.during`: a restore batch applied, the restore not finished.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,6 +29,11 @@ pub const NAMES: &[&str] = &[
     "commit.after_flush",
     "commit.after_changelog",
     "commit.after_state",
+    "eos.after_produce",
+    "eos.after_changelog",
+    "eos.before_commit",
+    "eos.after_commit",
+    "restore.during",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

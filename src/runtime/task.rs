@@ -330,6 +330,9 @@ impl Task {
         for s in self.stores.values_mut() {
             s.abort();
         }
+        for (_, n) in self.nodes.iter_mut() {
+            n.on_abort();
+        }
         self.position = committed;
     }
 
