@@ -51,7 +51,8 @@ fn load(bootstrap: &str, dlq: &str) -> onceflow::Result<()> {
 /// Delete the demo topics and the consumer group, so the next load starts from nothing.
 fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
     let a = admin(bootstrap)?;
-    let topics = [EVENTS, UNIQUE, dlq];
+    let changelog = onceflow::state::restore::changelog_topic(group, "dedup");
+    let topics = [EVENTS, UNIQUE, dlq, changelog.as_str()];
     a.delete_topics(&topics)?;
     kafka::delete_group(bootstrap, group)?;
     // Topic deletion is asynchronous: wait until the broker no longer lists them.

@@ -60,9 +60,7 @@ impl Error {
             | Error::Kafka { .. }
             | Error::Broker(_)
             | Error::Io { .. }
-            | Error::Fenced(_) => {
-                Fault::External
-            }
+            | Error::Fenced(_) => Fault::External,
         }
     }
 
@@ -76,16 +74,18 @@ impl Error {
     pub fn is_fatal_transaction_error(&self) -> bool {
         match self {
             Error::Fenced(_) => true,
-            Error::Kafka { source, .. } => match source {
-                rdkafka::error::KafkaError::Transaction(e) => e.is_fatal(),
-                other => matches!(
+            Error::Kafka { source, .. } => {
+                match source {
+                    rdkafka::error::KafkaError::Transaction(e) => e.is_fatal(),
+                    other => matches!(
                     other.rdkafka_error_code(),
                     Some(rdkafka::types::RDKafkaErrorCode::Fenced)
                         | Some(rdkafka::types::RDKafkaErrorCode::ProducerFenced)
                         | Some(rdkafka::types::RDKafkaErrorCode::InvalidProducerEpoch)
                         | Some(rdkafka::types::RDKafkaErrorCode::TransactionalIdAuthorizationFailed)
                 ),
-            },
+                }
+            }
             _ => false,
         }
     }

@@ -231,8 +231,13 @@ impl Config {
             id if id.is_empty() => host_name(),
             id => id,
         };
-        if let Err(r) = crate::topology::check_topic_name(&format!("{application_id}-{instance_id}")) {
-            return Err(bad("instance.id", format!("it is part of the transactional.id: {r}")));
+        if let Err(r) =
+            crate::topology::check_topic_name(&format!("{application_id}-{instance_id}"))
+        {
+            return Err(bad(
+                "instance.id",
+                format!("it is part of the transactional.id: {r}"),
+            ));
         }
         Ok(Config {
             instance_id,
@@ -286,7 +291,13 @@ fn host_name() -> String {
     match (rc, std::str::from_utf8(&buf[..end])) {
         (0, Ok(h)) if !h.is_empty() => h
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect(),
         _ => "onceflow".into(),
     }
@@ -333,8 +344,16 @@ mod tests {
         assert_eq!(c.application_id, "onceflow");
         assert_eq!(c.dlq_topic, "onceflow.dlq");
         assert_eq!(c.commit_interval_ms, 1000);
-        let eos = Config::load_with_env(&[], &[("processing.guarantee".into(), "exactly_once_v2".into())], env(&[])).unwrap();
-        assert_eq!(eos.commit_interval_ms, 100, "exactly_once_v2 commits every 100 ms by default");
+        let eos = Config::load_with_env(
+            &[],
+            &[("processing.guarantee".into(), "exactly_once_v2".into())],
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(
+            eos.commit_interval_ms, 100,
+            "exactly_once_v2 commits every 100 ms by default"
+        );
         let eos = Config::load_with_env(
             &[],
             &[
@@ -348,7 +367,9 @@ mod tests {
         assert_eq!(eos.commit_interval_ms, 250);
         assert_eq!(eos.transactional_id(), "onceflow-a1");
         assert_eq!(
-            c.kafka.get("fetch.queue.backoff.ms").map(String::as_str),
+            c.kafka_consumer
+                .get("fetch.queue.backoff.ms")
+                .map(String::as_str),
             Some("20")
         );
     }

@@ -67,8 +67,10 @@ pub struct OutputProducer {
 }
 
 impl OutputProducer {
-    /// Create the producer (`enable.idempotence=true`, `linger.ms=5`, then `kafka.*` and
-    /// `kafka.producer.*`).
+    /// Create the producer (`enable.idempotence=true`, `linger.ms=5`, and under
+    /// exactly_once_v2 `transactional.id=<application.id>-<instance.id>`; then `kafka.*` and
+    /// `kafka.producer.*`). `changelog_topics` are the topics whose delivered offsets are
+    /// tracked for store checkpoints.
     ///
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
@@ -76,16 +78,17 @@ impl OutputProducer {
         cfg: &Config,
         changelog_topics: std::collections::HashSet<String>,
     ) -> Result<OutputProducer> {
-        let producer = crate::kafka::client_config(
-            cfg,
-            &[("enable.idempotence", "true"), ("linger.ms", "5")],
-            &cfg.kafka_producer,
-        )
-        .create_with_context(DeliveryTracker {
-            changelog_topics,
-            ..Default::default()
-        })
-        .map_err(crate::kafka::config_error)?;
+        let txn_id = cfg.transactional_id();
+        let mut defaults = vec![("enable.idempotence", "true"), ("linger.ms", "5")];
+        if cfg.exactly_once() {
+            defaults.push(("transactional.id", txn_id.as_str()));
+        }
+        let producer = crate::kafka::client_config(cfg, &defaults, &cfg.kafka_producer)
+            .create_with_context(DeliveryTracker {
+                changelog_topics,
+                ..Default::default()
+            })
+            .map_err(crate::kafka::config_error)?;
         Ok(OutputProducer { producer })
     }
 
@@ -182,7 +185,10 @@ impl OutputProducer {
         let ctx = self.producer.context();
         ctx.failures.store(0, Ordering::SeqCst);
         *ctx.first_failure.lock().expect("delivery tracker lock") = None;
-        ctx.changelog_offsets.lock().expect("delivery tracker lock").clear();
+        ctx.changelog_offsets
+            .lock()
+            .expect("delivery tracker lock")
+            .clear();
     }
 
     /// Register the transactional.id with the coordinator, fencing any earlier producer

@@ -184,7 +184,9 @@ impl Engine {
     /// Begin the transaction of this commit interval if none is open (exactly_once_v2).
     fn ensure_txn(&mut self) -> Result<()> {
         if self.eos && !self.txn_open {
-            self.producer.begin_transaction().map_err(|e| self.fenced_or(e))?;
+            self.producer
+                .begin_transaction()
+                .map_err(|e| self.fenced_or(e))?;
             self.txn_open = true;
         }
         Ok(())
@@ -252,7 +254,14 @@ impl Engine {
 
     /// The commit protocol (see the module docs).
     fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
+        // The interval runs from the end of the last commit, so a slow commit never leaves
+        // the next interval without time to process.
+        let result = self.commit_inner(consumer, mode);
         self.last_commit = Instant::now();
+        result
+    }
+
+    fn commit_inner(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
         if self.uncommitted == 0 {
             return Ok(());
         }
@@ -338,7 +347,9 @@ impl Engine {
     /// to its committed offset: the records are processed again in a new transaction.
     fn abort_and_rewind(&mut self, consumer: &SourceConsumer) -> Result<()> {
         if self.txn_open {
-            self.producer.abort_transaction().map_err(|e| self.fenced_or(e))?;
+            self.producer
+                .abort_transaction()
+                .map_err(|e| self.fenced_or(e))?;
             self.txn_open = false;
         }
         metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
@@ -352,15 +363,22 @@ impl Engine {
             .map_err(Error::kafka("committed offsets"))?;
         let mut seek = TopicPartitionList::new();
         for (p, t) in self.tasks.iter_mut() {
-            let off = match committed.find_partition(&self.source_topic, *p).map(|e| e.offset()) {
+            let off = match committed
+                .find_partition(&self.source_topic, *p)
+                .map(|e| e.offset())
+            {
                 Some(Offset::Offset(o)) => Some(o),
                 _ => None,
             };
             let processed = t.position().is_some();
             t.abort(off);
             if processed && !t.is_restoring() {
-                seek.add_partition_offset(&self.source_topic, *p, off.map_or(Offset::Beginning, Offset::Offset))
-                    .map_err(Error::kafka("build offsets"))?;
+                seek.add_partition_offset(
+                    &self.source_topic,
+                    *p,
+                    off.map_or(Offset::Beginning, Offset::Offset),
+                )
+                .map_err(Error::kafka("build offsets"))?;
             }
         }
         if seek.count() > 0 {
