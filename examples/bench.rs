@@ -375,7 +375,11 @@ fn run_onceflow(
     let dir = state.path().display().to_string();
     let cfg = onceflow_config(
         bootstrap,
-        &[("application.id", app_id), ("state.dir", &dir)],
+        &[
+            ("application.id", app_id),
+            ("state.dir", &dir),
+            ("processing.guarantee", "at_least_once"),
+        ],
     )?;
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
