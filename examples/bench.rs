@@ -429,6 +429,7 @@ fn prebuilt_records(ds: &Dataset, topic: &str) -> Vec<Record> {
                 headers: Vec::new(),
                 timestamp: Some(e.timestamp),
                 json: None,
+                fields: None,
                 source: SourceMeta {
                     topic: topic.clone(),
                     partition: e.partition,

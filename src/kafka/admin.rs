@@ -82,16 +82,11 @@ impl Admin {
         let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
         let res = futures::executor::block_on(self.client.create_topics([&nt], &opts))
             .map_err(Error::kafka("create topics"))?;
-        for r in res {
-            match r {
-                Ok(_) => return Ok(true),
-                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => return Ok(false),
-                Err((t, code)) => {
-                    return Err(Error::Broker(format!("cannot create topic {t}: {code}")))
-                }
-            }
+        match res.into_iter().next() {
+            Some(Ok(_)) => Ok(true),
+            Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
+            Some(Err((t, code))) => Err(Error::Broker(format!("cannot create topic {t}: {code}"))),
         }
-        Ok(false)
     }
 
     /// Delete `topics` (missing ones are fine). For tests and demos.

@@ -58,6 +58,19 @@ impl KeySource {
         }
     }
 
+    /// The JSON pointers this key reads.
+    pub fn json_pointers(&self, out: &mut Vec<String>) {
+        match self {
+            KeySource::JsonPointer(p) => {
+                if !out.contains(p) {
+                    out.push(p.clone());
+                }
+            }
+            KeySource::Composite(parts) => parts.iter().for_each(|p| p.json_pointers(out)),
+            _ => {}
+        }
+    }
+
     /// Whether this key needs the decoded JSON value.
     pub fn needs_json(&self) -> bool {
         match self {
@@ -80,6 +93,22 @@ impl KeySource {
     fn append(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
         match self {
             KeySource::JsonPointer(ptr) => {
+                if let Some((ptrs, vals)) = &record.fields {
+                    if let Some(i) = ptrs.iter().position(|p| p == ptr) {
+                        use super::json_scan::Scalar;
+                        return match &vals[i] {
+                            Scalar::Missing => Err(KeyError::Missing(format!("key field {ptr} is missing"))),
+                            Scalar::Null => Err(KeyError::Missing(format!("key field {ptr} is null"))),
+                            Scalar::Str(s) | Scalar::Num(s) => {
+                                out.extend_from_slice(s.as_bytes());
+                                Ok(())
+                            }
+                            Scalar::Other(t) => Err(KeyError::WrongType(format!(
+                                "key field {ptr} is {t}, expected a string or a number"
+                            ))),
+                        };
+                    }
+                }
                 let Some(json) = record.json.as_ref() else {
                     return Err(KeyError::Missing(format!(
                         "key field {ptr}: the value is not decoded JSON (source format must be json)"
@@ -162,6 +191,7 @@ mod tests {
             headers: vec![("msg-id".into(), Some(vec![0xff, 0x00].into()))],
             timestamp: Some(0),
             json: Some(json),
+            fields: None,
             source: SourceMeta {
                 topic: "t".into(),
                 partition: 0,

@@ -6,6 +6,7 @@
 //! they may keep scratch buffers without locks.
 
 pub mod dedup;
+pub mod json_scan;
 pub mod key;
 pub mod record;
 pub mod stages;

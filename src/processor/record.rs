@@ -30,8 +30,11 @@ pub struct Record {
     pub headers: Vec<(String, Option<Bytes>)>,
     /// Record timestamp in milliseconds since the epoch (event time), if the record had one.
     pub timestamp: Option<i64>,
-    /// Decoded JSON value, when the source format is `json`.
+    /// Decoded JSON value, when the source format is `json` and a stage needs the tree.
     pub json: Option<serde_json::Value>,
+    /// Values picked by JSON pointer when the source was decoded without a tree: the
+    /// pointers (shared by all records of a task) and the value found at each.
+    pub fields: Option<(Arc<[String]>, Vec<super::json_scan::Scalar>)>,
     /// Where the record came from.
     pub source: SourceMeta,
 }

@@ -605,6 +605,7 @@ fn to_record(m: &BorrowedMessage<'_>, topic: &str) -> Record {
         headers,
         timestamp: m.timestamp().to_millis(),
         json: None,
+        fields: None,
         source: SourceMeta {
             topic: topic.into(),
             partition: m.partition(),

@@ -41,6 +41,8 @@ pub struct Task {
     next: Vec<Record>,
     dlq_counter: metrics::Counter,
     restorers: Vec<Restorer>,
+    pointers: std::sync::Arc<[String]>,
+    pointer_tokens: Vec<Vec<String>>,
 }
 
 impl Task {
@@ -75,6 +77,12 @@ impl Task {
                 "topology" => topology.name().to_string(),
                 "topic" => topology.source().topic.clone()),
             restorers: Vec::new(),
+            pointers: topology.json_pointers().into(),
+            pointer_tokens: topology
+                .json_pointers()
+                .iter()
+                .map(|p| crate::processor::json_scan::tokens(p))
+                .collect(),
         })
     }
 
@@ -140,12 +148,13 @@ impl Task {
             ));
         };
         if self.format == Format::Json {
+            // One validating pass that picks the fields the stages read; no tree is built.
             match record
                 .value
                 .as_deref()
-                .map(serde_json::from_slice::<serde_json::Value>)
+                .map(|v| crate::processor::json_scan::scan(v, &self.pointer_tokens))
             {
-                Some(Ok(v)) => record.json = Some(v),
+                Some(Ok(vals)) => record.fields = Some((self.pointers.clone(), vals)),
                 Some(Err(e)) => {
                     self.dlq_counter.increment(1);
                     dead(

@@ -116,7 +116,7 @@ impl SledBackend {
         let db = ::sled::Config::new()
             .path(dir)
             .cache_capacity(256 * 1024 * 1024)
-            .mode(::sled::Mode::HighThroughput)
+            .mode(::sled::Mode::LowSpace)
             .flush_every_ms(Some(1000))
             .open()
             .map_err(|e| {
@@ -241,3 +241,4 @@ mod tests {
         }
     }
 }
+

@@ -194,6 +194,7 @@ impl TestDriver {
             headers: r.headers,
             timestamp: r.timestamp,
             json: None,
+            fields: None,
             source: SourceMeta {
                 topic: self.topology.source().topic.as_str().into(),
                 partition: r.partition,
@@ -339,4 +340,5 @@ impl TestDriver {
 }
 
 pub mod gharchive;
+pub mod harness;
 pub mod kafka;

@@ -98,6 +98,17 @@ impl Topology {
             .collect()
     }
 
+    /// The JSON pointers the stages read, for decoding without a tree.
+    pub fn json_pointers(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for s in &self.stages {
+            if let StageKind::Dedup(d) = &s.kind {
+                d.key.json_pointers(&mut out);
+            }
+        }
+        out
+    }
+
     /// Topics written by sinks, in order, without repeats.
     pub fn sink_topics(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();

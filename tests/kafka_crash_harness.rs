@@ -1,0 +1,36 @@
+//! exactly_once_v2 under crashes (issue 4): three runs of the crash harness
+//! (`onceflow::testing::harness`), each with fresh topics, input with duplicates, 1–3
+//! instances, one SIGKILLed at a transactional failpoint or a random moment and restarted;
+//! read_committed, every distinct input id must come out exactly once.
+//! `ONCEFLOW_TEST_HARNESS_SEED` fixes the seed (it is printed either way).
+
+mod common;
+
+use onceflow::testing::harness;
+use std::path::Path;
+
+#[test]
+fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
+    let bs = common::bootstrap();
+    let seed = std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+        });
+    let mut opts = harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 3);
+    // Cargo's binary does not change during the test.
+    opts.copy_binary = false;
+    let report = harness::run_with(&opts, |r| eprintln!("{}", r.line()));
+    eprintln!("{}", report.summary_line());
+    eprintln!(
+        "aborted records seen (kills that hit open transactions): {}",
+        report.aborted()
+    );
+    assert_eq!(report.duplicates(), 0, "duplicates: {}", report.summary_line());
+    assert_eq!(report.losses(), 0, "losses: {}", report.summary_line());
+    assert_eq!(report.failed_runs(), 0, "failed runs: {}", report.summary_line());
+}
