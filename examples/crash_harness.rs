@@ -7,6 +7,8 @@
 //! cargo build --release --bin onceflow --example crash_harness
 //! target/release/examples/crash_harness --runs 200 [--seed S] [--bin PATH]
 //!     [--min-events N] [--max-events N] [--gharchive P] [--work-dir DIR] [--keep-logs]
+//!     [--kill KIND,...]   # moment, eos.after_produce, eos.after_changelog,
+//!                         # eos.before_commit, eos.after_commit, restore.during
 //! ```
 //! The binary is `--bin`, else `ONCEFLOW_BIN`, else `target/release/onceflow`; the broker
 //! is `ONCEFLOW_BOOTSTRAP_SERVERS` (default 127.0.0.1:9092). Prints one line per run and a
@@ -20,7 +22,7 @@ use std::process::ExitCode;
 fn usage() -> ExitCode {
     eprintln!(
         "usage: crash_harness [--runs N] [--seed S] [--bin PATH] [--min-events N] [--max-events N] \
-         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs]"
+         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...]"
     );
     ExitCode::from(2)
 }
@@ -44,8 +46,12 @@ fn main() -> ExitCode {
             v
         };
         let ok = match a.as_str() {
-            "--runs" => value("--runs").and_then(|v| v.parse().ok()).map(|v| opts.runs = v),
-            "--seed" => value("--seed").and_then(|v| v.parse().ok()).map(|v| opts.seed = v),
+            "--runs" => value("--runs")
+                .and_then(|v| v.parse().ok())
+                .map(|v| opts.runs = v),
+            "--seed" => value("--seed")
+                .and_then(|v| v.parse().ok())
+                .map(|v| opts.seed = v),
             "--bin" => value("--bin").map(|v| opts.bin = PathBuf::from(v)),
             "--min-events" => value("--min-events")
                 .and_then(|v| v.parse().ok())
@@ -57,6 +63,9 @@ fn main() -> ExitCode {
                 .and_then(|v| v.parse().ok())
                 .map(|v| opts.gharchive_probability = v),
             "--work-dir" => value("--work-dir").map(|v| opts.work_dir = PathBuf::from(v)),
+            "--kill" => value("--kill").map(|v| {
+                opts.kill_kinds = v.split(',').map(str::to_string).collect();
+            }),
             "--keep-logs" => {
                 opts.keep_logs = true;
                 Some(())

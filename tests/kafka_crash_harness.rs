@@ -21,7 +21,8 @@ fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
                 .unwrap()
                 .as_secs()
         });
-    let mut opts = harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 3);
+    let mut opts =
+        harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 3);
     // Cargo's binary does not change during the test.
     opts.copy_binary = false;
     let report = harness::run_with(&opts, |r| eprintln!("{}", r.line()));
@@ -30,7 +31,17 @@ fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
         "aborted records seen (kills that hit open transactions): {}",
         report.aborted()
     );
-    assert_eq!(report.duplicates(), 0, "duplicates: {}", report.summary_line());
+    assert_eq!(
+        report.duplicates(),
+        0,
+        "duplicates: {}",
+        report.summary_line()
+    );
     assert_eq!(report.losses(), 0, "losses: {}", report.summary_line());
-    assert_eq!(report.failed_runs(), 0, "failed runs: {}", report.summary_line());
+    assert_eq!(
+        report.failed_runs(),
+        0,
+        "failed runs: {}",
+        report.summary_line()
+    );
 }

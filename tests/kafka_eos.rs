@@ -30,7 +30,11 @@ fn ids_in(topic: &str, committed: bool) -> HashMap<String, usize> {
 }
 
 fn distinct_ids() -> HashSet<String> {
-    gharchive::hour_files().iter().flat_map(|f| gharchive::read_hour(f).unwrap()).map(|e| e.id).collect()
+    gharchive::hour_files()
+        .iter()
+        .flat_map(|f| gharchive::read_hour(f).unwrap())
+        .map(|e| e.id)
+        .collect()
 }
 
 fn assert_exactly_once(topic: &str) {
@@ -38,7 +42,11 @@ fn assert_exactly_once(topic: &str) {
     let want = distinct_ids();
     let dups: Vec<_> = got.iter().filter(|(_, n)| **n > 1).take(5).collect();
     assert!(dups.is_empty(), "duplicates read_committed: {dups:?}");
-    assert_eq!(got.keys().cloned().collect::<HashSet<_>>(), want, "every id once");
+    assert_eq!(
+        got.keys().cloned().collect::<HashSet<_>>(),
+        want,
+        "every id once"
+    );
 }
 
 #[test]
@@ -48,11 +56,17 @@ fn real_data_exactly_once() {
     let rep = gharchive::publish(&p, &names.input, 2000, 21).unwrap();
     let (st, out) = start(&names, &eos("a"), &[], &["--stop-at-end"]).wait(T);
     assert!(st.success(), "{out}");
-    assert_eq!(summary_field(&out, "records_in"), Some(rep.published as f64));
+    assert_eq!(
+        summary_field(&out, "records_in"),
+        Some(rep.published as f64)
+    );
     assert_exactly_once(&names.output);
 }
 
-fn transactional_producer(txn_id: &str, compression: &str) -> ThreadedProducer<rdkafka::producer::DefaultProducerContext> {
+fn transactional_producer(
+    txn_id: &str,
+    compression: &str,
+) -> ThreadedProducer<rdkafka::producer::DefaultProducerContext> {
     let p: ThreadedProducer<_> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap())
         .set("transactional.id", txn_id)
@@ -72,7 +86,13 @@ fn upstream_aborted_transactions_never_reach_the_state() {
         let p = transactional_producer(&unique(&format!("upstream-{codec}")), codec);
         let send = |id: &str| {
             let v = format!(r#"{{"id":"{tag}-{id}","pad":"{}"}}"#, "x".repeat(200));
-            p.send(BaseRecord::<str, str>::to(&names.input).key("k").payload(&v)).map_err(|(e, _)| e).unwrap();
+            p.send(
+                BaseRecord::<str, str>::to(&names.input)
+                    .key("k")
+                    .payload(&v),
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
         };
         p.begin_transaction().unwrap();
         for id in ["x1", "x2", "x3", "x4", "x5"] {
@@ -87,14 +107,19 @@ fn upstream_aborted_transactions_never_reach_the_state() {
         p.commit_transaction(Duration::from_secs(30)).unwrap();
     }
     // The raw topic does hold the aborted records.
-    let uncommitted = kafka::read_topic(&bootstrap(), &names.input, false, T).unwrap().len();
+    let uncommitted = kafka::read_topic(&bootstrap(), &names.input, false, T)
+        .unwrap()
+        .len();
     assert_eq!(uncommitted, 18, "5 aborted + 4 committed, twice");
     let (st, out) = start(&names, &eos("a"), &[], &["--stop-at-end"]).wait(T);
     assert!(st.success(), "{out}");
     assert_eq!(summary_field(&out, "records_in"), Some(8.0), "{out}");
     let mut got: Vec<String> = ids_in(&names.output, true).into_keys().collect();
     got.sort();
-    assert_eq!(got, vec!["l-x1", "l-x2", "l-x3", "l-y1", "z-x1", "z-x2", "z-x3", "z-y1"]);
+    assert_eq!(
+        got,
+        vec!["l-x1", "l-x2", "l-x3", "l-y1", "z-x1", "z-x2", "z-x3", "z-y1"]
+    );
     // The dedup state (its changelog) holds no key of an aborted-only record.
     let changelog = format!("{}-dedup-changelog", names.app);
     let keys: HashSet<String> = kafka::read_topic(&bootstrap(), &changelog, true, T)
@@ -123,8 +148,17 @@ fn two_applications_on_one_broker_do_not_fence_each_other() {
         topology: a.topology.clone(),
     };
     let b_topology = b.state.path().join("t.yaml");
-    std::fs::write(&b_topology, std::fs::read_to_string(&a.topology).unwrap().replace(&a.output, &b.output)).unwrap();
-    let b = Names { topology: b_topology, ..b };
+    std::fs::write(
+        &b_topology,
+        std::fs::read_to_string(&a.topology)
+            .unwrap()
+            .replace(&a.output, &b.output),
+    )
+    .unwrap();
+    let b = Names {
+        topology: b_topology,
+        ..b
+    };
     create_topics(&[&b.output, &b.dlq], 2);
     let ra = start(&a, &eos("same"), &[], &["--stop-at-end"]);
     let rb = start(&b, &eos("same"), &[], &["--stop-at-end"]);
@@ -149,13 +183,19 @@ fn committed_offsets_are_never_ahead_of_the_visible_output() {
     let mut checks = 0;
     let started = Instant::now();
     loop {
-        let committed = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, 4).unwrap();
+        let committed =
+            kafka::committed_offsets(&bootstrap(), &names.app, &names.input, 4).unwrap();
         let visible: HashSet<String> = ids_in(&names.output, true).into_keys().collect();
         for r in &input {
             if let Some(c) = committed[r.partition as usize] {
                 if r.offset < c {
                     let id = json_id(r.value.as_deref());
-                    assert!(visible.contains(&id), "offset {} of p{} committed, but {id} not visible", r.offset, r.partition);
+                    assert!(
+                        visible.contains(&id),
+                        "offset {} of p{} committed, but {id} not visible",
+                        r.offset,
+                        r.partition
+                    );
                 }
             }
         }
@@ -166,7 +206,10 @@ fn committed_offsets_are_never_ahead_of_the_visible_output() {
     }
     let (st, _) = run.wait(T);
     assert!(st.success());
-    assert!(checks >= 2, "checked during the run, not only after it ({checks})");
+    assert!(
+        checks >= 2,
+        "checked during the run, not only after it ({checks})"
+    );
     assert_exactly_once(&names.output);
 }
 
@@ -183,14 +226,20 @@ fn a_zombie_is_fenced_and_its_late_writes_never_appear() {
     zombie.wait_for_log("transactions initialised", T);
     // Wait until it has written into an open transaction.
     let deadline = Instant::now() + T;
-    while kafka::read_topic(&bootstrap(), &names.output, false, T).unwrap().is_empty() {
+    while kafka::read_topic(&bootstrap(), &names.output, false, T)
+        .unwrap()
+        .is_empty()
+    {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(50));
     }
     zombie.signal(libc::SIGSTOP);
     // The replacement: same instance id (same transactional.id), its own state dir.
     let mut rsets = eos("z");
-    rsets.push(("state.dir", names.state.path().join("replacement").display().to_string()));
+    rsets.push((
+        "state.dir",
+        names.state.path().join("replacement").display().to_string(),
+    ));
     let replacement = start(&names, &rsets, &[], &["--stop-at-end"]);
     let (st, out) = replacement.wait(T);
     assert!(st.success(), "{out}");
@@ -199,10 +248,21 @@ fn a_zombie_is_fenced_and_its_late_writes_never_appear() {
     let (st, _) = zombie.wait(T);
     assert!(!st.success(), "the zombie must exit non-zero");
     let log = log.lock().unwrap().clone();
-    assert!(log.contains("fenced"), "the zombie says it was fenced:\n{log}");
+    assert!(
+        log.contains("fenced"),
+        "the zombie says it was fenced:\n{log}"
+    );
     assert_exactly_once(&names.output);
-    let all = kafka::read_topic(&bootstrap(), &names.output, false, T).unwrap().len();
+    let all = kafka::read_topic(&bootstrap(), &names.output, false, T)
+        .unwrap()
+        .len();
     let committed: usize = ids_in(&names.output, true).values().sum();
-    eprintln!("zombie: {} records of aborted transactions in the output log", all - committed);
-    assert!(all > committed, "the zombie's open transaction was aborted, its records stay invisible");
+    eprintln!(
+        "zombie: {} records of aborted transactions in the output log",
+        all - committed
+    );
+    assert!(
+        all > committed,
+        "the zombie's open transaction was aborted, its records stay invisible"
+    );
 }

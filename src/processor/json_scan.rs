@@ -40,9 +40,17 @@ pub fn tokens(pointer: &str) -> Vec<String> {
 /// The `serde_json` syntax error, with its line and column, when `bytes` is not JSON.
 pub fn scan(bytes: &[u8], pointers: &[Vec<String>]) -> Result<Vec<Scalar>, serde_json::Error> {
     let mut found = vec![Scalar::Missing; pointers.len()];
-    let paths: Vec<(usize, &[String])> = pointers.iter().enumerate().map(|(i, p)| (i, p.as_slice())).collect();
+    let paths: Vec<(usize, &[String])> = pointers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i, p.as_slice()))
+        .collect();
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    Walk { paths: &paths, found: &mut found }.deserialize(&mut de)?;
+    Walk {
+        paths: &paths,
+        found: &mut found,
+    }
+    .deserialize(&mut de)?;
     de.end()?;
     Ok(found)
 }
@@ -92,7 +100,9 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
         Ok(())
     }
     fn visit_f64<E>(mut self, v: f64) -> Result<(), E> {
-        let text = serde_json::Number::from_f64(v).map(|n| n.to_string()).unwrap_or_default();
+        let text = serde_json::Number::from_f64(v)
+            .map(|n| n.to_string())
+            .unwrap_or_default();
         self.set(Scalar::Num(text));
         Ok(())
     }
@@ -118,7 +128,10 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
                     }
                 }
             }
-            map.next_value_seed(Walk { paths: &sub, found: self.found })?;
+            map.next_value_seed(Walk {
+                paths: &sub,
+                found: self.found,
+            })?;
         }
         Ok(())
     }
@@ -130,12 +143,20 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
             sub.clear();
             for (i, rest) in self.paths {
                 if let Some((first, tail)) = rest.split_first() {
-                    if first.parse::<usize>().ok() == Some(index) && (first == "0" || !first.starts_with('0')) {
+                    if first.parse::<usize>().ok() == Some(index)
+                        && (first == "0" || !first.starts_with('0'))
+                    {
                         sub.push((*i, tail));
                     }
                 }
             }
-            if seq.next_element_seed(Walk { paths: &sub, found: self.found })?.is_none() {
+            if seq
+                .next_element_seed(Walk {
+                    paths: &sub,
+                    found: self.found,
+                })?
+                .is_none()
+            {
                 break;
             }
             index += 1;
@@ -173,7 +194,18 @@ mod tests {
             r#""just a string""#,
             r#"{"id":{"deep":[true]}}"#,
         ];
-        let pointers = ["/id", "/actor/id", "/a~1b", "/m~0n", "/arr/1/x", "/arr/01", "/arr/0", "", "/nope", "/1"];
+        let pointers = [
+            "/id",
+            "/actor/id",
+            "/a~1b",
+            "/m~0n",
+            "/arr/1/x",
+            "/arr/01",
+            "/arr/0",
+            "",
+            "/nope",
+            "/1",
+        ];
         for d in docs {
             let toks: Vec<Vec<String>> = pointers.iter().map(|p| tokens(p)).collect();
             let got = scan(d.as_bytes(), &toks).unwrap();
@@ -185,9 +217,19 @@ mod tests {
 
     #[test]
     fn rejects_what_serde_json_rejects_with_the_same_message() {
-        for bad in ["not json", "{\"id\":1", "{\"id\":1} trailing", "", "\u{0}\u{ff}"] {
-            let ours = scan(bad.as_bytes(), &[tokens("/id")]).unwrap_err().to_string();
-            let theirs = serde_json::from_slice::<serde_json::Value>(bad.as_bytes()).unwrap_err().to_string();
+        for bad in [
+            "not json",
+            "{\"id\":1",
+            "{\"id\":1} trailing",
+            "",
+            "\u{0}\u{ff}",
+        ] {
+            let ours = scan(bad.as_bytes(), &[tokens("/id")])
+                .unwrap_err()
+                .to_string();
+            let theirs = serde_json::from_slice::<serde_json::Value>(bad.as_bytes())
+                .unwrap_err()
+                .to_string();
             assert_eq!(ours, theirs, "{bad:?}");
         }
     }

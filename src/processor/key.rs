@@ -97,8 +97,12 @@ impl KeySource {
                     if let Some(i) = ptrs.iter().position(|p| p == ptr) {
                         use super::json_scan::Scalar;
                         return match &vals[i] {
-                            Scalar::Missing => Err(KeyError::Missing(format!("key field {ptr} is missing"))),
-                            Scalar::Null => Err(KeyError::Missing(format!("key field {ptr} is null"))),
+                            Scalar::Missing => {
+                                Err(KeyError::Missing(format!("key field {ptr} is missing")))
+                            }
+                            Scalar::Null => {
+                                Err(KeyError::Missing(format!("key field {ptr} is null")))
+                            }
                             Scalar::Str(s) | Scalar::Num(s) => {
                                 out.extend_from_slice(s.as_bytes());
                                 Ok(())

@@ -287,6 +287,7 @@ impl Processor for Dedup {
         };
         let store = ctx.store(&self.store)?;
         if self.book.is_none() {
+            store.sync()?;
             let labels = [
                 ("topology", self.topology.clone()),
                 ("store", self.store.clone()),

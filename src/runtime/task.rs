@@ -59,7 +59,7 @@ impl Task {
         let mut stores = Stores::new();
         for s in topology.stores() {
             let engine = backend.open(&s, partition)?;
-            stores.insert(s, StagedStore::new(engine));
+            stores.insert(s, StagedStore::new(engine, backend.writer()));
         }
         Ok(Task {
             topic: topology.source().topic.as_str().into(),
@@ -269,7 +269,8 @@ impl Task {
             node: store.to_string(),
             reason: "no such state store".into(),
         })?;
-        let r = Restorer::plan(store, partition, s.engine_mut(), low, end)?;
+        s.sync()?;
+        let r = Restorer::plan(store, partition, s.engine(), low, end)?;
         if r.is_done() {
             return Ok(None);
         }
@@ -304,7 +305,7 @@ impl Task {
             .stores
             .get_mut(store)
             .expect("restorers exist only for known stores")
-            .engine_mut();
+            .engine();
         self.restorers[i].apply(engine, records, position)?;
         if self.restorers[i].is_done() {
             let r = self.restorers.remove(i);

@@ -29,7 +29,7 @@ impl KeyValueStore for MemoryStore {
             .cloned())
     }
 
-    fn write(&mut self, batch: WriteBatch) -> Result<()> {
+    fn write(&self, batch: WriteBatch) -> Result<()> {
         let mut d = self.data.lock().expect("memory store lock");
         for (k, v) in batch.ops {
             match v {
@@ -43,7 +43,7 @@ impl KeyValueStore for MemoryStore {
         Ok(())
     }
 
-    fn clear(&mut self) -> Result<()> {
+    fn clear(&self) -> Result<()> {
         let mut d = self.data.lock().expect("memory store lock");
         d.0.clear();
         d.1 = None;
@@ -83,7 +83,7 @@ impl MemoryBackend {
 }
 
 impl StateBackend for MemoryBackend {
-    fn open(&self, store: &str, partition: i32) -> Result<Box<dyn KeyValueStore>> {
+    fn open(&self, store: &str, partition: i32) -> Result<Arc<dyn KeyValueStore>> {
         let data = self
             .stores
             .lock()
@@ -91,7 +91,7 @@ impl StateBackend for MemoryBackend {
             .entry((store.to_string(), partition))
             .or_default()
             .clone();
-        Ok(Box::new(MemoryStore {
+        Ok(Arc::new(MemoryStore {
             name: format!("{store}/{partition}"),
             data,
         }))

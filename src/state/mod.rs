@@ -16,6 +16,7 @@ pub use self::sled::{SledBackend, SledStore};
 
 use crate::error::Result;
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// The writes of one commit to one store, applied atomically.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -34,8 +35,9 @@ impl WriteBatch {
     }
 }
 
-/// A partition-local key-value store engine. Keys and values are raw bytes.
-pub trait KeyValueStore: Send {
+/// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
+/// shared between the processing thread (reads) and the [`Writer`] (batches).
+pub trait KeyValueStore: Send + Sync {
     /// Store name and partition, for messages, e.g. `dedup/3`.
     fn name(&self) -> &str;
 
@@ -49,7 +51,7 @@ pub trait KeyValueStore: Send {
     ///
     /// # Errors
     /// [`crate::Error::State`] when the engine fails to write; nothing was applied then.
-    fn write(&mut self, batch: WriteBatch) -> Result<()>;
+    fn write(&self, batch: WriteBatch) -> Result<()>;
 
     /// The changelog offset stored by the last batch that carried one.
     ///
@@ -61,7 +63,7 @@ pub trait KeyValueStore: Send {
     ///
     /// # Errors
     /// [`crate::Error::State`] when the engine fails to write.
-    fn clear(&mut self) -> Result<()>;
+    fn clear(&self) -> Result<()>;
 
     /// Up to `limit` entries in key order starting after `after` (from the start if `None`).
     ///
@@ -76,7 +78,12 @@ pub trait StateBackend: Send + Sync {
     ///
     /// # Errors
     /// [`crate::Error::State`] when the engine cannot open it.
-    fn open(&self, store: &str, partition: i32) -> Result<Box<dyn KeyValueStore>>;
+    fn open(&self, store: &str, partition: i32) -> Result<Arc<dyn KeyValueStore>>;
+
+    /// The background writer for committed batches, if this engine wants one.
+    fn writer(&self) -> Option<Arc<Writer>> {
+        None
+    }
 
     /// Make every batch written so far durable (an fsync for sled; nothing in memory).
     ///
@@ -133,24 +140,120 @@ impl StateDirLock {
     }
 }
 
-/// A store with the writes of the open commit kept pending in memory.
-///
-/// Reads see pending writes first, so lookups within a batch see the batch's own entries.
-/// [`StagedStore::commit`] applies the pending writes to the engine in one batch;
-/// [`StagedStore::abort`] drops them.
-pub struct StagedStore {
-    inner: Box<dyn KeyValueStore>,
-    pending: HashMap<Vec<u8>, Option<Vec<u8>>>,
+/// The writes of one commit: last value per key, and the keys in first-write order.
+#[derive(Debug, Default)]
+struct Staged {
+    map: HashMap<Vec<u8>, Option<Vec<u8>>>,
     order: Vec<Vec<u8>>,
 }
 
+impl Staged {
+    fn into_batch(self, changelog_offset: Option<i64>) -> WriteBatch {
+        let Staged { mut map, order } = self;
+        let ops = order
+            .into_iter()
+            .map(|k| {
+                let v = map.remove(&k).unwrap_or(None);
+                (k, v)
+            })
+            .collect();
+        WriteBatch {
+            ops,
+            changelog_offset,
+        }
+    }
+}
+
+/// A committed batch on its way to the engine: readable until the writer confirms it.
+struct Applying {
+    view: Arc<Staged>,
+    done: std::sync::mpsc::Receiver<Result<()>>,
+}
+
+/// A background thread that applies committed batches to their engines in order, so the
+/// processing thread does not wait on the engine's write cost (sled: microseconds a key).
+pub struct Writer {
+    tx: Mutex<std::sync::mpsc::Sender<WriterJob>>,
+}
+
+type WriterJob = (
+    Arc<dyn KeyValueStore>,
+    Arc<Staged>,
+    Option<i64>,
+    std::sync::mpsc::SyncSender<Result<()>>,
+);
+
+impl Writer {
+    /// Start the writer thread; it ends when the last handle is dropped.
+    pub fn spawn() -> Arc<Writer> {
+        let (tx, rx) = std::sync::mpsc::channel::<WriterJob>();
+        std::thread::Builder::new()
+            .name("onceflow-state-writer".into())
+            .spawn(move || {
+                for (engine, staged, offset, reply) in rx {
+                    // The processing thread keeps reading `staged` until the reply; copy.
+                    let batch = WriteBatch {
+                        ops: staged
+                            .order
+                            .iter()
+                            .map(|k| (k.clone(), staged.map.get(k).cloned().unwrap_or(None)))
+                            .collect(),
+                        changelog_offset: offset,
+                    };
+                    let _ = reply.send(engine.write(batch));
+                }
+            })
+            .expect("spawn the state writer thread");
+        Arc::new(Writer { tx: Mutex::new(tx) })
+    }
+
+    fn submit(
+        &self,
+        engine: Arc<dyn KeyValueStore>,
+        staged: Arc<Staged>,
+        offset: Option<i64>,
+    ) -> std::sync::mpsc::Receiver<Result<()>> {
+        let (reply, done) = std::sync::mpsc::sync_channel(1);
+        let sent =
+            self.tx
+                .lock()
+                .expect("writer lock")
+                .send((engine, staged, offset, reply.clone()));
+        if sent.is_err() {
+            let _ = reply.send(Err(crate::Error::state(
+                "writer",
+                "the state writer thread is gone",
+            )));
+        }
+        done
+    }
+}
+
+/// A store with the writes of the open commit kept pending in memory.
+///
+/// Reads see pending writes first, so lookups within a batch see the batch's own entries;
+/// then the last committed batch while the writer is still applying it; then the engine.
+/// [`StagedStore::commit`] hands the pending writes to the engine as one batch (through the
+/// background [`Writer`] when there is one, at most one batch in flight per store);
+/// [`StagedStore::abort`] drops them.
+pub struct StagedStore {
+    inner: Arc<dyn KeyValueStore>,
+    pending: Staged,
+    applying: Option<Applying>,
+    writer: Option<Arc<Writer>>,
+}
+
 impl StagedStore {
-    /// Wrap an engine.
-    pub fn new(inner: Box<dyn KeyValueStore>) -> Self {
+    /// Wrap an engine; batches are applied by `writer` if given, else synchronously.
+    pub fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
         StagedStore {
             inner,
-            pending: HashMap::with_capacity(4096),
-            order: Vec::with_capacity(4096),
+            pending: Staged {
+                map: HashMap::with_capacity(4096),
+                order: Vec::with_capacity(4096),
+            },
+            applying: None,
+            writer,
         }
     }
 
@@ -159,74 +262,105 @@ impl StagedStore {
         self.inner.name()
     }
 
-    /// Read `key`, pending writes first.
+    /// Read `key`: pending writes, then the batch being applied, then the engine.
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        match self.pending.get(key) {
-            Some(v) => Ok(v.clone()),
-            None => self.inner.get(key),
+        if let Some(v) = self.pending.map.get(key) {
+            return Ok(v.clone());
         }
+        if let Some(a) = &self.applying {
+            if let Some(v) = a.view.map.get(key) {
+                return Ok(v.clone());
+            }
+        }
+        self.inner.get(key)
     }
 
     /// Stage a put (`Some`) or delete (`None`) of `key`.
     pub fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
-        if !self.pending.contains_key(&key) {
-            self.order.push(key.clone());
+        match self.pending.map.entry(key) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                e.insert(value);
+            }
+            std::collections::hash_map::Entry::Vacant(e) => {
+                self.pending.order.push(e.key().clone());
+                e.insert(value);
+            }
         }
-        self.pending.insert(key, value);
     }
 
     /// Number of staged keys.
     pub fn pending_len(&self) -> usize {
-        self.pending.len()
+        self.pending.map.len()
     }
 
     /// The staged writes in first-write order, without removing them.
     pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
-        self.order.iter().map(move |k| {
-            let v = self.pending.get(k).and_then(|v| v.as_deref());
+        self.pending.order.iter().map(move |k| {
+            let v = self.pending.map.get(k).and_then(|v| v.as_deref());
             (k.as_slice(), v)
         })
     }
 
-    /// Apply the staged writes to the engine in one batch with `changelog_offset`.
+    /// Wait until the batch in flight (if any) is applied.
     ///
     /// # Errors
-    /// As [`KeyValueStore::write`]; the staged writes are dropped either way, since the
-    /// runtime rewinds to the committed offsets on any failure.
-    pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
-        let mut ops = Vec::with_capacity(self.order.len());
-        for k in self.order.drain(..) {
-            let v = self.pending.remove(&k).unwrap_or(None);
-            ops.push((k, v));
+    /// The engine's write error for that batch.
+    pub fn sync(&mut self) -> Result<()> {
+        match self.applying.take() {
+            None => Ok(()),
+            Some(a) => a.done.recv().unwrap_or_else(|_| {
+                Err(crate::Error::state(
+                    self.inner.name(),
+                    "the state writer thread is gone",
+                ))
+            }),
         }
-        self.pending.clear();
-        let batch = WriteBatch {
-            ops,
-            changelog_offset,
-        };
-        if batch.is_empty() {
+    }
+
+    /// Apply the staged writes to the engine as one batch with `changelog_offset`.
+    ///
+    /// # Errors
+    /// As [`KeyValueStore::write`] (for this batch, or, with a writer, the previous one);
+    /// the staged writes are dropped either way, since the runtime stops or rewinds on any
+    /// failure.
+    pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+        let staged = std::mem::take(&mut self.pending);
+        self.sync()?;
+        if staged.order.is_empty() && changelog_offset.is_none() {
             return Ok(());
         }
-        self.inner.write(batch)
+        match &self.writer {
+            Some(w) => {
+                let view = Arc::new(staged);
+                let done = w.submit(self.inner.clone(), view.clone(), changelog_offset);
+                self.applying = Some(Applying { view, done });
+                Ok(())
+            }
+            None => self.inner.write(staged.into_batch(changelog_offset)),
+        }
     }
 
     /// Drop the staged writes (the commit failed or was aborted).
     pub fn abort(&mut self) {
-        self.pending.clear();
-        self.order.clear();
+        self.pending.map.clear();
+        self.pending.order.clear();
     }
 
-    /// The engine under the staging layer.
+    /// The engine under the staging layer (restore and scans use it directly; call
+    /// [`StagedStore::sync`] first to see every committed batch).
     pub fn engine(&self) -> &dyn KeyValueStore {
         self.inner.as_ref()
     }
+}
 
-    /// The engine under the staging layer, mutably (restore writes here directly).
-    pub fn engine_mut(&mut self) -> &mut dyn KeyValueStore {
-        self.inner.as_mut()
+impl Drop for StagedStore {
+    fn drop(&mut self) {
+        if let Err(e) = self.sync() {
+            tracing::error!(store = self.inner.name(), error = %e, "applying the last batch failed");
+        }
     }
 }
 
@@ -256,7 +390,7 @@ mod tests {
     #[test]
     fn staged_writes_are_visible_but_not_applied_until_commit() {
         let backend = MemoryBackend::default();
-        let mut s = StagedStore::new(backend.open("s", 0).unwrap());
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
         s.stage(b"a".to_vec(), Some(b"1".to_vec()));
         assert_eq!(s.get(b"a").unwrap(), Some(b"1".to_vec()));
         assert_eq!(

@@ -69,7 +69,7 @@ impl Restorer {
     pub fn plan(
         store: &str,
         partition: i32,
-        engine: &mut dyn KeyValueStore,
+        engine: &dyn KeyValueStore,
         low: i64,
         end: i64,
     ) -> Result<Restorer> {
@@ -127,7 +127,7 @@ impl Restorer {
     /// A store failure; nothing of this batch is applied then.
     pub fn apply(
         &mut self,
-        engine: &mut dyn KeyValueStore,
+        engine: &dyn KeyValueStore,
         records: &[ChangelogRecord],
         position: i64,
     ) -> Result<()> {
@@ -199,11 +199,11 @@ mod tests {
     #[test]
     fn applies_in_log_order_and_finishes_by_position_not_by_record() {
         let b = MemoryBackend::default();
-        let mut e = b.open("s", 0).unwrap();
+        let e = b.open("s", 0).unwrap();
         // Offsets 0..3 hold records; 3 is a transaction marker: no record, end = 4.
-        let mut r = Restorer::plan("s", 0, e.as_mut(), 0, 4).unwrap();
+        let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 4).unwrap();
         r.apply(
-            e.as_mut(),
+            e.as_ref(),
             &[
                 rec("k", Some("1"), 0),
                 rec("k", None, 1),
@@ -213,7 +213,7 @@ mod tests {
         )
         .unwrap();
         assert!(!r.is_done(), "position 3 < end 4");
-        r.apply(e.as_mut(), &[], 4).unwrap();
+        r.apply(e.as_ref(), &[], 4).unwrap();
         assert!(
             r.is_done(),
             "the marker's offset is reached by position alone"
@@ -226,18 +226,18 @@ mod tests {
     #[test]
     fn resumes_from_the_checkpoint_and_clears_a_store_ahead_of_its_changelog() {
         let b = MemoryBackend::default();
-        let mut e = b.open("s", 0).unwrap();
-        let mut r = Restorer::plan("s", 0, e.as_mut(), 0, 10).unwrap();
-        r.apply(e.as_mut(), &[rec("a", Some("1"), 0)], 5).unwrap();
-        let r2 = Restorer::plan("s", 0, e.as_mut(), 0, 10).unwrap();
+        let e = b.open("s", 0).unwrap();
+        let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
+        r.apply(e.as_ref(), &[rec("a", Some("1"), 0)], 5).unwrap();
+        let r2 = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
         assert_eq!(r2.start_offset(), 5, "a cut-short restore resumes");
-        let r3 = Restorer::plan("s", 0, e.as_mut(), 7, 10).unwrap();
+        let r3 = Restorer::plan("s", 0, e.as_ref(), 7, 10).unwrap();
         assert_eq!(
             r3.start_offset(),
             7,
             "records before the log start are gone: start there"
         );
-        let r4 = Restorer::plan("s", 0, e.as_mut(), 0, 3).unwrap();
+        let r4 = Restorer::plan("s", 0, e.as_ref(), 0, 3).unwrap();
         assert_eq!(r4.start_offset(), 0);
         assert_eq!(
             e.get(b"a").unwrap(),
@@ -249,10 +249,10 @@ mod tests {
     #[test]
     fn records_beyond_the_captured_end_are_not_applied() {
         let b = MemoryBackend::default();
-        let mut e = b.open("s", 0).unwrap();
-        let mut r = Restorer::plan("s", 0, e.as_mut(), 0, 1).unwrap();
+        let e = b.open("s", 0).unwrap();
+        let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 1).unwrap();
         r.apply(
-            e.as_mut(),
+            e.as_ref(),
             &[rec("a", Some("1"), 0), rec("b", Some("2"), 1)],
             2,
         )

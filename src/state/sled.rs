@@ -23,7 +23,6 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 pub struct SledStore {
     name: String,
     tree: ::sled::Tree,
-    key_buf: std::cell::RefCell<Vec<u8>>,
 }
 
 impl KeyValueStore for SledStore {
@@ -32,17 +31,24 @@ impl KeyValueStore for SledStore {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let mut buf = self.key_buf.borrow_mut();
-        buf.clear();
-        buf.push(DATA);
-        buf.extend_from_slice(key);
+        // Prefix the key on the stack when it is short (no allocation on the hot path).
+        let mut stack = [0u8; 128];
+        let heap;
+        let full: &[u8] = if key.len() < stack.len() {
+            stack[0] = DATA;
+            stack[1..=key.len()].copy_from_slice(key);
+            &stack[..=key.len()]
+        } else {
+            heap = data_key(key);
+            &heap
+        };
         self.tree
-            .get(&buf[..])
+            .get(full)
             .map(|v| v.map(|iv| iv.to_vec()))
             .map_err(|e| Error::state(&self.name, e))
     }
 
-    fn write(&mut self, batch: WriteBatch) -> Result<()> {
+    fn write(&self, batch: WriteBatch) -> Result<()> {
         let mut b = ::sled::Batch::default();
         for (k, v) in batch.ops {
             match v {
@@ -58,7 +64,7 @@ impl KeyValueStore for SledStore {
             .map_err(|e| Error::state(&self.name, e))
     }
 
-    fn clear(&mut self) -> Result<()> {
+    fn clear(&self) -> Result<()> {
         self.tree.clear().map_err(|e| Error::state(&self.name, e))
     }
 
@@ -100,6 +106,7 @@ impl KeyValueStore for SledStore {
 pub struct SledBackend {
     db: ::sled::Db,
     path: PathBuf,
+    writer: std::sync::Arc<super::Writer>,
 }
 
 impl SledBackend {
@@ -133,6 +140,7 @@ impl SledBackend {
         Ok(SledBackend {
             db,
             path: dir.to_path_buf(),
+            writer: super::Writer::spawn(),
         })
     }
 
@@ -143,17 +151,17 @@ impl SledBackend {
 }
 
 impl StateBackend for SledBackend {
-    fn open(&self, store: &str, partition: i32) -> Result<Box<dyn KeyValueStore>> {
+    fn writer(&self) -> Option<std::sync::Arc<super::Writer>> {
+        Some(self.writer.clone())
+    }
+
+    fn open(&self, store: &str, partition: i32) -> Result<std::sync::Arc<dyn KeyValueStore>> {
         let name = format!("{store}/{partition}");
         let tree = self
             .db
             .open_tree(format!("{store}-{partition}"))
             .map_err(|e| Error::state(&name, e))?;
-        Ok(Box::new(SledStore {
-            name,
-            tree,
-            key_buf: std::cell::RefCell::new(Vec::with_capacity(64)),
-        }))
+        Ok(std::sync::Arc::new(SledStore { name, tree }))
     }
 
     fn flush(&self) -> Result<()> {
@@ -188,7 +196,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let b = SledBackend::open(dir.path()).unwrap();
-            let mut s = b.open("dedup", 3).unwrap();
+            let s = b.open("dedup", 3).unwrap();
             s.write(WriteBatch {
                 ops: vec![(vec![0xff, 0x00], Some(b"v".to_vec()))],
                 changelog_offset: Some(99),
@@ -220,7 +228,7 @@ mod tests {
         ) {
             let dir = tempfile::tempdir().unwrap();
             let b = SledBackend::open(dir.path()).unwrap();
-            let mut s = b.open("p", 0).unwrap();
+            let s = b.open("p", 0).unwrap();
             let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
             let meta_like = META_CHANGELOG.to_vec();
             for (i, ops) in batches.into_iter().enumerate() {
@@ -241,4 +249,3 @@ mod tests {
         }
     }
 }
-

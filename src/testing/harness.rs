@@ -92,6 +92,9 @@ pub struct HarnessOptions {
     /// Copy the binary into `work_dir` first, so a rebuild during a long session does not
     /// change the binary under test.
     pub copy_binary: bool,
+    /// Kill kinds to choose from: `moment` and the [`FAILPOINTS`]; empty means all, each
+    /// equally likely.
+    pub kill_kinds: Vec<String>,
 }
 
 impl HarnessOptions {
@@ -109,6 +112,7 @@ impl HarnessOptions {
             work_dir: std::env::temp_dir().join(format!("onceflow-harness-{}", std::process::id())),
             keep_logs: false,
             copy_binary: true,
+            kill_kinds: Vec::new(),
         }
     }
 }
@@ -130,6 +134,8 @@ pub struct RunReport {
     pub fired: bool,
     /// Whether the victim's state dir was wiped before its final restart.
     pub wiped: bool,
+    /// Milliseconds between the kill and the restart.
+    pub restart_after_ms: u64,
     /// Whether the two real GH Archive hours were published too.
     pub gharchive: bool,
     /// Records published to the input.
@@ -177,12 +183,13 @@ impl RunReport {
     /// losses, seconds (and the problems, if any).
     pub fn line(&self) -> String {
         let mut s = format!(
-            "run {}: instances={} victim={} kill={} fired={} wiped={} gharchive={} records_in={} distinct={} output_committed={} aborted={} duplicates={} losses={} seconds={:.1}",
+            "run {}: instances={} victim={} kill={} fired={} restart_after_ms={} wiped={} gharchive={} records_in={} distinct={} output_committed={} aborted={} duplicates={} losses={} seconds={:.1}",
             self.run,
             self.instances,
             self.victim,
             self.kill,
             yes_no(self.fired),
+            self.restart_after_ms,
             yes_no(self.wiped),
             yes_no(self.gharchive),
             self.records_in,
@@ -368,7 +375,12 @@ struct Proc {
 
 impl Proc {
     fn label(&self) -> String {
-        format!("slot {} (start {}, log {})", self.slot, self.gen, self.log.display())
+        format!(
+            "slot {} (start {}, log {})",
+            self.slot,
+            self.gen,
+            self.log.display()
+        )
     }
 
     fn wait_timeout(&mut self, t: Duration) -> Option<ExitStatus> {
@@ -511,7 +523,10 @@ impl<'a> Run<'a> {
             let topics = [&self.input, &self.output, &self.dlq, &self.changelog];
             let topics: Vec<&str> = topics.iter().map(|s| s.as_str()).collect();
             if let Err(e) = admin.delete_topics(&topics) {
-                eprintln!("harness: run {}: cannot delete topics: {e}", self.report.run);
+                eprintln!(
+                    "harness: run {}: cannot delete topics: {e}",
+                    self.report.run
+                );
             }
         }
         let _ = kafka::delete_group(&self.opts.bootstrap, &self.app);
@@ -540,7 +555,9 @@ impl<'a> Run<'a> {
         );
         std::fs::write(&self.topology, yaml).map_err(|e| format!("topology: {e}"))?;
 
-        let use_gh = self.rng.random_bool(self.opts.gharchive_probability.clamp(0.0, 1.0));
+        let use_gh = self
+            .rng
+            .random_bool(self.opts.gharchive_probability.clamp(0.0, 1.0));
         self.report.gharchive = use_gh;
         let mut expected: HashSet<String> = HashSet::new();
         let producer =
@@ -618,10 +635,23 @@ impl<'a> Run<'a> {
         self.intervals = (0..k).map(|_| self.rng.random_range(50..=200)).collect();
         let victim = self.rng.random_range(0..k);
         self.report.victim = victim;
-        let plan = match self.rng.random_range(0..6) {
-            0 => KillPlan::Moment(self.moment()),
-            i => {
-                let name = FAILPOINTS[i - 1];
+        let kinds: Vec<&str> = std::iter::once("moment")
+            .chain(FAILPOINTS.iter().copied())
+            .filter(|k| {
+                self.opts.kill_kinds.is_empty() || self.opts.kill_kinds.iter().any(|o| o == k)
+            })
+            .collect();
+        if kinds.is_empty() {
+            return Err(format!("no kill kind among {:?}", self.opts.kill_kinds));
+        }
+        let plan = match kinds[self.rng.random_range(0..kinds.len())] {
+            "moment" => KillPlan::Moment(self.moment()),
+            kind => {
+                let name = FAILPOINTS
+                    .iter()
+                    .copied()
+                    .find(|f| *f == kind)
+                    .expect("a failpoint");
                 let n = self.rng.random_range(1..=4u32);
                 if name == "restore.during" {
                     KillPlan::RestoreDuring(self.moment(), n)
@@ -635,7 +665,7 @@ impl<'a> Run<'a> {
                 KillPlan::Failpoint(name, n) if slot == victim => Some(format!("{name}=kill@{n}")),
                 _ => None,
             };
-            self.start(slot, fp.as_deref())?;
+            self.start(slot, fp.as_deref(), &[])?;
         }
 
         // 3. The kill.
@@ -658,17 +688,32 @@ impl<'a> Run<'a> {
                 std::thread::sleep(after);
                 self.kill_now(victim, "moment before restore.during")?;
                 self.wipe(victim)?;
-                self.start(victim, Some(&format!("restore.during=kill@{n}")))?;
+                // Small fetches, so that the restore takes several steps and the n-th
+                // restore batch exists (one default fetch holds a whole changelog partition).
+                self.start(
+                    victim,
+                    Some(&format!("restore.during=kill@{n}")),
+                    &[("kafka.consumer.max.partition.fetch.bytes", "8192".into())],
+                )?;
                 self.report.fired = self.await_failpoint(victim, "restore.during")?;
             }
         }
-        // Restart the victim, sometimes after a short pause, sometimes with its state wiped.
-        std::thread::sleep(Duration::from_millis(self.rng.random_range(0..=1500)));
+        // Restart the victim: mostly after a short pause; with other instances, sometimes
+        // only after its session has expired, so that the survivors take its partitions
+        // over (and wait for its open transaction, which only the restart aborts). Sometimes
+        // with its state wiped.
+        let pause = if k > 1 && self.rng.random_bool(0.25) {
+            self.rng.random_range(7_000..=10_000)
+        } else {
+            self.rng.random_range(0..=1500)
+        };
+        self.report.restart_after_ms = pause;
+        std::thread::sleep(Duration::from_millis(pause));
         if self.rng.random_bool(1.0 / 3.0) {
             self.wipe(victim)?;
             self.report.wiped = true;
         }
-        self.start(victim, None)?;
+        self.start(victim, None, &[])?;
 
         // 4. Everything published, everything committed, then SIGTERM.
         match publisher.join() {
@@ -729,8 +774,14 @@ impl<'a> Run<'a> {
         events
     }
 
-    /// Start instance `slot` (its `gen`-th start), with `failpoints` if given.
-    fn start(&mut self, slot: usize, failpoints: Option<&str>) -> Result<(), String> {
+    /// Start instance `slot` (its `gen`-th start), with `failpoints` if given and `extra`
+    /// config keys.
+    fn start(
+        &mut self,
+        slot: usize,
+        failpoints: Option<&str>,
+        extra: &[(&str, String)],
+    ) -> Result<(), String> {
         self.gens[slot] += 1;
         let gen = self.gens[slot];
         let log = self.dir.join(format!("slot-{slot}-start-{gen}.log"));
@@ -738,7 +789,7 @@ impl<'a> Run<'a> {
         let f2 = f.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(self.bin);
         cmd.arg("run").arg(&self.topology);
-        let sets = [
+        let mut sets = vec![
             ("bootstrap.servers", self.opts.bootstrap.clone()),
             ("application.id", self.app.clone()),
             ("state.dir", self.slot_dir(slot).display().to_string()),
@@ -748,6 +799,7 @@ impl<'a> Run<'a> {
             ("commit.interval.ms", self.intervals[slot].to_string()),
             ("kafka.session.timeout.ms", "6000".into()),
         ];
+        sets.extend(extra.iter().cloned());
         for (k, v) in sets {
             cmd.arg("--set").arg(format!("{k}={v}"));
         }
@@ -845,20 +897,18 @@ impl<'a> Run<'a> {
         let mut last = Vec::new();
         loop {
             for slot in 0..self.procs.len() {
-                let exited = match self.procs[slot].as_mut() {
-                    Some(p) => p
-                        .child
-                        .try_wait()
-                        .ok()
-                        .flatten()
-                        .map(|st| format!("{} exited by itself ({})", p.label(), status_text(&st))),
-                    None => None,
-                };
+                let exited =
+                    match self.procs[slot].as_mut() {
+                        Some(p) => p.child.try_wait().ok().flatten().map(|st| {
+                            format!("{} exited by itself ({})", p.label(), status_text(&st))
+                        }),
+                        None => None,
+                    };
                 if let Some(msg) = exited {
                     self.report.problems.push(msg);
                     if restarts < 3 {
                         restarts += 1;
-                        if let Err(e) = self.start(slot, None) {
+                        if let Err(e) = self.start(slot, None, &[]) {
                             self.report.problems.push(e);
                         }
                     }
@@ -943,7 +993,10 @@ impl<'a> Run<'a> {
             }
         }
         self.report.duplicates = seen.values().map(|v| v.len() - 1).sum();
-        let lost: Vec<&String> = expected.iter().filter(|id| !seen.contains_key(*id)).collect();
+        let lost: Vec<&String> = expected
+            .iter()
+            .filter(|id| !seen.contains_key(*id))
+            .collect();
         self.report.losses = lost.len();
         if self.report.duplicates == 0 && lost.is_empty() {
             return Ok(());
@@ -953,7 +1006,10 @@ impl<'a> Run<'a> {
         if let Ok(recs) = kafka::read_topic(bs, &self.input, true, READ_WAIT) {
             for r in recs {
                 if let Some(id) = json_id(r.value.as_deref()) {
-                    input_pos.entry(id).or_default().push((r.partition, r.offset));
+                    input_pos
+                        .entry(id)
+                        .or_default()
+                        .push((r.partition, r.offset));
                 }
             }
         }
