@@ -3,7 +3,8 @@
 
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error.
 pub const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
-/// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage).
+/// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage),
+/// sampled one decision in 64.
 pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
 /// Gauge `{topology,store,partition}`: keys held.
 pub const DEDUP_KEYS: &str = "onceflow_dedup_keys";

@@ -143,7 +143,8 @@ impl StateDirLock {
 /// The writes of one commit: last value per key, and the keys in first-write order.
 #[derive(Debug, Default)]
 struct Staged {
-    map: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
+    map: HashMap<Vec<u8>, Option<Vec<u8>>, ahash::RandomState>,
     order: Vec<Vec<u8>>,
 }
 
@@ -249,7 +250,7 @@ impl StagedStore {
         StagedStore {
             inner,
             pending: Staged {
-                map: HashMap::with_capacity(4096),
+                map: HashMap::with_capacity_and_hasher(4096, ahash::RandomState::new()),
                 order: Vec::with_capacity(4096),
             },
             applying: None,

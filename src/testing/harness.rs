@@ -42,6 +42,8 @@ use std::fmt::Write as _;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Partitions of the input topic (and so of the output, dlq and changelog).
@@ -359,10 +361,80 @@ enum KillPlan {
     RestoreDuring(Duration, u32),
 }
 
+/// Sets its flag when dropped.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// One synthetic input event.
 struct Event {
     key: String,
     value: String,
+}
+
+/// The synthetic events of a run: ids `<run>-<n>`, ~25% repeats (half of them one of the
+/// last 30 ids, a retry; half any id so far, possibly far apart, a relay replaying old
+/// records), keyed by a function of the id, so that a repeat goes to the partition of its
+/// first occurrence (dedup is partition-local).
+struct Gen {
+    run: usize,
+    rng: StdRng,
+    distinct: usize,
+    seq: usize,
+}
+
+impl Gen {
+    fn next(&mut self) -> Event {
+        let n = if self.distinct > 0 && self.rng.random_bool(0.25) {
+            if self.rng.random_bool(0.5) {
+                self.distinct - 1 - self.rng.random_range(0..self.distinct.min(30))
+            } else {
+                self.rng.random_range(0..self.distinct)
+            }
+        } else {
+            self.distinct += 1;
+            self.distinct - 1
+        };
+        let (run, seq) = (self.run, self.seq);
+        self.seq += 1;
+        let pad = "x".repeat(self.rng.random_range(0..120));
+        Event {
+            key: format!("k{}", n % 101),
+            value: format!(r#"{{"id":"{run}-{n}","seq":{seq},"run":{run},"pad":"{pad}"}}"#),
+        }
+    }
+
+    /// Every id generated so far.
+    fn ids(&self) -> impl Iterator<Item = String> + '_ {
+        (0..self.distinct).map(|n| format!("{}-{n}", self.run))
+    }
+}
+
+/// Publish `n` events of `gen` to `topic` and wait for their delivery.
+fn publish(
+    p: &kafka::TestProducer,
+    topic: &str,
+    gen: &mut Gen,
+    n: usize,
+    timestamp: Option<i64>,
+) -> Result<(), String> {
+    for _ in 0..n {
+        let e = gen.next();
+        p.send(
+            topic,
+            None,
+            Some(e.key.as_bytes()),
+            Some(e.value.as_bytes()),
+            &[],
+            timestamp,
+        )
+        .map_err(|e| format!("publish to {topic}: {e}"))?;
+    }
+    p.flush().map_err(|e| format!("publish to {topic}: {e}"))
 }
 
 /// A running (or exited) instance.
@@ -578,52 +650,49 @@ impl<'a> Run<'a> {
             }
             timestamp = Some(last);
         }
-        let events = self.generate(&mut expected);
-        self.report.records_in += events.len();
-        self.report.distinct = expected.len();
-        let split = (events.len() as f64 * self.rng.random_range(0.1..0.7)) as usize;
-        for e in &events[..split] {
-            producer
-                .send(
-                    &self.input,
-                    None,
-                    Some(e.key.as_bytes()),
-                    Some(e.value.as_bytes()),
-                    &[],
-                    timestamp,
-                )
-                .map_err(|e| format!("publish: {e}"))?;
-        }
-        producer.flush().map_err(|e| format!("publish: {e}"))?;
+        // Part of the events before the instances start, the rest in paced chunks over
+        // 3-8 s while they run; then, until the kill has happened (a failpoint needs
+        // commits, and so input, to fire), more in smaller chunks.
+        let total = self
+            .rng
+            .random_range(self.opts.min_events..=self.opts.max_events.max(self.opts.min_events));
+        let mut gen = Gen {
+            run: self.report.run,
+            rng: StdRng::seed_from_u64(self.rng.random()),
+            distinct: 0,
+            seq: 0,
+        };
+        let first = (total as f64 * self.rng.random_range(0.1..0.7)) as usize;
+        publish(&producer, &self.input, &mut gen, first, timestamp)?;
         drop(producer);
-        // The rest in paced chunks while the instances run (and crash).
-        let rest: Vec<Event> = events.into_iter().skip(split).collect();
+        let killed = Arc::new(AtomicBool::new(false));
+        // However this function ends, the publisher stops extending the input.
+        let _stop = SetOnDrop(killed.clone());
         let publisher = {
             let bs = self.opts.bootstrap.clone();
             let topic = self.input.clone();
+            let killed = killed.clone();
             let mut rng = StdRng::seed_from_u64(self.rng.random());
-            std::thread::spawn(move || -> Result<(), String> {
+            let rest = total - first;
+            std::thread::spawn(move || -> Result<(usize, Gen), String> {
                 let p = kafka::TestProducer::new(&bs).map_err(|e| e.to_string())?;
-                std::thread::sleep(Duration::from_millis(rng.random_range(0..500)));
-                let mut i = 0;
-                while i < rest.len() {
-                    let n = rng.random_range(100..=800).min(rest.len() - i);
-                    for e in &rest[i..i + n] {
-                        p.send(
-                            &topic,
-                            None,
-                            Some(e.key.as_bytes()),
-                            Some(e.value.as_bytes()),
-                            &[],
-                            timestamp,
-                        )
-                        .map_err(|e| e.to_string())?;
-                    }
-                    p.flush().map_err(|e| e.to_string())?;
-                    i += n;
-                    std::thread::sleep(Duration::from_millis(rng.random_range(20..=250)));
+                let chunks = rng.random_range(10..=40usize);
+                let pause = rng.random_range(3_000..=8_000) / chunks as u64;
+                let mut sent = 0;
+                for c in 0..chunks {
+                    let n = rest * (c + 1) / chunks - rest * c / chunks;
+                    publish(&p, &topic, &mut gen, n, timestamp)?;
+                    sent += n;
+                    std::thread::sleep(Duration::from_millis(pause));
                 }
-                Ok(())
+                let deadline = Instant::now() + FAILPOINT_WAIT;
+                while !killed.load(Ordering::SeqCst) && Instant::now() < deadline {
+                    let n = rng.random_range(20..=200);
+                    publish(&p, &topic, &mut gen, n, timestamp)?;
+                    sent += n;
+                    std::thread::sleep(Duration::from_millis(rng.random_range(100..=300)));
+                }
+                Ok((first + sent, gen))
             })
         };
 
@@ -685,6 +754,14 @@ impl<'a> Run<'a> {
                     "restore.during=kill@{n}+wipe(after moment@{:.2}s)",
                     after.as_secs_f64()
                 );
+                // Something to restore: every changelog partition has records.
+                let deadline = Instant::now() + FAILPOINT_WAIT;
+                while Instant::now() < deadline
+                    && !high_watermarks(&self.opts.bootstrap, &self.changelog)
+                        .is_ok_and(|h| h.iter().all(|h| *h > 0))
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
                 std::thread::sleep(after);
                 self.kill_now(victim, "moment before restore.during")?;
                 self.wipe(victim)?;
@@ -698,6 +775,7 @@ impl<'a> Run<'a> {
                 self.report.fired = self.await_failpoint(victim, "restore.during")?;
             }
         }
+        killed.store(true, Ordering::SeqCst);
         // Restart the victim: mostly after a short pause; with other instances, sometimes
         // only after its session has expired, so that the survivors take its partitions
         // over (and wait for its open transaction, which only the restart aborts). Sometimes
@@ -717,7 +795,11 @@ impl<'a> Run<'a> {
 
         // 4. Everything published, everything committed, then SIGTERM.
         match publisher.join() {
-            Ok(Ok(())) => {}
+            Ok(Ok((n, gen))) => {
+                self.report.records_in += n;
+                expected.extend(gen.ids());
+                self.report.distinct = expected.len();
+            }
             Ok(Err(e)) => return Err(format!("publisher: {e}")),
             Err(_) => return Err("publisher panicked".into()),
         }
@@ -739,39 +821,6 @@ impl<'a> Run<'a> {
     /// A random kill moment: 0.2–3 s.
     fn moment(&mut self) -> Duration {
         Duration::from_millis(self.rng.random_range(200..=3000))
-    }
-
-    /// The events: ids `<run>-<n>`, ~25% repeats, keyed by the id (so a repeat goes to the
-    /// partition of its first occurrence).
-    fn generate(&mut self, expected: &mut HashSet<String>) -> Vec<Event> {
-        let run = self.report.run;
-        let total = self
-            .rng
-            .random_range(self.opts.min_events..=self.opts.max_events.max(self.opts.min_events));
-        let mut distinct = 0usize;
-        let mut events = Vec::with_capacity(total);
-        for seq in 0..total {
-            let n = if distinct > 0 && self.rng.random_bool(0.25) {
-                if self.rng.random_bool(0.5) {
-                    // A recent id: a retry.
-                    distinct - 1 - self.rng.random_range(0..distinct.min(30))
-                } else {
-                    // Any id so far: possibly far apart (a relay replaying old records).
-                    self.rng.random_range(0..distinct)
-                }
-            } else {
-                distinct += 1;
-                distinct - 1
-            };
-            let id = format!("{run}-{n}");
-            let pad = "x".repeat(self.rng.random_range(0..120));
-            events.push(Event {
-                key: format!("k{}", n % 101),
-                value: format!(r#"{{"id":"{id}","seq":{seq},"run":{run},"pad":"{pad}"}}"#),
-            });
-            expected.insert(id);
-        }
-        events
     }
 
     /// Start instance `slot` (its `gen`-th start), with `failpoints` if given and `extra`

@@ -100,13 +100,15 @@ pub fn read_topic(
     consumer.assign(&tpl).map_err(Error::kafka("assign"))?;
     let mut out = Vec::new();
     let deadline = Instant::now() + timeout;
+    // Next offset to read per partition, from the records seen; the consumer position is
+    // asked only when idle, since it is a round trip to librdkafka's main thread.
+    let mut next: std::collections::BTreeMap<i32, i64> = std::collections::BTreeMap::new();
+    let reached = |next: &std::collections::BTreeMap<i32, i64>| {
+        ends.iter()
+            .all(|(p, end)| *end == 0 || next.get(p).is_some_and(|o| *o >= *end))
+    };
     loop {
-        let pos = consumer.position().map_err(Error::kafka("position"))?;
-        let done = ends.iter().all(|(p, end)| {
-            *end == 0
-                || matches!(pos.find_partition(topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *end)
-        });
-        if done {
+        if reached(&next) {
             break;
         }
         if Instant::now() > deadline {
@@ -116,28 +118,43 @@ pub fn read_topic(
             )));
         }
         match consumer.poll(Duration::from_millis(200)) {
-            None => {}
+            None => {
+                // Transaction markers take offsets and are never delivered: ask the position.
+                let pos = consumer.position().map_err(Error::kafka("position"))?;
+                for (p, _) in ends.iter() {
+                    if let Some(Offset::Offset(o)) =
+                        pos.find_partition(topic, *p).map(|e| e.offset())
+                    {
+                        let e = next.entry(*p).or_insert(o);
+                        *e = (*e).max(o);
+                    }
+                }
+            }
             Some(Err(e)) => {
                 return Err(Error::Kafka {
                     op: "read",
                     source: e,
                 })
             }
-            Some(Ok(m)) => out.push(ReadRecord {
-                partition: m.partition(),
-                offset: m.offset(),
-                key: m.key().map(Bytes::copy_from_slice),
-                value: m.payload().map(Bytes::copy_from_slice),
-                headers: m
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-                timestamp: m.timestamp().to_millis(),
-            }),
+            Some(Ok(m)) => {
+                let e = next.entry(m.partition()).or_insert(0);
+                *e = (*e).max(m.offset() + 1);
+                out.push(ReadRecord {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(Bytes::copy_from_slice),
+                    value: m.payload().map(Bytes::copy_from_slice),
+                    headers: m
+                        .headers()
+                        .map(|h| {
+                            h.iter()
+                                .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    timestamp: m.timestamp().to_millis(),
+                });
+            }
         }
     }
     Ok(out)
