@@ -29,17 +29,9 @@ fn ids_in(topic: &str, committed: bool) -> HashMap<String, usize> {
     m
 }
 
-fn distinct_ids() -> HashSet<String> {
-    gharchive::hour_files()
-        .iter()
-        .flat_map(|f| gharchive::read_hour(f).unwrap())
-        .map(|e| e.id)
-        .collect()
-}
-
 fn assert_exactly_once(topic: &str) {
     let got = ids_in(topic, true);
-    let want = distinct_ids();
+    let want = gharchive_distinct_ids();
     let dups: Vec<_> = got.iter().filter(|(_, n)| **n > 1).take(5).collect();
     assert!(dups.is_empty(), "duplicates read_committed: {dups:?}");
     assert_eq!(

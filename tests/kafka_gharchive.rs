@@ -11,14 +11,6 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(180);
 
-fn distinct_ids() -> HashSet<String> {
-    gharchive::hour_files()
-        .iter()
-        .flat_map(|f| gharchive::read_hour(f).unwrap())
-        .map(|e| e.id)
-        .collect()
-}
-
 fn load(names: &Names) -> gharchive::LoadReport {
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     gharchive::publish(&p, &names.input, 2000, 7).unwrap()
@@ -61,7 +53,7 @@ fn real_data_gives_each_distinct_id_once_and_a_rerun_adds_nothing() {
     assert_eq!(total, 15_129, "output records");
     assert_eq!(
         counts.keys().cloned().collect::<HashSet<_>>(),
-        distinct_ids()
+        gharchive_distinct_ids()
     );
 
     // Same application.id and state, offsets reset to earliest: everything is a duplicate.
@@ -120,7 +112,7 @@ fn kill_at_failpoint_and_restart(failpoint: &str) -> usize {
     let counts = output_counts(&names.output);
     assert_eq!(
         counts.keys().cloned().collect::<HashSet<_>>(),
-        distinct_ids(),
+        gharchive_distinct_ids(),
         "no id lost"
     );
     let twice: Vec<&String> = counts

@@ -383,12 +383,12 @@ mod tests {
             "application.id = \"from-file\"\ncommit.interval.ms = 50\n[kafka]\n\"linger.ms\" = 7\n",
         )
         .unwrap();
-        let c = Config::load_with_env(&[f.clone()], &[], env(&[])).unwrap();
+        let c = Config::load_with_env(std::slice::from_ref(&f), &[], env(&[])).unwrap();
         assert_eq!(c.application_id, "from-file");
         assert_eq!(c.commit_interval_ms, 50);
         assert_eq!(c.kafka.get("linger.ms").map(String::as_str), Some("7"));
         let c = Config::load_with_env(
-            &[f.clone()],
+            std::slice::from_ref(&f),
             &[],
             env(&[
                 ("ONCEFLOW_APPLICATION_ID", "from-env"),
@@ -415,7 +415,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("bad.toml");
         std::fs::write(&f, "bootstrap.server = \"x\"\n").unwrap();
-        let e = Config::load_with_env(&[f.clone()], &[], env(&[]))
+        let e = Config::load_with_env(std::slice::from_ref(&f), &[], env(&[]))
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown config key `bootstrap.server`"), "{e}");

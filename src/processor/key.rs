@@ -61,10 +61,8 @@ impl KeySource {
     /// The JSON pointers this key reads.
     pub fn json_pointers(&self, out: &mut Vec<String>) {
         match self {
-            KeySource::JsonPointer(p) => {
-                if !out.contains(p) {
-                    out.push(p.clone());
-                }
+            KeySource::JsonPointer(p) if !out.contains(p) => {
+                out.push(p.clone());
             }
             KeySource::Composite(parts) => parts.iter().for_each(|p| p.json_pointers(out)),
             _ => {}

@@ -228,17 +228,12 @@ impl Engine {
     /// Apply every task's staged writes with the changelog offsets they reached; return the
     /// source offsets to commit.
     fn apply_state(&mut self) -> Result<TopicPartitionList> {
-        let mut tpl = TopicPartitionList::new();
         for (p, t) in self.tasks.iter_mut() {
             let producer = &self.producer;
             let changelogs = &self.changelogs;
             t.commit_state(|store| producer.changelog_next_offset(&changelogs[store], *p))?;
-            if let Some(pos) = t.position() {
-                tpl.add_partition_offset(&self.source_topic, *p, Offset::Offset(pos))
-                    .map_err(Error::kafka("build offsets"))?;
-            }
         }
-        Ok(tpl)
+        self.processed_offsets()
     }
 
     fn processed_offsets(&self) -> Result<TopicPartitionList> {

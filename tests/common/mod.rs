@@ -93,31 +93,25 @@ impl Names {
 
 /// Copy the shipped gharchive topology with its topic names replaced by unique ones.
 pub fn gharchive_names(partitions: usize) -> Names {
-    let input = unique("events");
-    let output = unique("unique");
-    let dlq = unique("dlq");
-    let app = unique("app");
-    let state = tempfile::tempdir().unwrap();
     let shipped = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/topologies/gharchive-dedup.yaml"
     ))
     .unwrap();
     assert!(shipped.contains("gharchive.events") && shipped.contains("gharchive.unique"));
-    let text = shipped
-        .replace("gharchive.events", &input)
-        .replace("gharchive.unique", &output);
-    let topology = state.path().join("topology.yaml");
-    std::fs::write(&topology, text).unwrap();
-    create_topics(&[&input, &output, &dlq], partitions);
-    Names {
-        input,
-        output,
-        dlq,
-        app,
-        state,
-        topology,
-    }
+    let yaml = shipped
+        .replace("gharchive.events", "{input}")
+        .replace("gharchive.unique", "{output}");
+    names_for(&yaml, partitions)
+}
+
+/// The distinct event ids of the shipped GH Archive data.
+pub fn gharchive_distinct_ids() -> std::collections::HashSet<String> {
+    onceflow::testing::gharchive::hour_files()
+        .iter()
+        .flat_map(|f| onceflow::testing::gharchive::read_hour(f).unwrap())
+        .map(|e| e.id)
+        .collect()
 }
 
 /// A running `onceflow run`, with its stderr collected.
