@@ -8,9 +8,11 @@
 //! 1. creates fresh topics (input with [`PARTITIONS`] partitions, output, dlq; names unique
 //!    to the run) and publishes 3,000–20,000 JSON events `{"id":"<run>-<n>",...}` with ~25%
 //!    repeats (half of them recent, half drawn from every id so far: far apart), keyed by
-//!    a function of the id so that repeats land in the same partition; a part before the
-//!    instances start, the rest in paced chunks while they run (and, with a small
-//!    probability, the two real GH Archive hours first, see [`gharchive::publish`]);
+//!    a function of the id so that repeats land in the same partition: 10–70% before the
+//!    instances start, the rest in paced chunks over 3–8 s while they run, then more in
+//!    small chunks until the kill has happened (a failpoint of the commit needs input to
+//!    fire); with a small probability, the two real GH Archive hours first (see
+//!    [`gharchive::publish`]);
 //! 2. starts 1–3 instances with `processing.guarantee=exactly_once_v2`; instance slot `i`
 //!    always has `instance.id=i` (a restart fences its predecessor and aborts its open
 //!    transaction) and its own state dir; `commit.interval.ms` random in 50–200;
@@ -765,12 +767,16 @@ impl<'a> Run<'a> {
                 std::thread::sleep(after);
                 self.kill_now(victim, "moment before restore.during")?;
                 self.wipe(victim)?;
-                // Small fetches, so that the restore takes several steps and the n-th
-                // restore batch exists (one default fetch holds a whole changelog partition).
+                // Small fetches and a small prefetch queue, so that the restore takes
+                // several steps and the n-th restore batch exists (by default one step
+                // takes a whole changelog partition).
                 self.start(
                     victim,
                     Some(&format!("restore.during=kill@{n}")),
-                    &[("kafka.consumer.max.partition.fetch.bytes", "8192".into())],
+                    &[
+                        ("kafka.consumer.max.partition.fetch.bytes", "4096".into()),
+                        ("kafka.consumer.queued.max.messages.kbytes", "1".into()),
+                    ],
                 )?;
                 self.report.fired = self.await_failpoint(victim, "restore.during")?;
             }
