@@ -858,17 +858,20 @@ impl<'a> Run<'a> {
         for (k, v) in sets {
             cmd.arg("--set").arg(format!("{k}={v}"));
         }
+        // Every ONCEFLOW_* variable is a config layer of the instance (except the log
+        // filter): none of the harness's own (ONCEFLOW_BIN, ...) may reach it.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if k.starts_with("ONCEFLOW_") && k != "ONCEFLOW_LOG" {
+                cmd.env_remove(&*k);
+            }
+        }
         cmd.env("ONCEFLOW_BOOTSTRAP_SERVERS", &self.opts.bootstrap);
         if std::env::var_os("ONCEFLOW_LOG").is_none() {
             cmd.env("ONCEFLOW_LOG", "info");
         }
-        match failpoints {
-            Some(fp) => {
-                cmd.env("ONCEFLOW_FAILPOINTS", fp);
-            }
-            None => {
-                cmd.env_remove("ONCEFLOW_FAILPOINTS");
-            }
+        if let Some(fp) = failpoints {
+            cmd.env("ONCEFLOW_FAILPOINTS", fp);
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::from(f))
@@ -961,6 +964,8 @@ impl<'a> Run<'a> {
                     };
                 if let Some(msg) = exited {
                     self.report.problems.push(msg);
+                    // Keep its log; restart it (at most 3 times in all) or leave the slot empty.
+                    self.procs[slot] = None;
                     if restarts < 3 {
                         restarts += 1;
                         if let Err(e) = self.start(slot, None, &[]) {
@@ -968,6 +973,12 @@ impl<'a> Run<'a> {
                         }
                     }
                 }
+            }
+            if self.procs.iter().all(Option::is_none) {
+                self.report.problems.push(format!(
+                    "no instance left running (restarted {restarts} times); committed offsets {last:?}, input end {ends:?}"
+                ));
+                return;
             }
             match kafka::committed_offsets(&self.opts.bootstrap, &self.app, &self.input, PARTITIONS)
             {
