@@ -482,8 +482,9 @@ impl Engine {
                 };
                 let recs = batches.remove(&(topic.clone(), *p)).unwrap_or_default();
                 self.restored += recs.len() as u64;
-                let done = task.apply_restore(&store, &recs, pos)?;
-                if !recs.is_empty() {
+                let applied = !recs.is_empty();
+                let done = task.apply_restore(&store, recs, pos)?;
+                if applied {
                     failpoint::hit("restore.during");
                 }
                 if done {

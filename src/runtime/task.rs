@@ -295,19 +295,20 @@ impl Task {
     pub fn apply_restore(
         &mut self,
         store: &str,
-        records: &[ChangelogRecord],
+        records: Vec<ChangelogRecord>,
         position: i64,
     ) -> Result<bool> {
         let Some(i) = self.restorers.iter().position(|r| r.store() == store) else {
             return Ok(false);
         };
-        let engine = self
+        let staged = self
             .stores
             .get_mut(store)
-            .expect("restorers exist only for known stores")
-            .engine();
-        self.restorers[i].apply(engine, records, position)?;
+            .expect("restorers exist only for known stores");
+        staged.write_restored(self.restorers[i].take(records, position))?;
         if self.restorers[i].is_done() {
+            // Every restored batch is in the engine before the first record is processed.
+            staged.sync()?;
             let r = self.restorers.remove(i);
             let p = r.progress();
             tracing::info!(

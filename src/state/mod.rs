@@ -177,12 +177,13 @@ pub struct Writer {
     tx: Mutex<std::sync::mpsc::Sender<WriterJob>>,
 }
 
-type WriterJob = (
-    Arc<dyn KeyValueStore>,
-    Arc<Staged>,
-    Option<i64>,
-    std::sync::mpsc::SyncSender<Result<()>>,
-);
+/// What the writer applies: a commit's staged writes (readable meanwhile) or a plain batch.
+enum Job {
+    Staged(Arc<Staged>, Option<i64>),
+    Batch(WriteBatch),
+}
+
+type WriterJob = (Arc<dyn KeyValueStore>, Job, std::sync::mpsc::SyncSender<Result<()>>);
 
 impl Writer {
     /// Start the writer thread; it ends when the last handle is dropped.
@@ -191,15 +192,18 @@ impl Writer {
         std::thread::Builder::new()
             .name("onceflow-state-writer".into())
             .spawn(move || {
-                for (engine, staged, offset, reply) in rx {
-                    // The processing thread keeps reading `staged` until the reply; copy.
-                    let batch = WriteBatch {
-                        ops: staged
-                            .order
-                            .iter()
-                            .map(|k| (k.clone(), staged.map.get(k).cloned().unwrap_or(None)))
-                            .collect(),
-                        changelog_offset: offset,
+                for (engine, job, reply) in rx {
+                    let batch = match job {
+                        // The processing thread reads `staged` until the reply: copy it.
+                        Job::Staged(staged, offset) => WriteBatch {
+                            ops: staged
+                                .order
+                                .iter()
+                                .map(|k| (k.clone(), staged.map.get(k).cloned().unwrap_or(None)))
+                                .collect(),
+                            changelog_offset: offset,
+                        },
+                        Job::Batch(b) => b,
                     };
                     let _ = reply.send(engine.write(batch));
                 }
@@ -208,18 +212,9 @@ impl Writer {
         Arc::new(Writer { tx: Mutex::new(tx) })
     }
 
-    fn submit(
-        &self,
-        engine: Arc<dyn KeyValueStore>,
-        staged: Arc<Staged>,
-        offset: Option<i64>,
-    ) -> std::sync::mpsc::Receiver<Result<()>> {
+    fn submit(&self, engine: Arc<dyn KeyValueStore>, job: Job) -> std::sync::mpsc::Receiver<Result<()>> {
         let (reply, done) = std::sync::mpsc::sync_channel(1);
-        let sent =
-            self.tx
-                .lock()
-                .expect("writer lock")
-                .send((engine, staged, offset, reply.clone()));
+        let sent = self.tx.lock().expect("writer lock").send((engine, job, reply.clone()));
         if sent.is_err() {
             let _ = reply.send(Err(crate::Error::state(
                 "writer",
@@ -336,11 +331,32 @@ impl StagedStore {
         match &self.writer {
             Some(w) => {
                 let view = Arc::new(staged);
-                let done = w.submit(self.inner.clone(), view.clone(), changelog_offset);
+                let done = w.submit(self.inner.clone(), Job::Staged(view.clone(), changelog_offset));
                 self.applying = Some(Applying { view, done });
                 Ok(())
             }
             None => self.inner.write(staged.into_batch(changelog_offset)),
+        }
+    }
+
+    /// Write a restored batch to the engine: through the writer when there is one (so the
+    /// next changelog batch is read while this one is written; at most one in flight), else
+    /// at once. Nothing must be staged meanwhile; call [`StagedStore::sync`] before reads.
+    ///
+    /// # Errors
+    /// The engine's write error for the previous (or, without a writer, this) batch.
+    pub fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
+        self.sync()?;
+        match &self.writer {
+            Some(w) => {
+                let done = w.submit(self.inner.clone(), Job::Batch(batch));
+                self.applying = Some(Applying {
+                    view: Arc::new(Staged::default()),
+                    done,
+                });
+                Ok(())
+            }
+            None => self.inner.write(batch),
         }
     }
 

@@ -128,22 +128,24 @@ impl Restorer {
     pub fn apply(
         &mut self,
         engine: &dyn KeyValueStore,
-        records: &[ChangelogRecord],
+        records: Vec<ChangelogRecord>,
         position: i64,
     ) -> Result<()> {
-        let mut ops = Vec::with_capacity(records.len());
-        for r in records {
-            if r.offset < self.position || r.offset >= self.end {
-                continue;
-            }
-            ops.push((r.key.clone(), r.value.clone()));
-        }
+        engine.write(self.take(records, position))
+    }
+
+    /// As [`Restorer::apply`], but return the batch for the caller to write (through the
+    /// background writer, so reading the next batch overlaps writing this one). The caller
+    /// must write every batch, in order.
+    pub fn take(&mut self, records: Vec<ChangelogRecord>, position: i64) -> WriteBatch {
+        let (from, end) = (self.position, self.end);
+        let ops: Vec<_> = records
+            .into_iter()
+            .filter(|r| r.offset >= from && r.offset < end)
+            .map(|r| (r.key, r.value))
+            .collect();
         let position = position.min(self.end).max(self.position);
         let n = ops.len() as u64;
-        engine.write(WriteBatch {
-            ops,
-            changelog_offset: Some(position),
-        })?;
         self.applied += n;
         self.position = position;
         metrics::counter!(crate::metrics::RESTORE_RECORDS,
@@ -152,7 +154,10 @@ impl Restorer {
         metrics::gauge!(crate::metrics::RESTORE_REMAINING,
             "store" => self.store.clone(), "partition" => self.partition.to_string())
         .set((self.end - self.position).max(0) as f64);
-        Ok(())
+        WriteBatch {
+            ops,
+            changelog_offset: Some(position),
+        }
     }
 
     /// Records done / total, rate and ETA.
@@ -204,7 +209,7 @@ mod tests {
         let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 4).unwrap();
         r.apply(
             e.as_ref(),
-            &[
+            vec![
                 rec("k", Some("1"), 0),
                 rec("k", None, 1),
                 rec("k", Some("2"), 2),
@@ -213,7 +218,7 @@ mod tests {
         )
         .unwrap();
         assert!(!r.is_done(), "position 3 < end 4");
-        r.apply(e.as_ref(), &[], 4).unwrap();
+        r.apply(e.as_ref(), vec![], 4).unwrap();
         assert!(
             r.is_done(),
             "the marker's offset is reached by position alone"
@@ -228,7 +233,7 @@ mod tests {
         let b = MemoryBackend::default();
         let e = b.open("s", 0).unwrap();
         let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
-        r.apply(e.as_ref(), &[rec("a", Some("1"), 0)], 5).unwrap();
+        r.apply(e.as_ref(), vec![rec("a", Some("1"), 0)], 5).unwrap();
         let r2 = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
         assert_eq!(r2.start_offset(), 5, "a cut-short restore resumes");
         let r3 = Restorer::plan("s", 0, e.as_ref(), 7, 10).unwrap();
@@ -253,7 +258,7 @@ mod tests {
         let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 1).unwrap();
         r.apply(
             e.as_ref(),
-            &[rec("a", Some("1"), 0), rec("b", Some("2"), 1)],
+            vec![rec("a", Some("1"), 0), rec("b", Some("2"), 1)],
             2,
         )
         .unwrap();

@@ -361,6 +361,10 @@ enum KillPlan {
     Failpoint(&'static str, u32),
     /// SIGKILL after this long, wipe the state dir, restart with `restore.during=kill@<n>`.
     RestoreDuring(Duration, u32),
+    /// Not a kill: SIGSTOP after the first duration, SIGCONT after the second (longer than
+    /// the session timeout), so the group evicts the instance and it comes back a zombie
+    /// with an open transaction of an old generation (opt-in kind `sigstop`).
+    Stop(Duration, Duration),
 }
 
 /// Sets its flag when dropped.
@@ -711,12 +715,23 @@ impl<'a> Run<'a> {
             .filter(|k| {
                 self.opts.kill_kinds.is_empty() || self.opts.kill_kinds.iter().any(|o| o == k)
             })
+            .chain(
+                self.opts
+                    .kill_kinds
+                    .iter()
+                    .any(|o| o == "sigstop")
+                    .then_some("sigstop"),
+            )
             .collect();
         if kinds.is_empty() {
             return Err(format!("no kill kind among {:?}", self.opts.kill_kinds));
         }
         let plan = match kinds[self.rng.random_range(0..kinds.len())] {
             "moment" => KillPlan::Moment(self.moment()),
+            "sigstop" => KillPlan::Stop(
+                self.moment(),
+                Duration::from_millis(self.rng.random_range(7_000..=12_000)),
+            ),
             kind => {
                 let name = FAILPOINTS
                     .iter()
@@ -740,7 +755,23 @@ impl<'a> Run<'a> {
         }
 
         // 3. The kill.
+        let stop = matches!(plan, KillPlan::Stop(..));
         match plan {
+            KillPlan::Stop(after, pause) => {
+                self.report.kill = format!(
+                    "sigstop@{:.2}s+{:.1}s",
+                    after.as_secs_f64(),
+                    pause.as_secs_f64()
+                );
+                std::thread::sleep(after);
+                let p = self.procs[victim]
+                    .as_ref()
+                    .ok_or_else(|| format!("slot {victim} is not running"))?;
+                p.signal(libc::SIGSTOP);
+                std::thread::sleep(pause);
+                p.signal(libc::SIGCONT);
+                self.report.fired = true;
+            }
             KillPlan::Moment(after) => {
                 self.report.kill = format!("moment@{:.2}s", after.as_secs_f64());
                 std::thread::sleep(after);
@@ -782,6 +813,18 @@ impl<'a> Run<'a> {
             }
         }
         killed.store(true, Ordering::SeqCst);
+        if stop {
+            // The zombie goes on; if it stops by itself (fenced), it is restarted.
+            std::thread::sleep(Duration::from_secs(3));
+            let p = self.procs[victim]
+                .as_mut()
+                .ok_or_else(|| format!("slot {victim} is not running"))?;
+            if let Ok(Some(st)) = p.child.try_wait() {
+                let _ = write!(self.report.kill, "+exited({})", status_text(&st));
+                self.start(victim, None, &[])?;
+            }
+            return self.finish(publisher, expected);
+        }
         // Restart the victim: mostly after a short pause; with other instances, sometimes
         // only after its session has expired, so that the survivors take its partitions
         // over (and wait for its open transaction, which only the restart aborts). Sometimes
@@ -798,8 +841,15 @@ impl<'a> Run<'a> {
             self.report.wiped = true;
         }
         self.start(victim, None, &[])?;
+        self.finish(publisher, expected)
+    }
 
-        // 4. Everything published, everything committed, then SIGTERM.
+    /// Steps 4 and 5: everything published, everything committed, SIGTERM; the output.
+    fn finish(
+        &mut self,
+        publisher: std::thread::JoinHandle<Result<(usize, Gen), String>>,
+        mut expected: HashSet<String>,
+    ) -> Result<(), String> {
         match publisher.join() {
             Ok(Ok((n, gen))) => {
                 self.report.records_in += n;

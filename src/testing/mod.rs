@@ -148,7 +148,7 @@ impl TestDriver {
                 let upto = (start as usize).saturating_add(limit).min(log.len());
                 let batch = &log[start as usize..upto];
                 self.restored += batch.len() as u64;
-                t.apply_restore(&store, batch, upto as i64)?;
+                t.apply_restore(&store, batch.to_vec(), upto as i64)?;
             }
         }
         Ok(t)
