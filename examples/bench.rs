@@ -21,6 +21,9 @@
 //!
 //! Ends with a table and one machine-readable line starting `bench:`.
 //!
+//! Siblings: `bench_restore.rs` (restore rate, `scripts/bench-restore`) and `bench_eos.rs`
+//! (exactly_once_v2 vs at_least_once, `scripts/bench-eos`); shared code in `bench_support/`.
+//!
 //! ```text
 //! scripts/bench                                  # build, start the broker, run
 //! ONCEFLOW_BENCH_RECORDS=50000 scripts/bench     # quick smoke run
@@ -28,226 +31,30 @@
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
 //! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
 
-use bytes::Bytes;
-use onceflow::config::Config;
+#[path = "bench_support/mod.rs"]
+mod support;
+
 use onceflow::kafka::admin::Admin;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, TimeSource};
 use onceflow::processor::{Counts, Record, SourceMeta};
 use onceflow::runtime::{App, RunOptions, RunSummary, Task};
 use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
-use onceflow::testing::kafka;
-use onceflow::topology::{Format, Topology, TopologyBuilder};
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientConfig, ClientContext};
-use std::collections::HashSet;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::{
+    cleanup, dedup_topology, generate, load, median, now_ms, onceflow_config, rate_list,
+    topic_records, verify_unique, Created, Dataset, Res, Settings, PARTITIONS, VALUE_LEN,
+};
 
-type BoxError = Box<dyn std::error::Error>;
-type Res<T> = std::result::Result<T, BoxError>;
-
-const PARTITIONS: usize = 4;
-const VALUE_LEN: usize = 200;
-const TTL_MS: i64 = 24 * 3600 * 1000;
 const TARGET_RATIO: f64 = 0.8;
 /// Commit interval of the broker-free dedup runs, in records.
 const STATE_COMMIT_EVERY: usize = 10_000;
-const EVENT_TYPES: [&str; 5] = [
-    "PushEvent",
-    "WatchEvent",
-    "IssuesEvent",
-    "ForkEvent",
-    "CreateEvent",
-];
-
-// ------------------------------------------------------------------------ settings
-
-struct Settings {
-    bootstrap: String,
-    records: usize,
-    rounds: usize,
-    run_id: String,
-}
-
-fn env_usize(name: &str, default: usize) -> Res<usize> {
-    match std::env::var(name) {
-        Err(_) => Ok(default),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("{name}={v:?}: expected a positive integer").into()),
-        },
-    }
-}
-
-impl Settings {
-    fn from_env() -> Res<Settings> {
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_secs();
-        Ok(Settings {
-            bootstrap: kafka::bootstrap_servers(),
-            records: env_usize("ONCEFLOW_BENCH_RECORDS", 1_000_000)?,
-            rounds: env_usize("ONCEFLOW_BENCH_ROUNDS", 3)?,
-            run_id: format!("{stamp}-{}", std::process::id()),
-        })
-    }
-
-    fn name(&self, what: &str) -> String {
-        format!("bench.{what}.{}", self.run_id)
-    }
-}
-
-/// onceflow's config for this run: the process environment (except the bench's own
-/// ONCEFLOW_BENCH_* variables, which are not config keys) plus `sets`.
-fn onceflow_config(bootstrap: &str, sets: &[(&str, &str)]) -> Res<Config> {
-    let env = std::env::vars().filter(|(k, _)| !k.starts_with("ONCEFLOW_BENCH_"));
-    let mut all = vec![("bootstrap.servers".to_string(), bootstrap.to_string())];
-    all.extend(sets.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    Ok(Config::load_with_env(&[], &all, env)?)
-}
-
-// ------------------------------------------------------------------------ data
-
-/// One event as produced: the id is the Kafka key and the dedup key.
-struct Event {
-    id: Bytes,
-    partition: i32,
-    value: Bytes,
-    timestamp: i64,
-}
-
-struct Dataset {
-    events: Vec<Event>,
-    distinct: usize,
-    near_repeats: usize,
-    far_repeats: usize,
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-fn partition_of(id: &[u8]) -> i32 {
-    (xxhash_rust::xxh3::xxh3_64(id) % PARTITIONS as u64) as i32
-}
-
-/// A JSON object of exactly `VALUE_LEN` bytes; the payload field pads it with text from
-/// `noise` starting at `at`.
-fn event_json(id: &str, user: u32, kind: &str, ts: i64, noise: &[u8], at: usize) -> Bytes {
-    let mut v =
-        format!(r#"{{"id":"{id}","user":"user-{user:05}","type":"{kind}","ts":{ts},"payload":""#)
-            .into_bytes();
-    let pad = VALUE_LEN.saturating_sub(v.len() + 2);
-    v.extend_from_slice(&noise[at..at + pad]);
-    v.extend_from_slice(br#""}"#);
-    Bytes::from(v)
-}
-
-/// `n` events, `n / 4` of them repeats (byte-identical copies) of an earlier event.
-fn generate(n: usize, seed: u64) -> Dataset {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let repeats = n / 4;
-    let mut is_repeat: Vec<bool> = (0..n).map(|i| i < repeats).collect();
-    is_repeat.shuffle(&mut rng);
-    // The first event cannot repeat anything.
-    if let Some(first_new) = is_repeat.iter().position(|r| !r) {
-        is_repeat.swap(0, first_new);
-    }
-    let alphabet = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    let noise: Vec<u8> = (0..8192)
-        .map(|_| alphabet[rng.random_range(0..alphabet.len())])
-        .collect();
-    let ts = now_ms();
-    let mut events: Vec<Event> = Vec::with_capacity(n);
-    // Index into `events` of each distinct id's first occurrence.
-    let mut firsts: Vec<usize> = Vec::with_capacity(n - repeats);
-    let (mut near, mut far) = (0, 0);
-    for repeat in is_repeat {
-        if repeat {
-            let back = if rng.random_bool(0.5) {
-                near += 1;
-                rng.random_range(1..=firsts.len().min(64))
-            } else {
-                far += 1;
-                rng.random_range(1..=firsts.len())
-            };
-            let orig = &events[firsts[firsts.len() - back]];
-            events.push(Event {
-                id: orig.id.clone(),
-                partition: orig.partition,
-                value: orig.value.clone(),
-                timestamp: orig.timestamp,
-            });
-        } else {
-            let id = format!("evt-{:09}", firsts.len());
-            let kind = EVENT_TYPES[rng.random_range(0..EVENT_TYPES.len())];
-            let value = event_json(
-                &id,
-                rng.random_range(0..50_000),
-                kind,
-                ts,
-                &noise,
-                rng.random_range(0..4096),
-            );
-            firsts.push(events.len());
-            events.push(Event {
-                partition: partition_of(id.as_bytes()),
-                id: Bytes::from(id.into_bytes()),
-                value,
-                timestamp: ts,
-            });
-        }
-    }
-    Dataset {
-        distinct: firsts.len(),
-        events,
-        near_repeats: near,
-        far_repeats: far,
-    }
-}
-
-fn load(s: &Settings, ds: &Dataset, topic: &str) -> Res<f64> {
-    let p = kafka::TestProducer::new(&s.bootstrap)?;
-    let started = Instant::now();
-    for e in &ds.events {
-        p.send(
-            topic,
-            Some(e.partition),
-            Some(&e.id),
-            Some(&e.value),
-            &[],
-            Some(e.timestamp),
-        )?;
-    }
-    p.flush()?;
-    Ok(started.elapsed().as_secs_f64())
-}
-
-/// Records in `topic`: the sum of its partitions' high watermarks (no transactions, no
-/// deletions, so offsets are records).
-fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .create()?;
-    let mut total = 0;
-    for p in 0..PARTITIONS as i32 {
-        let (lo, hi) = c.fetch_watermarks(topic, p, Duration::from_secs(10))?;
-        total += hi - lo;
-    }
-    Ok(total)
-}
 
 // ------------------------------------------------------------------------ (a) passthrough
 
@@ -347,21 +154,6 @@ fn passthrough(
 
 // ------------------------------------------------------------------------ (b) onceflow
 
-fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
-    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
-    spec.ttl_ms = TTL_MS;
-    spec.time = TimeSource::Event;
-    TopologyBuilder::new("bench-dedup")
-        .source(input, Format::Json)
-        .dedup("dedup", spec)
-        .sink("unique", output)
-        .build()
-        .map_err(|errs| {
-            let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
-            text.join("; ").into()
-        })
-}
-
 /// Run the dedup topology in-process to the end of `input`. The topics it creates (dead
 /// letters, changelogs) are recorded in `created` before the run, for the cleanup.
 fn run_onceflow(
@@ -392,25 +184,6 @@ fn run_onceflow(
         ..Default::default()
     })?;
     Ok(summary)
-}
-
-/// Read `topic` back read_committed; every distinct id must appear exactly once.
-fn verify_unique(bootstrap: &str, topic: &str, distinct: usize) -> Res<()> {
-    let out = kafka::read_topic(bootstrap, topic, true, Duration::from_secs(600))?;
-    let mut ids = HashSet::with_capacity(out.len());
-    for r in &out {
-        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap_or_default())?;
-        ids.insert(v["id"].as_str().unwrap_or_default().to_string());
-    }
-    if out.len() != distinct || ids.len() != distinct {
-        return Err(format!(
-            "onceflow output {topic}: {} records, {} distinct ids, expected {distinct} of each",
-            out.len(),
-            ids.len()
-        )
-        .into());
-    }
-    Ok(())
 }
 
 // ------------------------------------------------------------------------ (3) dedup alone
@@ -481,23 +254,6 @@ fn dedup_alone(ds: &Dataset, backend: &dyn StateBackend) -> Res<(Counts, f64)> {
 }
 
 // ------------------------------------------------------------------------ report
-
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-fn rate_list(xs: &[f64]) -> String {
-    xs.iter()
-        .map(|x| format!("{x:.0}"))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
 
 #[derive(Default)]
 struct Results {
@@ -578,13 +334,6 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
 }
 
 // ------------------------------------------------------------------------ main
-
-/// Topics and groups this run created, removed at the end whatever happened.
-#[derive(Default)]
-struct Created {
-    topics: Vec<String>,
-    groups: Vec<String>,
-}
 
 fn run(s: &Settings, created: &mut Created) -> Res<()> {
     let admin = Admin::new(&onceflow_config(&s.bootstrap, &[])?)?;
@@ -674,29 +423,6 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
     Ok(())
 }
 
-fn cleanup(s: &Settings, created: &Created) {
-    for g in &created.groups {
-        if let Err(e) = kafka::delete_group(&s.bootstrap, g) {
-            eprintln!("bench: cleanup: group {g}: {e}");
-        }
-    }
-    if created.topics.is_empty() {
-        return;
-    }
-    let topics: Vec<&str> = created.topics.iter().map(|t| t.as_str()).collect();
-    let res = onceflow_config(&s.bootstrap, &[])
-        .and_then(|c| Ok(Admin::new(&c)?))
-        .and_then(|a| Ok(a.delete_topics(&topics)?));
-    match res {
-        Ok(()) => println!(
-            "cleanup: deleted {} topics and {} groups",
-            topics.len(),
-            created.groups.len()
-        ),
-        Err(e) => eprintln!("bench: cleanup: deleting topics {topics:?}: {e}"),
-    }
-}
-
 fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -704,7 +430,7 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let s = match Settings::from_env() {
+    let s = match Settings::from_env(1_000_000) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("bench: {e}");

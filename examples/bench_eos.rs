@@ -1,0 +1,592 @@
+//! exactly_once_v2 against at_least_once (issue 4): throughput and end-to-end latency of
+//! onceflow's dedup topology under both guarantees, on one broker, in one run.
+//!
+//! What it measures:
+//! 1. Throughput. Data: N synthetic JSON events (default 1,000,000, ~200 bytes each, a
+//!    quarter of them repeats; the generator of `examples/bench.rs`) in a fresh
+//!    4-partition topic. Alternating for R rounds (default 3: alo, eos, alo, eos, ...),
+//!    each run with a fresh application.id, state dir and output topic, in-process,
+//!    stop at end:
+//!    - alo: `processing.guarantee=at_least_once`, the default `commit.interval.ms` (1000);
+//!    - eos: `processing.guarantee=exactly_once_v2`, `commit.interval.ms=100`,
+//!      `instance.id=bench-<round>`.
+//!
+//!    records/s from `RunSummary` (first record to end of run); each output is read back
+//!    read_committed and must hold each distinct id once. Medians, the ratio eos/alo and
+//!    the target (>= 0.7) are reported.
+//! 2. End-to-end latency, alternating for R rounds per guarantee: onceflow runs on a
+//!    thread on fresh topics (same settings as above, no stop at end); once warm-up records
+//!    on every input partition have come through, a producer (linger.ms=1) publishes
+//!    events at a steady rate (default 10,000/s for 10 s, a quarter of them repeats) with
+//!    the record timestamp = the wall clock at send (ms); a read_committed consumer on the
+//!    output takes (receive time - record timestamp) for every output record (onceflow's
+//!    sink keeps the input timestamp). Every distinct id must arrive once. p50 and p99 in
+//!    ms per round, and their medians over the rounds.
+//!
+//! Ends with a table and one machine-readable last line starting `bench-eos:`.
+//!
+//! ```text
+//! scripts/bench-eos                                  # build, start the broker, run
+//! ONCEFLOW_BENCH_RECORDS=100000 ONCEFLOW_BENCH_LATENCY_SECONDS=3 scripts/bench-eos
+//! ```
+//! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
+//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_BENCH_LATENCY_RATE (10000 events/s),
+//! ONCEFLOW_BENCH_LATENCY_SECONDS (10), ONCEFLOW_LOG (warn).
+
+#[path = "bench_support/mod.rs"]
+mod support;
+
+use onceflow::kafka::admin::Admin;
+use onceflow::runtime::{App, RunOptions, RunSummary};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use std::collections::HashSet;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{
+    cleanup, dedup_topology, env_usize, event_json, generate, init_logging, list, load, median,
+    now_ms, now_us, onceflow_config, quantile, rate_list, thread_cpu_seconds, verify_unique,
+    Created, Dataset, Res, Settings, PARTITIONS, VALUE_LEN,
+};
+
+const TARGET_RATIO: f64 = 0.7;
+/// commit.interval.ms of the exactly_once_v2 runs.
+const EOS_COMMIT_INTERVAL_MS: &str = "100";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Guarantee {
+    AtLeastOnce,
+    ExactlyOnceV2,
+}
+
+impl Guarantee {
+    fn tag(self) -> &'static str {
+        match self {
+            Guarantee::AtLeastOnce => "alo",
+            Guarantee::ExactlyOnceV2 => "eos",
+        }
+    }
+
+    /// The config of one run under this guarantee.
+    fn sets(self, app_id: &str, state_dir: &str, instance: &str) -> Vec<(String, String)> {
+        let mut v = vec![
+            ("application.id".to_string(), app_id.to_string()),
+            ("state.dir".to_string(), state_dir.to_string()),
+        ];
+        match self {
+            Guarantee::AtLeastOnce => {
+                v.push(("processing.guarantee".into(), "at_least_once".into()));
+            }
+            Guarantee::ExactlyOnceV2 => {
+                v.push(("processing.guarantee".into(), "exactly_once_v2".into()));
+                v.push(("commit.interval.ms".into(), EOS_COMMIT_INTERVAL_MS.into()));
+                v.push(("instance.id".into(), instance.to_string()));
+            }
+        }
+        v
+    }
+}
+
+const BOTH: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2];
+
+struct LatencySettings {
+    rate: usize,
+    seconds: usize,
+}
+
+/// An `App` of the dedup topology from `input` to `output` under `g`, with a fresh state
+/// dir (returned: it lives as long as the run). The topics and group it creates go to
+/// `created`.
+fn app(
+    s: &Settings,
+    g: Guarantee,
+    app_id: &str,
+    instance: &str,
+    input: &str,
+    output: &str,
+    created: &mut Created,
+) -> Res<(App, tempfile::TempDir)> {
+    let state = tempfile::tempdir()?;
+    let sets = g.sets(app_id, &state.path().display().to_string(), instance);
+    let sets: Vec<(&str, &str)> = sets.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let cfg = onceflow_config(&s.bootstrap, &sets)?;
+    created.topics.push(cfg.dlq_topic.clone());
+    created.groups.push(app_id.to_string());
+    let app = App::new(cfg, dedup_topology(input, output)?);
+    created
+        .topics
+        .extend(app.changelog_topics().into_values().map(|(topic, _)| topic));
+    Ok((app, state))
+}
+
+// ------------------------------------------------------------------------ 1. throughput
+
+/// One throughput run: its summary and the share of its wall time the processing thread
+/// was on a CPU.
+fn throughput_round(
+    s: &Settings,
+    ds: &Dataset,
+    g: Guarantee,
+    round: usize,
+    admin: &Admin,
+    input: &str,
+    created: &mut Created,
+) -> Res<(RunSummary, f64)> {
+    let tag = g.tag();
+    let output = s.name(&format!("{tag}-out{round}"));
+    admin.ensure_topic(&output, PARTITIONS, &[("retention.ms", "-1")])?;
+    created.topics.push(output.clone());
+    let app_id = format!("bench-{tag}-{}-{round}", s.run_id);
+    let (app, _state) = app(
+        s,
+        g,
+        &app_id,
+        &format!("bench-{round}"),
+        input,
+        &output,
+        created,
+    )?;
+    let (cpu0, wall0) = (thread_cpu_seconds(), Instant::now());
+    let summary = app.run(RunOptions {
+        stop_at_end: true,
+        ..Default::default()
+    })?;
+    let (cpu, wall) = (thread_cpu_seconds() - cpu0, wall0.elapsed().as_secs_f64());
+    println!("round {round} {tag}: {}", summary.line());
+    println!(
+        "round {round} {tag}: run_wall_seconds={wall:.3} processing_thread_cpu_seconds={cpu:.3} busy={:.0}% ms_per_commit_cycle={:.0}",
+        100.0 * cpu / wall,
+        1000.0 * summary.seconds / summary.commits.max(1) as f64
+    );
+    if summary.counts.records_in as usize != ds.events.len() {
+        return Err(format!(
+            "{tag}: onceflow read {} records, expected {}",
+            summary.counts.records_in,
+            ds.events.len()
+        )
+        .into());
+    }
+    verify_unique(&s.bootstrap, &output, ds.distinct)?;
+    println!(
+        "round {round} {tag} verified: {} unique records in {output} (read_committed)",
+        ds.distinct
+    );
+    Ok((summary, cpu / wall))
+}
+
+// ------------------------------------------------------------------------ 2. latency
+
+struct LatencyRound {
+    /// Latencies in ms, sorted.
+    ms: Vec<f64>,
+    sent: usize,
+    send_seconds: f64,
+    summary: RunSummary,
+}
+
+fn load_producer(
+    bootstrap: &str,
+) -> Res<ThreadedProducer<rdkafka::producer::DefaultProducerContext>> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "1")
+        .create()?)
+}
+
+fn send(
+    p: &ThreadedProducer<rdkafka::producer::DefaultProducerContext>,
+    topic: &str,
+    partition: i32,
+    key: &[u8],
+    value: &[u8],
+    timestamp: i64,
+) -> Res<()> {
+    let mut r: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(topic)
+        .partition(partition)
+        .key(key)
+        .payload(value)
+        .timestamp(timestamp);
+    loop {
+        match p.send(r) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                r = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
+}
+
+/// Publish `ds` to `topic` at `rate` events/s, each stamped with the wall clock at send.
+/// Returns (events sent, seconds).
+fn publish_steady(bootstrap: &str, topic: &str, ds: &Dataset, rate: usize) -> Res<(usize, f64)> {
+    let p = load_producer(bootstrap)?;
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < ds.events.len() {
+        let due = ((started.elapsed().as_secs_f64() * rate as f64) as usize).min(ds.events.len());
+        while sent < due {
+            let e = &ds.events[sent];
+            send(&p, topic, e.partition, &e.id, &e.value, now_ms())?;
+            sent += 1;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    p.flush(Duration::from_secs(60))?;
+    Ok((sent, secs))
+}
+
+fn output_reader(bootstrap: &str, topic: &str) -> Res<BaseConsumer> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "bench-eos-latency-reader") // never joined, never committed
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("isolation.level", "read_committed")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS as i32 {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    c.assign(&tpl)?;
+    Ok(c)
+}
+
+fn latency_round(
+    s: &Settings,
+    ls: &LatencySettings,
+    ds: &Arc<Dataset>,
+    g: Guarantee,
+    round: usize,
+    admin: &Admin,
+    created: &mut Created,
+) -> Res<LatencyRound> {
+    let tag = g.tag();
+    let input = s.name(&format!("lat-{tag}-in{round}"));
+    let output = s.name(&format!("lat-{tag}-out{round}"));
+    for t in [&input, &output] {
+        admin.ensure_topic(t, PARTITIONS, &[("retention.ms", "-1")])?;
+        created.topics.push(t.clone());
+    }
+    let app_id = format!("bench-lat-{tag}-{}-{round}", s.run_id);
+    let (app, state) = app(
+        s,
+        g,
+        &app_id,
+        &format!("bench-lat-{round}"),
+        &input,
+        &output,
+        created,
+    )?;
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let opts = RunOptions {
+        stop_at_end: false,
+        shutdown: shutdown.clone(),
+    };
+    let runner = std::thread::spawn(move || {
+        let r = app.run(opts);
+        drop(state);
+        r
+    });
+    let stop = |runner: std::thread::JoinHandle<onceflow::Result<RunSummary>>| -> Res<RunSummary> {
+        shutdown.store(true, Ordering::SeqCst);
+        match runner.join() {
+            Ok(r) => Ok(r?),
+            Err(_) => Err("the onceflow thread panicked".into()),
+        }
+    };
+    let reader = output_reader(&s.bootstrap, &output)?;
+
+    // Warm-up: a record on every input partition every 100 ms until one from each has
+    // come through (onceflow has joined, been assigned everything, and is producing).
+    let warm = load_producer(&s.bootstrap)?;
+    let noise = vec![b'w'; 8192];
+    let mut seen = [false; PARTITIONS];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last_send: Option<Instant> = None;
+    let mut k = 0;
+    while !seen.iter().all(|x| *x) {
+        if Instant::now() > deadline || runner.is_finished() {
+            let r = stop(runner);
+            return Err(format!("{tag} latency round {round}: warm-up records never came through ({seen:?}; run: {:?})", r.map(|s| s.line())).into());
+        }
+        if last_send.is_none_or(|t| t.elapsed() >= Duration::from_millis(100)) {
+            for p in 0..PARTITIONS as i32 {
+                let id = format!("warm-{p}-{k}");
+                let v = event_json(&id, 0, "PushEvent", now_ms(), &noise, 0);
+                send(&warm, &input, p, id.as_bytes(), &v, now_ms())?;
+            }
+            k += 1;
+            last_send = Some(Instant::now());
+        }
+        if let Some(m) = reader.poll(Duration::from_millis(10)) {
+            let m = m?;
+            let key = m.key().unwrap_or_default();
+            if let Some(rest) = key.strip_prefix(b"warm-") {
+                if let Some(p) = rest.first().map(|c| (c - b'0') as usize) {
+                    seen[p.min(PARTITIONS - 1)] = true;
+                }
+            }
+        }
+    }
+    warm.flush(Duration::from_secs(10))?;
+    drop(warm);
+
+    // The steady phase.
+    let (bootstrap, topic) = (s.bootstrap.clone(), input.clone());
+    let (rate, data) = (ls.rate, ds.clone());
+    let publisher = std::thread::spawn(move || -> Result<(usize, f64), String> {
+        publish_steady(&bootstrap, &topic, &data, rate).map_err(|e| e.to_string())
+    });
+    let mut ms = Vec::with_capacity(ds.distinct);
+    let mut ids: HashSet<Vec<u8>> = HashSet::with_capacity(ds.distinct);
+    let deadline = Instant::now() + Duration::from_secs(ls.seconds as u64 + 60);
+    while ms.len() < ds.distinct && Instant::now() < deadline && !runner.is_finished() {
+        let Some(m) = reader.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = m?;
+        let received_us = now_us();
+        let key = m.key().unwrap_or_default();
+        if key.starts_with(b"warm-") {
+            continue;
+        }
+        let Some(ts) = m.timestamp().to_millis() else {
+            return Err(format!("{tag}: an output record without a timestamp").into());
+        };
+        if !ids.insert(key.to_vec()) {
+            return Err(format!(
+                "{tag}: {} arrived twice (read_committed)",
+                String::from_utf8_lossy(key)
+            )
+            .into());
+        }
+        ms.push((received_us - ts * 1000) as f64 / 1000.0);
+    }
+    let published = publisher.join();
+    let summary = stop(runner)?;
+    let (sent, send_seconds) = match published {
+        Ok(r) => r?,
+        Err(_) => return Err("the publisher thread panicked".into()),
+    };
+    if ms.len() != ds.distinct {
+        return Err(format!(
+            "{tag} latency round {round}: {} of {} distinct ids came through; {}",
+            ms.len(),
+            ds.distinct,
+            summary.line()
+        )
+        .into());
+    }
+    ms.sort_by(|a, b| a.total_cmp(b));
+    Ok(LatencyRound {
+        ms,
+        sent,
+        send_seconds,
+        summary,
+    })
+}
+
+// ------------------------------------------------------------------------ report
+
+#[derive(Default)]
+struct Results {
+    /// records/s, per round, [alo, eos].
+    rps: [Vec<f64>; 2],
+    /// Share of the run the processing thread was on a CPU, per round, [alo, eos].
+    busy: [Vec<f64>; 2],
+    /// Milliseconds per commit (interval + commit), per round, [alo, eos].
+    cycle_ms: [Vec<f64>; 2],
+    p50: [Vec<f64>; 2],
+    p99: [Vec<f64>; 2],
+    max: [Vec<f64>; 2],
+}
+
+fn report(s: &Settings, ls: &LatencySettings, ds: &Dataset, r: &Results) {
+    let [alo, eos] = [median(&r.rps[0]), median(&r.rps[1])];
+    let ratio = if alo > 0.0 { eos / alo } else { 0.0 };
+    let met = ratio >= TARGET_RATIO;
+    let per_round: Vec<f64> = r.rps[0].iter().zip(&r.rps[1]).map(|(a, e)| e / a).collect();
+    println!();
+    println!(
+        "== onceflow eos bench: {} records ({} distinct), {} partitions, {} round(s); latency at {}/s for {} s; medians ==",
+        ds.events.len(),
+        ds.distinct,
+        PARTITIONS,
+        s.rounds,
+        ls.rate,
+        ls.seconds
+    );
+    println!("{:<50} {:>10}  per round", "measure", "median");
+    let row = |name: &str, v: String, rounds: String| println!("{name:<50} {v:>10}  [{rounds}]");
+    row(
+        "at_least_once throughput, rec/s",
+        format!("{alo:.0}"),
+        rate_list(&r.rps[0]),
+    );
+    row(
+        &format!("exactly_once_v2 ({EOS_COMMIT_INTERVAL_MS} ms) throughput, rec/s"),
+        format!("{eos:.0}"),
+        rate_list(&r.rps[1]),
+    );
+    row("ratio eos/alo", format!("{ratio:.3}"), list(&per_round, 3));
+    println!(
+        "{:<50} {:>10}",
+        format!("target eos/alo >= {TARGET_RATIO}"),
+        if met { "MET" } else { "NOT MET" }
+    );
+    for (i, g) in BOTH.iter().enumerate() {
+        row(
+            &format!("  {} processing thread on CPU, %", g.tag()),
+            format!("{:.0}", median(&r.busy[i])),
+            list(&r.busy[i], 0),
+        );
+        row(
+            &format!("  {} ms per commit cycle", g.tag()),
+            format!("{:.0}", median(&r.cycle_ms[i])),
+            list(&r.cycle_ms[i], 0),
+        );
+    }
+    for (i, g) in BOTH.iter().enumerate() {
+        let name = match g {
+            Guarantee::AtLeastOnce => "at_least_once",
+            Guarantee::ExactlyOnceV2 => "exactly_once_v2",
+        };
+        row(
+            &format!("{name} latency p50, ms"),
+            format!("{:.1}", median(&r.p50[i])),
+            list(&r.p50[i], 1),
+        );
+        row(
+            &format!("{name} latency p99, ms"),
+            format!("{:.1}", median(&r.p99[i])),
+            list(&r.p99[i], 1),
+        );
+        row(
+            &format!("{name} latency max, ms"),
+            format!("{:.1}", median(&r.max[i])),
+            list(&r.max[i], 1),
+        );
+    }
+    println!(
+        "bench-eos: records={} rounds={} alo_rps={alo:.0} eos_rps={eos:.0} ratio={ratio:.3} target_met={met} latency_rate={} latency_seconds={} alo_p50_ms={:.1} alo_p99_ms={:.1} eos_p50_ms={:.1} eos_p99_ms={:.1}",
+        ds.events.len(),
+        s.rounds,
+        ls.rate,
+        ls.seconds,
+        median(&r.p50[0]),
+        median(&r.p99[0]),
+        median(&r.p50[1]),
+        median(&r.p99[1]),
+    );
+}
+
+// ------------------------------------------------------------------------ main
+
+fn run(s: &Settings, ls: &LatencySettings, created: &mut Created) -> Res<(Dataset, Results)> {
+    let admin = Admin::new(&onceflow_config(&s.bootstrap, &[])?)?;
+    let input = s.name("eos-in");
+
+    let t = Instant::now();
+    let ds = generate(s.records, 42);
+    println!(
+        "generated: records={} distinct={} near_repeats={} far_repeats={} value_bytes={} seconds={:.2}",
+        ds.events.len(),
+        ds.distinct,
+        ds.near_repeats,
+        ds.far_repeats,
+        VALUE_LEN,
+        t.elapsed().as_secs_f64()
+    );
+    admin.ensure_topic(&input, PARTITIONS, &[("retention.ms", "-1")])?;
+    created.topics.push(input.clone());
+    let secs = load(s, &ds, &input)?;
+    println!(
+        "loaded: topic={input} partitions={PARTITIONS} seconds={secs:.2} records_per_second={:.0}",
+        ds.events.len() as f64 / secs
+    );
+
+    let mut res = Results::default();
+    for round in 1..=s.rounds {
+        for (i, g) in BOTH.iter().enumerate() {
+            let (summary, busy) = throughput_round(s, &ds, *g, round, &admin, &input, created)?;
+            res.rps[i].push(summary.records_per_second());
+            res.busy[i].push(100.0 * busy);
+            res.cycle_ms[i].push(1000.0 * summary.seconds / summary.commits.max(1) as f64);
+        }
+    }
+
+    let lat = Arc::new(generate(ls.rate * ls.seconds, 7));
+    println!(
+        "latency data: events={} distinct={} rate={}/s seconds={}",
+        lat.events.len(),
+        lat.distinct,
+        ls.rate,
+        ls.seconds
+    );
+    for round in 1..=s.rounds {
+        for (i, g) in BOTH.iter().enumerate() {
+            let r = latency_round(s, ls, &lat, *g, round, &admin, created)?;
+            let (p50, p99, max) = (
+                quantile(&r.ms, 0.5),
+                quantile(&r.ms, 0.99),
+                r.ms.last().copied().unwrap_or(0.0),
+            );
+            println!(
+                "round {round} {} latency: sent={} send_rate={:.0}/s received={} p50_ms={p50:.1} p99_ms={p99:.1} max_ms={max:.1} commits={}",
+                g.tag(),
+                r.sent,
+                r.sent as f64 / r.send_seconds,
+                r.ms.len(),
+                r.summary.commits
+            );
+            res.p50[i].push(p50);
+            res.p99[i].push(p99);
+            res.max[i].push(max);
+        }
+    }
+    Ok((ds, res))
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let settings = Settings::from_env(1_000_000).and_then(|s| {
+        let ls = LatencySettings {
+            rate: env_usize("ONCEFLOW_BENCH_LATENCY_RATE", 10_000)?,
+            seconds: env_usize("ONCEFLOW_BENCH_LATENCY_SECONDS", 10)?,
+        };
+        Ok((s, ls))
+    });
+    let (s, ls) = match settings {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("bench-eos: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "bench-eos: broker={} records={} rounds={} latency_rate={} latency_seconds={} run_id={}",
+        s.bootstrap, s.records, s.rounds, ls.rate, ls.seconds, s.run_id
+    );
+    let mut created = Created::default();
+    let res = run(&s, &ls, &mut created);
+    cleanup(&s, &created);
+    match res {
+        Ok((ds, r)) => {
+            report(&s, &ls, &ds, &r);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bench-eos: failed: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

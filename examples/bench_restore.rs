@@ -1,0 +1,738 @@
+//! Restore-rate benchmark (issue 3): how fast onceflow rebuilds a dedup store from its
+//! changelog, against how fast a plain consumer reads that changelog, in one run.
+//!
+//! What it measures:
+//! 1. Data: a changelog topic exactly as onceflow writes it for application.id `A` and a
+//!    dedup stage `dedup`: topic `A-dedup-changelog`, 4 partitions,
+//!    `cleanup.policy=compact,delete`, `retention.ms=-1`; N entries (default 1,000,000),
+//!    key = the raw dedup key (`evt-000000042`), value = a prost-encoded `DedupEntry`,
+//!    partition = the partition of that id in the input (xxh3 of the id, as the other
+//!    benchmarks). An empty 4-partition input topic.
+//! 2. Alternating for R rounds (default 3: a, b, a, b, a, b):
+//!    - (a) raw consume: a plain rdkafka `BaseConsumer`, read_committed, assigned to all
+//!      changelog partitions from the beginning, counting records until its position has
+//!      reached the end offsets captured at start; records/s from before the capture to
+//!      the end;
+//!    - (b) onceflow restore: `App::run` in-process with application.id `A`, a fresh empty
+//!      state dir, the dedup topology on the empty input, stop at end.
+//!      `RunSummary::restored` must be N. Two rates: N / the wall time of the whole
+//!      `App::run` call (start-up, group join, restore, stop), which is the one the target
+//!      is judged by; and N / the restore phase (first "restore starting" to last "restore
+//!      complete" log event, captured in-process).
+//!
+//!    - (c) the apply side alone, no Kafka: `Restorer::apply` over the same records,
+//!      pre-built, 20,000 per step shared among the partitions as the run loop takes
+//!      them, into a fresh sled store and into the memory store: the engine's ceiling.
+//!
+//!    The medians, the ratios restore/raw and the target (>= 0.8) are reported, and the
+//!    whole run split into start-up (to the first "restore starting"), restore phase and
+//!    tail (last "restore complete" to the end of the run).
+//! 3. Checks on the state the last round left: each partition's changelog checkpoint in
+//!    sled is its end offset and a sample of 10,000 keys decodes to the entries written;
+//!    then a run over 1,000 known and 1,000 new ids on the same state dir restores nothing
+//!    and drops exactly the known ones.
+//!
+//! Ends with a table and one machine-readable last line starting `bench-restore:`.
+//!
+//! ```text
+//! scripts/bench-restore                                 # build, start the broker, run
+//! ONCEFLOW_BENCH_RECORDS=100000 scripts/bench-restore   # quick smoke run
+//! ```
+//! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
+//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
+
+#[path = "bench_support/mod.rs"]
+mod support;
+
+use onceflow::kafka::admin::Admin;
+use onceflow::processor::dedup::DedupEntry;
+use onceflow::runtime::{App, RunOptions, RunSummary};
+use onceflow::state::restore::{changelog_topic, ChangelogRecord, Restorer};
+use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::testing::kafka::TestProducer;
+use prost::Message as _;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{
+    cleanup, dedup_topology, event_id, event_json, list, median, now_ms, onceflow_config,
+    partition_of, rate_list, Created, Res, Settings, PARTITIONS,
+};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
+
+const TARGET_RATIO: f64 = 0.8;
+/// The dedup stage, hence the store, hence the changelog's middle name.
+const STORE: &str = "dedup";
+/// Keys checked one by one against the entry written for them.
+const SAMPLE: usize = 10_000;
+/// Changelog records the run loop takes per restore step (`RESTORE_BATCH` in
+/// src/runtime/app.rs), for the engine-only measure.
+const RESTORE_BATCH: usize = 20_000;
+/// Known and new ids in the final duplicate check.
+const CHECK_IDS: usize = 1_000;
+
+// ------------------------------------------------------------------------ restore log
+
+/// The restore log events of the run in progress, captured in-process with their time.
+#[derive(Clone, Default)]
+struct RestoreLog(Arc<Mutex<Vec<LogEvent>>>);
+
+#[derive(Debug, Clone)]
+struct LogEvent {
+    at: Instant,
+    /// "restore starting" or "restore complete".
+    message: String,
+    partition: i64,
+    /// `done` of "restore complete".
+    done: u64,
+    /// `rate` of "restore complete", e.g. "412345/s".
+    rate: String,
+}
+
+#[derive(Default)]
+struct Fields {
+    message: String,
+    partition: i64,
+    done: u64,
+    rate: String,
+}
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        match field.name() {
+            "message" => self.message = format!("{value:?}"),
+            "rate" => self.rate = format!("{value:?}").trim_matches('"').to_string(),
+            _ => {}
+        }
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        match field.name() {
+            "message" => self.message = value.to_string(),
+            "rate" => self.rate = value.to_string(),
+            _ => {}
+        }
+    }
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        match field.name() {
+            "partition" => self.partition = value,
+            "done" => self.done = value.max(0) as u64,
+            _ => {}
+        }
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        match field.name() {
+            "partition" => self.partition = value as i64,
+            "done" => self.done = value,
+            _ => {}
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for RestoreLog {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let at = Instant::now();
+        let mut f = Fields::default();
+        event.record(&mut f);
+        if f.message == "restore starting" || f.message == "restore complete" {
+            self.0.lock().expect("restore log").push(LogEvent {
+                at,
+                message: f.message,
+                partition: f.partition,
+                done: f.done,
+                rate: f.rate,
+            });
+        }
+    }
+}
+
+impl RestoreLog {
+    fn take(&self) -> Vec<LogEvent> {
+        std::mem::take(&mut *self.0.lock().expect("restore log"))
+    }
+}
+
+/// stderr logging filtered by ONCEFLOW_LOG (default warn), plus the restore log capture
+/// (onceflow's info events, whatever ONCEFLOW_LOG says).
+fn init_logging() -> RestoreLog {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let log = RestoreLog::default();
+    let capture =
+        tracing_subscriber::filter::Targets::new().with_target("onceflow", tracing::Level::INFO);
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(filter),
+        )
+        .with(log.clone().with_filter(capture))
+        .init();
+    log
+}
+
+// ------------------------------------------------------------------------ data
+
+/// The entry onceflow would have written for the `n`-th distinct id, the `offset`-th
+/// first occurrence in its partition.
+fn entry(first_seen_ms: i64, partition: i32, offset: i64) -> DedupEntry {
+    DedupEntry {
+        first_seen_ms,
+        source_partition: partition,
+        source_offset: offset,
+        fingerprint: None,
+    }
+}
+
+/// What was written: per id index, its partition and source offset; per partition, the
+/// number of entries.
+struct Changelog {
+    topic: String,
+    first_seen_ms: i64,
+    partition: Vec<i32>,
+    offset: Vec<i64>,
+    per_partition: [i64; PARTITIONS],
+}
+
+/// Write `n` dedup entries to `topic`, stamped now, as onceflow's commit does.
+fn build_changelog(s: &Settings, topic: &str, n: usize) -> Res<(Changelog, f64)> {
+    let p = TestProducer::new(&s.bootstrap)?;
+    let first_seen_ms = now_ms();
+    let mut cl = Changelog {
+        topic: topic.to_string(),
+        first_seen_ms,
+        partition: Vec::with_capacity(n),
+        offset: Vec::with_capacity(n),
+        per_partition: [0; PARTITIONS],
+    };
+    let started = Instant::now();
+    for i in 0..n {
+        let id = event_id(i);
+        let part = partition_of(id.as_bytes());
+        let off = cl.per_partition[part as usize];
+        cl.per_partition[part as usize] += 1;
+        let value = entry(first_seen_ms, part, off).encode_to_vec();
+        p.send(
+            topic,
+            Some(part),
+            Some(id.as_bytes()),
+            Some(&value),
+            &[],
+            Some(now_ms()),
+        )?;
+        cl.partition.push(part);
+        cl.offset.push(off);
+    }
+    p.flush()?;
+    Ok((cl, started.elapsed().as_secs_f64()))
+}
+
+// ------------------------------------------------------------------------ (a) raw consume
+
+/// Read `topic` from the beginning to the end offsets captured at start, read_committed,
+/// counting records. Returns (records, seconds).
+fn raw_consume(bootstrap: &str, topic: &str) -> Res<(u64, f64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "bench-restore-raw") // never joined, never committed
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("isolation.level", "read_committed")
+        // As onceflow's consumers (config/onceflow.toml): librdkafka's 1000 ms default
+        // stalls a consumer whose queue fills.
+        .set("fetch.queue.backoff.ms", "20")
+        .create()?;
+    let started = Instant::now();
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = [0i64; PARTITIONS];
+    let mut next = [0i64; PARTITIONS];
+    for p in 0..PARTITIONS {
+        let (lo, hi) = consumer.fetch_watermarks(topic, p as i32, Duration::from_secs(10))?;
+        ends[p] = hi;
+        next[p] = lo;
+        tpl.add_partition_offset(topic, p as i32, Offset::Offset(lo))?;
+    }
+    consumer.assign(&tpl)?;
+    let mut n = 0u64;
+    let mut bytes = 0usize;
+    let mut last_progress = Instant::now();
+    while (0..PARTITIONS).any(|p| next[p] < ends[p]) {
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {
+                // Transaction markers take offsets and are never delivered.
+                let pos = consumer.position()?;
+                for (p, nx) in next.iter_mut().enumerate() {
+                    if let Some(Offset::Offset(o)) =
+                        pos.find_partition(topic, p as i32).map(|e| e.offset())
+                    {
+                        *nx = (*nx).max(o);
+                    }
+                }
+                if last_progress.elapsed() > Duration::from_secs(60) {
+                    return Err(format!("raw consume of {topic}: stuck at {n} records").into());
+                }
+            }
+            Some(Err(e)) => return Err(format!("raw consume of {topic}: {e}").into()),
+            Some(Ok(m)) => {
+                let p = m.partition() as usize;
+                next[p] = next[p].max(m.offset() + 1);
+                bytes += m.key().map_or(0, <[u8]>::len) + m.payload().map_or(0, <[u8]>::len);
+                n += 1;
+                last_progress = Instant::now();
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    std::hint::black_box(bytes);
+    Ok((n, secs))
+}
+
+// ------------------------------------------------------------------------ (b) restore
+
+struct RestoreRound {
+    summary: RunSummary,
+    /// Wall time of the whole `App::run` call.
+    run_seconds: f64,
+    /// First "restore starting" to last "restore complete".
+    phase_seconds: f64,
+    /// Start of `App::run` to the first "restore starting" (topics, group join, plan).
+    startup_seconds: f64,
+    /// Last "restore complete" to the end of `App::run` (resume, end of input, close).
+    tail_seconds: f64,
+    /// The per-partition rates of the "restore complete" events, as logged.
+    partition_rates: Vec<String>,
+}
+
+/// The application.id and the topics of the onceflow runs.
+struct Names {
+    app_id: String,
+    input: String,
+    output: String,
+}
+
+fn onceflow_run(
+    s: &Settings,
+    names: &Names,
+    state_dir: &std::path::Path,
+    created: &mut Created,
+) -> Res<(RunSummary, f64)> {
+    let dir = state_dir.display().to_string();
+    let cfg = onceflow_config(
+        &s.bootstrap,
+        &[
+            ("application.id", names.app_id.as_str()),
+            ("state.dir", &dir),
+            ("processing.guarantee", "at_least_once"),
+        ],
+    )?;
+    if !created.topics.contains(&cfg.dlq_topic) {
+        created.topics.push(cfg.dlq_topic.clone());
+    }
+    let app = App::new(cfg, dedup_topology(&names.input, &names.output)?);
+    let started = Instant::now();
+    let summary = app.run(RunOptions {
+        stop_at_end: true,
+        ..Default::default()
+    })?;
+    Ok((summary, started.elapsed().as_secs_f64()))
+}
+
+fn restore_round(
+    s: &Settings,
+    names: &Names,
+    state_dir: &std::path::Path,
+    expected: u64,
+    log: &RestoreLog,
+    created: &mut Created,
+) -> Res<RestoreRound> {
+    log.take();
+    let started = Instant::now();
+    let (summary, run_seconds) = onceflow_run(s, names, state_dir, created)?;
+    let ended = Instant::now();
+    let events = log.take();
+    if summary.restored != expected || summary.counts.records_in != 0 {
+        return Err(format!(
+            "onceflow restored {} records and read {} (expected {expected} and 0)",
+            summary.restored, summary.counts.records_in
+        )
+        .into());
+    }
+    let starts: Vec<&LogEvent> = events
+        .iter()
+        .filter(|e| e.message == "restore starting")
+        .collect();
+    let completes: Vec<&LogEvent> = events
+        .iter()
+        .filter(|e| e.message == "restore complete")
+        .collect();
+    let done: u64 = completes.iter().map(|e| e.done).sum();
+    if starts.len() != PARTITIONS || completes.len() != PARTITIONS || done != expected {
+        return Err(format!(
+            "restore log: {} \"restore starting\", {} \"restore complete\" events, done={done} \
+             (expected {PARTITIONS}, {PARTITIONS}, {expected})",
+            starts.len(),
+            completes.len()
+        )
+        .into());
+    }
+    let first = starts.iter().map(|e| e.at).min().expect("4 starts");
+    let last = completes.iter().map(|e| e.at).max().expect("4 completes");
+    let mut partition_rates: Vec<(i64, String)> = completes
+        .iter()
+        .map(|e| (e.partition, e.rate.clone()))
+        .collect();
+    partition_rates.sort();
+    Ok(RestoreRound {
+        summary,
+        run_seconds,
+        phase_seconds: last.duration_since(first).as_secs_f64(),
+        startup_seconds: first.duration_since(started).as_secs_f64(),
+        tail_seconds: ended.duration_since(last).as_secs_f64(),
+        partition_rates: partition_rates
+            .into_iter()
+            .map(|(p, r)| format!("p{p}={r}"))
+            .collect(),
+    })
+}
+
+// ------------------------------------------------------------------------ (c) engine alone
+
+/// The changelog records as the restore consumer hands them over, per partition.
+fn changelog_records(cl: &Changelog) -> [Vec<ChangelogRecord>; PARTITIONS] {
+    let mut out: [Vec<ChangelogRecord>; PARTITIONS] = Default::default();
+    for (i, (&p, &off)) in cl.partition.iter().zip(&cl.offset).enumerate() {
+        out[p as usize].push(ChangelogRecord {
+            key: event_id(i).into_bytes(),
+            value: Some(entry(cl.first_seen_ms, p, off).encode_to_vec()),
+            offset: off,
+        });
+    }
+    out
+}
+
+/// The apply side of a restore without Kafka: `Restorer::apply` per partition over the
+/// pre-built records, `RESTORE_BATCH` records per step shared among the partitions, as the
+/// run loop does. Returns seconds.
+fn engine_alone(
+    records: &[Vec<ChangelogRecord>; PARTITIONS],
+    backend: &dyn StateBackend,
+) -> Res<f64> {
+    let per_step = RESTORE_BATCH / PARTITIONS;
+    let mut engines = Vec::with_capacity(PARTITIONS);
+    let mut restorers = Vec::with_capacity(PARTITIONS);
+    for (p, recs) in records.iter().enumerate() {
+        let e = backend.open(STORE, p as i32)?;
+        restorers.push(Restorer::plan(
+            STORE,
+            p as i32,
+            e.as_ref(),
+            0,
+            recs.len() as i64,
+        )?);
+        engines.push(e);
+    }
+    let started = Instant::now();
+    let mut at = 0;
+    while restorers.iter().any(|r| !r.is_done()) {
+        for (p, r) in restorers.iter_mut().enumerate() {
+            let recs = &records[p];
+            let chunk = &recs[at.min(recs.len())..(at + per_step).min(recs.len())];
+            if !chunk.is_empty() {
+                r.apply(
+                    engines[p].as_ref(),
+                    chunk.to_vec(),
+                    chunk[chunk.len() - 1].offset + 1,
+                )?;
+            }
+        }
+        at += per_step;
+    }
+    backend.flush()?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+// ------------------------------------------------------------------------ checks
+
+/// The entries are in the sled store under `dir` (`<state.dir>/<application.id>`): each
+/// partition's changelog checkpoint is its end offset, and a sample of `SAMPLE` keys
+/// decodes to the entries written. (`RunSummary::restored` and the restore log already
+/// count every entry; a full scan of sled costs more than the restore.)
+fn check_store(dir: &std::path::Path, cl: &Changelog) -> Res<()> {
+    let backend = SledBackend::open(dir)?;
+    for p in 0..PARTITIONS {
+        let store = backend.open(STORE, p as i32)?;
+        let checkpoint = store.changelog_offset()?;
+        if checkpoint != Some(cl.per_partition[p]) {
+            return Err(format!(
+                "store {STORE}/{p}: changelog checkpoint {checkpoint:?}, expected {}",
+                cl.per_partition[p]
+            )
+            .into());
+        }
+    }
+    let n = cl.partition.len();
+    let step = (n / SAMPLE).max(1);
+    for i in (0..n).step_by(step) {
+        let id = event_id(i);
+        let store = backend.open(STORE, cl.partition[i])?;
+        let raw = store
+            .get(id.as_bytes())?
+            .ok_or_else(|| format!("{id}: missing from store {STORE}/{}", cl.partition[i]))?;
+        let got = DedupEntry::decode(raw.as_slice())?;
+        let want = entry(cl.first_seen_ms, cl.partition[i], cl.offset[i]);
+        if got != want {
+            return Err(format!("{id}: stored {got:?}, expected {want:?}").into());
+        }
+    }
+    println!(
+        "check: {} sampled entries in the store as written; checkpoints at the changelog ends [{}]",
+        n.div_ceil(step),
+        list(&cl.per_partition.map(|x| x as f64), 0),
+    );
+    Ok(())
+}
+
+/// On the restored state: a run over `CHECK_IDS` known ids and as many new ones drops
+/// exactly the known ones, and restores nothing (the checkpoints are at the ends).
+fn check_duplicates(
+    s: &Settings,
+    names: &Names,
+    state_dir: &std::path::Path,
+    n: usize,
+    created: &mut Created,
+) -> Res<()> {
+    let p = TestProducer::new(&s.bootstrap)?;
+    let noise = vec![b'x'; 8192];
+    let known = (0..CHECK_IDS).map(|k| k * (n / CHECK_IDS).max(1) % n);
+    let new = (0..CHECK_IDS).map(|k| n + k);
+    for i in known.chain(new) {
+        let id = event_id(i);
+        let value = event_json(&id, 1, "PushEvent", now_ms(), &noise, 0);
+        p.send(
+            &names.input,
+            Some(partition_of(id.as_bytes())),
+            Some(id.as_bytes()),
+            Some(&value),
+            &[],
+            Some(now_ms()),
+        )?;
+    }
+    p.flush()?;
+    let (summary, _) = onceflow_run(s, names, state_dir, created)?;
+    let c = &summary.counts;
+    let distinct_known = n.min(CHECK_IDS) as u64;
+    if summary.restored != 0
+        || c.records_in != 2 * CHECK_IDS as u64
+        || c.duplicates != CHECK_IDS as u64
+        || c.passed != CHECK_IDS as u64
+    {
+        return Err(format!(
+            "duplicate check on the restored state: {} (expected restored=0 records_in={} duplicates={} passed={})",
+            summary.line(),
+            2 * CHECK_IDS,
+            CHECK_IDS,
+            CHECK_IDS
+        )
+        .into());
+    }
+    println!(
+        "check: {CHECK_IDS} known ids ({distinct_known} distinct) dropped as duplicates, {CHECK_IDS} new ids passed, nothing restored again: {}",
+        summary.line()
+    );
+    Ok(())
+}
+
+// ------------------------------------------------------------------------ report
+
+#[derive(Default)]
+struct Results {
+    raw: Vec<f64>,
+    run: Vec<f64>,
+    phase: Vec<f64>,
+    startup: Vec<f64>,
+    tail: Vec<f64>,
+    sled: Vec<f64>,
+    memory: Vec<f64>,
+}
+
+fn report(s: &Settings, r: &Results) {
+    let (raw, run, phase) = (median(&r.raw), median(&r.run), median(&r.phase));
+    let ratio = |x: f64| if raw > 0.0 { x / raw } else { 0.0 };
+    let (ratio_run, ratio_phase) = (ratio(run), ratio(phase));
+    let met = ratio_run >= TARGET_RATIO;
+    let per_round = |xs: &[f64]| -> String {
+        let v: Vec<f64> = xs.iter().zip(&r.raw).map(|(x, a)| x / a).collect();
+        list(&v, 3)
+    };
+    println!();
+    println!(
+        "== onceflow restore bench: {} changelog entries, {} partitions, {} round(s), medians ==",
+        s.records, PARTITIONS, s.rounds
+    );
+    println!("{:<52} {:>12}  per round", "measure", "median");
+    let row = |name: &str, v: String, rounds: String| println!("{name:<52} {v:>12}  [{rounds}]");
+    row(
+        "(a) raw consume of the changelog, rec/s",
+        format!("{raw:.0}"),
+        rate_list(&r.raw),
+    );
+    row(
+        "(b) onceflow restore, whole run, rec/s",
+        format!("{run:.0}"),
+        rate_list(&r.run),
+    );
+    row(
+        "(b') onceflow restore, restore phase only, rec/s",
+        format!("{phase:.0}"),
+        rate_list(&r.phase),
+    );
+    row(
+        "    of which start-up to first restore, s",
+        format!("{:.2}", median(&r.startup)),
+        list(&r.startup, 2),
+    );
+    row(
+        "    of which last restore to end of run, s",
+        format!("{:.2}", median(&r.tail)),
+        list(&r.tail, 2),
+    );
+    row(
+        "(c) restore apply alone (no Kafka), sled, rec/s",
+        format!("{:.0}", median(&r.sled)),
+        rate_list(&r.sled),
+    );
+    row(
+        "(c') restore apply alone (no Kafka), memory, rec/s",
+        format!("{:.0}", median(&r.memory)),
+        rate_list(&r.memory),
+    );
+    row("ratio b/a", format!("{ratio_run:.3}"), per_round(&r.run));
+    row(
+        "ratio b'/a",
+        format!("{ratio_phase:.3}"),
+        per_round(&r.phase),
+    );
+    println!(
+        "{:<52} {:>12}",
+        format!("target b/a >= {TARGET_RATIO}"),
+        if met { "MET" } else { "NOT MET" }
+    );
+    println!(
+        "bench-restore: records={} rounds={} raw_rps={raw:.0} restore_rps={run:.0} restore_phase_rps={phase:.0} ratio={ratio_run:.3} phase_ratio={ratio_phase:.3} target_met={met} sled_apply_rps={:.0} memory_apply_rps={:.0}",
+        s.records, s.rounds, median(&r.sled), median(&r.memory)
+    );
+}
+
+// ------------------------------------------------------------------------ main
+
+fn run(s: &Settings, log: &RestoreLog, created: &mut Created) -> Res<Results> {
+    let admin = Admin::new(&onceflow_config(&s.bootstrap, &[])?)?;
+    let names = Names {
+        app_id: format!("bench-restore-{}", s.run_id),
+        input: s.name("restore-in"),
+        output: s.name("restore-out"),
+    };
+    let changelog = changelog_topic(&names.app_id, STORE);
+    created.groups.push(names.app_id.clone());
+    for t in [&names.input, &names.output] {
+        admin.ensure_topic(t, PARTITIONS, &[("retention.ms", "-1")])?;
+        created.topics.push(t.clone());
+    }
+    admin.ensure_topic(
+        &changelog,
+        PARTITIONS,
+        &[("cleanup.policy", "compact,delete"), ("retention.ms", "-1")],
+    )?;
+    created.topics.push(changelog.clone());
+    let (cl, secs) = build_changelog(s, &changelog, s.records)?;
+    println!(
+        "changelog: topic={} partitions={PARTITIONS} entries={} per_partition=[{}] seconds={secs:.2} records_per_second={:.0}",
+        cl.topic,
+        s.records,
+        list(&cl.per_partition.map(|x| x as f64), 0),
+        s.records as f64 / secs
+    );
+
+    let records = changelog_records(&cl);
+    let mut res = Results::default();
+    let mut last_state = None;
+    for round in 1..=s.rounds {
+        let (n, secs) = raw_consume(&s.bootstrap, &changelog)?;
+        if n != s.records as u64 {
+            return Err(format!("raw consume read {n} records, expected {}", s.records).into());
+        }
+        let rps = n as f64 / secs;
+        println!("round {round} (a) raw consume: records={n} seconds={secs:.3} records_per_second={rps:.0}");
+        res.raw.push(rps);
+
+        let state = tempfile::tempdir()?;
+        let r = restore_round(s, &names, state.path(), s.records as u64, log, created)?;
+        let (run_rps, phase_rps) = (
+            r.summary.restored as f64 / r.run_seconds,
+            r.summary.restored as f64 / r.phase_seconds,
+        );
+        println!(
+            "round {round} (b) onceflow restore: restored={} run_seconds={:.3} records_per_second={run_rps:.0} phase_seconds={:.3} phase_records_per_second={phase_rps:.0} startup_seconds={:.3} tail_seconds={:.3} partitions=[{}]",
+            r.summary.restored,
+            r.run_seconds,
+            r.phase_seconds,
+            r.startup_seconds,
+            r.tail_seconds,
+            r.partition_rates.join(" ")
+        );
+        res.run.push(run_rps);
+        res.phase.push(phase_rps);
+        res.startup.push(r.startup_seconds);
+        res.tail.push(r.tail_seconds);
+        last_state = Some(state);
+
+        let dir = tempfile::tempdir()?;
+        let sled = SledBackend::open(dir.path())?;
+        let secs = engine_alone(&records, &sled)?;
+        drop(sled);
+        let rps = s.records as f64 / secs;
+        println!("round {round} (c) restore apply alone, sled: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
+        res.sled.push(rps);
+        let secs = engine_alone(&records, &MemoryBackend::default())?;
+        let rps = s.records as f64 / secs;
+        println!("round {round} (c') restore apply alone, memory: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
+        res.memory.push(rps);
+    }
+
+    let state = last_state.expect("at least one round");
+    check_store(&state.path().join(&names.app_id), &cl)?;
+    check_duplicates(s, &names, state.path(), s.records, created)?;
+    Ok(res)
+}
+
+fn main() -> ExitCode {
+    let log = init_logging();
+    let s = match Settings::from_env(1_000_000) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("bench-restore: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "bench-restore: broker={} records={} rounds={} run_id={}",
+        s.bootstrap, s.records, s.rounds, s.run_id
+    );
+    let mut created = Created::default();
+    let res = run(&s, &log, &mut created);
+    cleanup(&s, &created);
+    match res {
+        Ok(r) => {
+            report(&s, &r);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bench-restore: failed: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
