@@ -14,8 +14,10 @@ const MIN: i64 = 60_000;
 const T0: i64 = 1_420_070_400_000;
 
 fn run_to_end(names: &Names) -> String {
-    let (st, out) = start(names, &[], &[], &["--stop-at-end"]).wait(T);
-    assert!(st.success(), "exit {st:?}\n{out}");
+    let run = start(names, &[], &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, out) = run.wait(T);
+    assert!(st.success(), "exit {st:?}\n{out}\n{}", log.lock().unwrap());
     out
 }
 

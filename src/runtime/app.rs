@@ -440,10 +440,10 @@ impl Engine {
                 None => break,
                 Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => {}
                 Some(Err(e)) => {
-                    return Err(Error::Kafka {
-                        op: "restore",
-                        source: e,
-                    })
+                    // Consumer errors are reports (a leader moved, a fetch failed); librdkafka
+                    // retries by itself. The restore waits for its position either way.
+                    tracing::warn!(error = %e, "restore consumer error");
+                    break;
                 }
                 Some(Ok(m)) => {
                     batches

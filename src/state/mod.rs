@@ -183,7 +183,11 @@ enum Job {
     Batch(WriteBatch),
 }
 
-type WriterJob = (Arc<dyn KeyValueStore>, Job, std::sync::mpsc::SyncSender<Result<()>>);
+type WriterJob = (
+    Arc<dyn KeyValueStore>,
+    Job,
+    std::sync::mpsc::SyncSender<Result<()>>,
+);
 
 impl Writer {
     /// Start the writer thread; it ends when the last handle is dropped.
@@ -212,9 +216,17 @@ impl Writer {
         Arc::new(Writer { tx: Mutex::new(tx) })
     }
 
-    fn submit(&self, engine: Arc<dyn KeyValueStore>, job: Job) -> std::sync::mpsc::Receiver<Result<()>> {
+    fn submit(
+        &self,
+        engine: Arc<dyn KeyValueStore>,
+        job: Job,
+    ) -> std::sync::mpsc::Receiver<Result<()>> {
         let (reply, done) = std::sync::mpsc::sync_channel(1);
-        let sent = self.tx.lock().expect("writer lock").send((engine, job, reply.clone()));
+        let sent = self
+            .tx
+            .lock()
+            .expect("writer lock")
+            .send((engine, job, reply.clone()));
         if sent.is_err() {
             let _ = reply.send(Err(crate::Error::state(
                 "writer",
@@ -331,7 +343,10 @@ impl StagedStore {
         match &self.writer {
             Some(w) => {
                 let view = Arc::new(staged);
-                let done = w.submit(self.inner.clone(), Job::Staged(view.clone(), changelog_offset));
+                let done = w.submit(
+                    self.inner.clone(),
+                    Job::Staged(view.clone(), changelog_offset),
+                );
                 self.applying = Some(Applying { view, done });
                 Ok(())
             }

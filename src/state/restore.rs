@@ -233,7 +233,8 @@ mod tests {
         let b = MemoryBackend::default();
         let e = b.open("s", 0).unwrap();
         let mut r = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
-        r.apply(e.as_ref(), vec![rec("a", Some("1"), 0)], 5).unwrap();
+        r.apply(e.as_ref(), vec![rec("a", Some("1"), 0)], 5)
+            .unwrap();
         let r2 = Restorer::plan("s", 0, e.as_ref(), 0, 10).unwrap();
         assert_eq!(r2.start_offset(), 5, "a cut-short restore resumes");
         let r3 = Restorer::plan("s", 0, e.as_ref(), 7, 10).unwrap();

@@ -99,6 +99,8 @@ pub struct HarnessOptions {
     /// Kill kinds to choose from: `moment` and the [`FAILPOINTS`]; empty means all, each
     /// equally likely.
     pub kill_kinds: Vec<String>,
+    /// Extra config keys for every instance (`--set k=v`), e.g. `kafka.debug=cgrp,eos`.
+    pub extra_sets: Vec<(String, String)>,
 }
 
 impl HarnessOptions {
@@ -117,6 +119,7 @@ impl HarnessOptions {
             keep_logs: false,
             copy_binary: true,
             kill_kinds: Vec::new(),
+            extra_sets: Vec::new(),
         }
     }
 }
@@ -905,6 +908,12 @@ impl<'a> Run<'a> {
             ("kafka.session.timeout.ms", "6000".into()),
         ];
         sets.extend(extra.iter().cloned());
+        sets.extend(
+            self.opts
+                .extra_sets
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone())),
+        );
         for (k, v) in sets {
             cmd.arg("--set").arg(format!("{k}={v}"));
         }
