@@ -45,3 +45,34 @@ fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
         report.summary_line()
     );
 }
+
+/// Zombies: an instance stopped with SIGSTOP past its session timeout while its transaction
+/// is open, its partitions taken over by the others (other instance ids, so fencing is by
+/// group generation, KIP-447), then SIGCONT. Its open transaction must never commit.
+#[test]
+fn exactly_once_v2_survives_sigstopped_zombies() {
+    let bs = common::bootstrap();
+    let seed = std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(33);
+    let mut opts =
+        harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 2);
+    opts.copy_binary = false;
+    opts.kill_kinds = vec!["sigstop".into()];
+    let report = harness::run_with(&opts, |r| eprintln!("{}", r.line()));
+    eprintln!("{}", report.summary_line());
+    assert_eq!(
+        report.duplicates(),
+        0,
+        "duplicates: {}",
+        report.summary_line()
+    );
+    assert_eq!(report.losses(), 0, "losses: {}", report.summary_line());
+    assert_eq!(
+        report.failed_runs(),
+        0,
+        "failed runs: {}",
+        report.summary_line()
+    );
+}
