@@ -8,7 +8,9 @@
 //! target/release/examples/crash_harness --runs 200 [--seed S] [--bin PATH]
 //!     [--min-events N] [--max-events N] [--gharchive P] [--work-dir DIR] [--keep-logs]
 //!     [--kill KIND,...]   # moment, eos.after_produce, eos.after_changelog,
-//!                         # eos.before_commit, eos.after_commit, restore.during
+//!                         # eos.before_commit, eos.after_commit, restore.during;
+//!                         # opt-in: sigstop (SIGSTOP 7-12 s, then SIGCONT: a zombie)
+//!     [--set KEY=VALUE]...  # extra config for every instance, e.g. kafka.debug=cgrp,eos
 //! ```
 //! The binary is `--bin`, else `ONCEFLOW_BIN`, else `target/release/onceflow`; the broker
 //! is `ONCEFLOW_BOOTSTRAP_SERVERS` (default 127.0.0.1:9092). Prints one line per run and a
@@ -22,7 +24,7 @@ use std::process::ExitCode;
 fn usage() -> ExitCode {
     eprintln!(
         "usage: crash_harness [--runs N] [--seed S] [--bin PATH] [--min-events N] [--max-events N] \
-         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...]"
+         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...] [--set KEY=VALUE]..."
     );
     ExitCode::from(2)
 }
@@ -65,6 +67,11 @@ fn main() -> ExitCode {
             "--work-dir" => value("--work-dir").map(|v| opts.work_dir = PathBuf::from(v)),
             "--kill" => value("--kill").map(|v| {
                 opts.kill_kinds = v.split(',').map(str::to_string).collect();
+            }),
+            "--set" => value("--set").and_then(|v| {
+                let (k, v) = v.split_once('=')?;
+                opts.extra_sets.push((k.to_string(), v.to_string()));
+                Some(())
             }),
             "--keep-logs" => {
                 opts.keep_logs = true;
