@@ -66,7 +66,4 @@ fn exactly_once_v2_survives_sigstopped_zombies() {
     opts.copy_binary = false;
     opts.kill_kinds = vec!["sigstop".into()];
     run_and_check(&opts);
-}",
-        report.summary_line()
-    );
 }
