@@ -51,19 +51,3 @@ fn run_and_check(opts: &harness::HarnessOptions) {
     );
 }
 
-/// Zombies: an instance stopped with SIGSTOP past its session timeout while its transaction
-/// is open, its partitions taken over by the others (other instance ids, so fencing is by
-/// group generation, KIP-447), then SIGCONT. Its open transaction must never commit.
-#[test]
-fn exactly_once_v2_survives_sigstopped_zombies() {
-    let bs = common::bootstrap();
-    let seed = std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(33);
-    let mut opts =
-        harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 2);
-    opts.copy_binary = false;
-    opts.kill_kinds = vec!["sigstop".into()];
-    run_and_check(&opts);
-}

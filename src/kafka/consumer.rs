@@ -113,20 +113,6 @@ pub fn create(
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
 pub fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
-    create_reader(cfg, "read_committed")
-}
-
-/// A consumer used only to query changelog watermarks `read_uncommitted`: its high
-/// watermark includes open transactions, so a restore that runs to it waits until they are
-/// decided instead of stopping short at the last stable offset and missing their records.
-///
-/// # Errors
-/// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create_watermark_reader(cfg: &Config) -> Result<BaseConsumer> {
-    create_reader(cfg, "read_uncommitted")
-}
-
-fn create_reader(cfg: &Config, isolation: &str) -> Result<BaseConsumer> {
     crate::kafka::client_config(
         cfg,
         &[
@@ -134,7 +120,7 @@ fn create_reader(cfg: &Config, isolation: &str) -> Result<BaseConsumer> {
             ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
             ("auto.offset.reset", "earliest"),
-            ("isolation.level", isolation),
+            ("isolation.level", "read_committed"),
             ("enable.partition.eof", "false"),
         ],
         &cfg.kafka_consumer,

@@ -114,8 +114,6 @@ struct Engine {
     backend: SledBackend,
     producer: OutputProducer,
     restore_consumer: BaseConsumer,
-    /// Reads changelog high watermarks read_uncommitted (see `create_watermark_reader`).
-    watermarks: BaseConsumer,
     /// Changelog topic of each store.
     changelogs: BTreeMap<String, String>,
     tasks: BTreeMap<i32, Task>,
@@ -419,10 +417,8 @@ impl Engine {
                 continue;
             };
             for (store, topic) in &self.changelogs {
-                // The high watermark, open transactions included: the restore waits for them
-                // to be decided (a zombie's late commit is then part of the restored state).
                 let (low, end) = self
-                    .watermarks
+                    .restore_consumer
                     .fetch_watermarks(topic, p, Duration::from_secs(30))
                     .map_err(Error::kafka("changelog end offsets"))?;
                 if let Some(start) = task.plan_restore(store, low, end)? {
@@ -760,7 +756,6 @@ impl App {
             backend,
             producer,
             restore_consumer,
-            watermarks: consumer::create_watermark_reader(&self.config)?,
             changelogs,
             tasks: BTreeMap::new(),
             unplanned: BTreeSet::new(),
