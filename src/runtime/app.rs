@@ -103,9 +103,6 @@ const RESTORE_BATCH: usize = 20_000;
 struct Engine {
     /// processing.guarantee is exactly_once_v2.
     eos: bool,
-    /// The consumer's `session.timeout.ms`: a pause longer than this may have cost the
-    /// assignment.
-    session_timeout: Duration,
     /// A transaction is open (exactly_once_v2).
     txn_open: bool,
     topology: Topology,
@@ -341,27 +338,6 @@ impl Engine {
         Ok(())
     }
 
-    /// The assignment was lost: abort the open transaction (exactly_once_v2) and drop
-    /// every staged write, without committing anything.
-    fn drop_uncommitted(&mut self, consumer: &SourceConsumer) -> Result<()> {
-        if self.eos {
-            return self.abort_and_rewind(consumer);
-        }
-        for t in self.tasks.values_mut() {
-            let at = t.position();
-            t.abort(at);
-        }
-        self.uncommitted = 0;
-        Ok(())
-    }
-
-    /// Whether this member may have been cut off from its group since the last loop turn:
-    /// its assignment is marked lost, or the process did not run for longer than the
-    /// session timeout (stopped, or starved), so the partitions may have a new owner.
-    fn may_be_zombie(&self, consumer: &SourceConsumer, gap: Duration) -> bool {
-        consumer.assignment_lost() || gap >= self.session_timeout
-    }
-
     /// Abort the open transaction, drop every staged write, and seek every partition back
     /// to its committed offset: the records are processed again in a new transaction.
     fn abort_and_rewind(&mut self, consumer: &SourceConsumer) -> Result<()> {
@@ -549,22 +525,11 @@ struct Listener {
 impl RebalanceListener for Listener {
     fn on_revoke(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
-        if consumer.assignment_lost() {
-            // The group gave the partitions away already (this member was stopped or cut
-            // off past its session): their new owner processes from the committed offsets,
-            // so this member's uncommitted work must not commit now.
-            tracing::warn!(?partitions, "partitions lost: dropping uncommitted work");
-            if let Err(err) = e.drop_uncommitted(consumer) {
-                e.failed.get_or_insert(err);
-                return;
-            }
-        } else {
-            tracing::info!(?partitions, "partitions revoked: committing their work");
-            if let Err(err) = e.commit(consumer, CommitMode::Sync) {
-                tracing::error!(error = %err, "commit on revocation failed");
-                e.failed.get_or_insert(err);
-                return;
-            }
+        tracing::info!(?partitions, "partitions revoked: committing their work");
+        if let Err(err) = e.commit(consumer, CommitMode::Sync) {
+            tracing::error!(error = %err, "commit on revocation failed");
+            e.failed.get_or_insert(err);
+            return;
         }
         for p in partitions {
             if let Some(t) = e.tasks.remove(p) {
@@ -741,14 +706,6 @@ impl App {
         }
         let engine = Arc::new(Mutex::new(Engine {
             eos: self.config.exactly_once(),
-            session_timeout: Duration::from_millis(
-                self.config
-                    .kafka_consumer
-                    .get("session.timeout.ms")
-                    .or_else(|| self.config.kafka.get("session.timeout.ms"))
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(45_000),
-            ),
             txn_open: false,
             topology: self.topology.clone(),
             config: self.config.clone(),
@@ -819,7 +776,6 @@ impl App {
         engine: &Arc<Mutex<Engine>>,
         opts: &RunOptions,
     ) -> Result<()> {
-        let mut last_turn = Instant::now();
         loop {
             if opts.shutdown.load(Ordering::SeqCst) {
                 tracing::info!("shutdown requested: committing and closing");
@@ -841,19 +797,9 @@ impl App {
             } else {
                 Duration::from_millis(100)
             });
-            // Time since the last turn, a stop inside poll included.
-            let gap = last_turn.elapsed();
-            last_turn = Instant::now();
             let mut e = engine.lock().expect("engine lock");
             if let Some(err) = e.failed.take() {
                 return Err(err);
-            }
-            // A transaction opened before a long stop (SIGSTOP, a frozen VM) may belong to
-            // a zombie whose partitions moved on: never commit it, abort and rewind.
-            if e.eos && e.txn_open && e.may_be_zombie(consumer, gap) {
-                tracing::warn!(gap_ms = gap.as_millis() as u64, "this instance may have been cut off from its group: aborting the open transaction");
-                e.abort_and_rewind(consumer)?;
-                continue;
             }
             match polled {
                 None => {
