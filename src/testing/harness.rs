@@ -22,6 +22,9 @@
 //!    random moment and its state dir wiped, so that it restores) or at a random moment
 //!    (0.2–3 s after the start); then restarts it without failpoints, sometimes with its
 //!    state dir wiped;
+//!    Opt-in kind `sigstop` ([`HarnessOptions::kill_kinds`]): not a kill but SIGSTOP for
+//!    7–12 s (longer than the session timeout) and SIGCONT, so the group evicts the
+//!    instance and it comes back a zombie in the middle of a transaction;
 //! 4. waits until the group's committed offsets reach the input's high watermarks, then
 //!    stops every instance with SIGTERM (each must exit 0);
 //! 5. reads the output read_committed (every distinct id once: duplicates and losses are
@@ -96,8 +99,8 @@ pub struct HarnessOptions {
     /// Copy the binary into `work_dir` first, so a rebuild during a long session does not
     /// change the binary under test.
     pub copy_binary: bool,
-    /// Kill kinds to choose from: `moment` and the [`FAILPOINTS`]; empty means all, each
-    /// equally likely.
+    /// Kill kinds to choose from, each equally likely: `moment`, the [`FAILPOINTS`], and
+    /// the opt-in `sigstop`; empty means `moment` and every failpoint.
     pub kill_kinds: Vec<String>,
     /// Extra config keys for every instance (`--set k=v`), e.g. `kafka.debug=cgrp,eos`.
     pub extra_sets: Vec<(String, String)>,
