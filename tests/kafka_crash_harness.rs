@@ -50,4 +50,3 @@ fn run_and_check(opts: &harness::HarnessOptions) {
         report.summary_line()
     );
 }
-
