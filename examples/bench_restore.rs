@@ -436,21 +436,24 @@ fn engine_alone(
         )?);
         engines.push(e);
     }
-    let started = Instant::now();
-    let mut at = 0;
-    while restorers.iter().any(|r| !r.is_done()) {
-        for (p, r) in restorers.iter_mut().enumerate() {
-            let recs = &records[p];
+    // The steps, owned, built before the clock starts (the run loop gets its records
+    // owned from the consumer as well).
+    let mut steps: Vec<(usize, Vec<ChangelogRecord>, i64)> = Vec::new();
+    let longest = records.iter().map(Vec::len).max().unwrap_or(0);
+    for at in (0..longest).step_by(per_step) {
+        for (p, recs) in records.iter().enumerate() {
             let chunk = &recs[at.min(recs.len())..(at + per_step).min(recs.len())];
-            if !chunk.is_empty() {
-                r.apply(
-                    engines[p].as_ref(),
-                    chunk.to_vec(),
-                    chunk[chunk.len() - 1].offset + 1,
-                )?;
+            if let Some(last) = chunk.last() {
+                steps.push((p, chunk.to_vec(), last.offset + 1));
             }
         }
-        at += per_step;
+    }
+    let started = Instant::now();
+    for (p, recs, position) in steps {
+        restorers[p].apply(engines[p].as_ref(), recs, position)?;
+    }
+    if let Some(r) = restorers.iter().find(|r| !r.is_done()) {
+        return Err(format!("engine alone: partition {} not done", r.partition()).into());
     }
     backend.flush()?;
     Ok(started.elapsed().as_secs_f64())
