@@ -149,8 +149,10 @@ impl OutputProducer {
     /// [`Error::Broker`] naming the first failed delivery since the producer started;
     /// [`Error::Kafka`] when the flush times out.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        self.wait_in_flight(deadline);
         self.producer
-            .flush(timeout)
+            .flush(deadline.saturating_duration_since(std::time::Instant::now()))
             .map_err(Error::kafka("flush"))?;
         let ctx = self.producer.context();
         if ctx.failures.load(Ordering::SeqCst) > 0 {
@@ -232,6 +234,7 @@ impl OutputProducer {
     /// # Errors
     /// [`Error::Kafka`]; abortable or fatal per the error.
     pub fn commit_transaction(&self) -> Result<()> {
+        self.wait_in_flight(std::time::Instant::now() + Duration::from_secs(120));
         self.producer
             .commit_transaction(Duration::from_secs(120))
             .map_err(Error::kafka("commit transaction"))
@@ -245,6 +248,18 @@ impl OutputProducer {
         self.producer
             .abort_transaction(Duration::from_secs(120))
             .map_err(Error::kafka("abort transaction"))
+    }
+
+    /// Wait until no record is in flight (or `deadline`). rdkafka's flush on a
+    /// ThreadedProducer, also called by `commit_transaction`, sleeps in 100 ms polls while
+    /// the background thread serves the delivery reports; waiting on the in-flight count
+    /// first makes that flush return at once.
+    fn wait_in_flight(&self, deadline: std::time::Instant) {
+        let mut pause = Duration::from_micros(50);
+        while self.producer.in_flight_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
     }
 
     /// Records queued and not yet delivered.
