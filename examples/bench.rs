@@ -424,12 +424,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
 }
 
 fn main() -> ExitCode {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    support::init_logging();
     let s = match Settings::from_env(1_000_000) {
         Ok(s) => s,
         Err(e) => {
