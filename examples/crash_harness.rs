@@ -9,7 +9,9 @@
 //!     [--min-events N] [--max-events N] [--gharchive P] [--work-dir DIR] [--keep-logs]
 //!     [--kill KIND,...]   # moment, eos.after_produce, eos.after_changelog,
 //!                         # eos.before_commit, eos.after_commit, restore.during;
-//!                         # opt-in: sigstop (SIGSTOP 7-12 s, then SIGCONT: a zombie)
+//!                         # opt-in: sigstop (SIGSTOP 7-12 s at a random moment, then
+//!                         # SIGCONT: a zombie), zombie (the same, stopped by the
+//!                         # instance itself at eos.after_changelog or eos.before_commit)
 //!     [--set KEY=VALUE]...  # extra config for every instance, e.g. kafka.debug=cgrp,eos
 //! ```
 //! The binary is `--bin`, else `ONCEFLOW_BIN`, else `target/release/onceflow`; the broker

@@ -111,6 +111,17 @@ struct Engine {
     backend: SledBackend,
     producer: OutputProducer,
     restore_consumer: BaseConsumer,
+    /// read_uncommitted client for changelog high watermarks (see [`Engine::plan_restores`]).
+    watermarks: BaseConsumer,
+    /// The consumer group metadata of the current assignment, captured when it was made
+    /// (exactly_once_v2): offsets sent with it are refused by the group coordinator once
+    /// the group has moved to a newer generation (KIP-447), so an instance that lost its
+    /// partitions cannot commit offsets for them.
+    group_meta: Option<rdkafka::consumer::ConsumerGroupMetadata>,
+    /// When planning was last tried for partitions whose changelog held open transactions.
+    last_plan: Option<Instant>,
+    /// Partitions waiting for an open changelog transaction to end (logged once each).
+    open_txn_waits: BTreeSet<i32>,
     /// Changelog topic of each store.
     changelogs: BTreeMap<String, String>,
     tasks: BTreeMap<i32, Task>,
@@ -311,10 +322,10 @@ impl Engine {
             failpoint::hit("eos.after_changelog");
             let offsets = self.processed_offsets()?;
             if offsets.count() > 0 {
-                let cgm = consumer.group_metadata().ok_or_else(|| {
+                let cgm = self.group_meta.as_ref().ok_or_else(|| {
                     Error::Broker("the consumer has no group metadata (not in a group)".into())
                 })?;
-                self.producer.send_offsets_to_transaction(&offsets, &cgm)?;
+                self.producer.send_offsets_to_transaction(&offsets, cgm)?;
             }
             failpoint::hit("eos.before_commit");
             self.producer.commit_transaction()
@@ -386,20 +397,87 @@ impl Engine {
     }
 
     /// Capture the changelog ends of newly assigned partitions and start their restores.
+    ///
+    /// A partition's previous owner may still have a transaction open: an instance still
+    /// committing its revocation, or a zombie (stopped past its session timeout) that may
+    /// yet commit it. That transaction holds the source offsets (sent with
+    /// `send_offsets_to_transaction`) and changelog records that may not even have reached
+    /// the broker yet. Its dedup marks must be restored too, or the records it processed
+    /// would pass again when repeated later. So a partition is planned only when
+    /// 1. its committed source offset is stable: the committed-offset fetch of a
+    ///    read_committed consumer asks for stable offsets (KIP-447 `require_stable`), which
+    ///    the group coordinator holds back while a transactional offset commit is pending,
+    ///    i.e. until the transaction ended (committed, aborted, or aborted by the
+    ///    coordinator after `transaction.timeout.ms`); and
+    /// 2. the changelog's last stable offset (the restore consumer is read_committed)
+    ///    equals its high watermark (read_uncommitted), so no transaction is open on it:
+    ///    the commit markers of 1 may land on the changelog after the offsets.
+    ///
+    /// The end of the restore is then that offset. Until then the partition stays
+    /// unplanned, and paused; planning is retried every 100 ms.
     fn plan_restores(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        if self
+            .last_plan
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(100))
+        {
+            return Ok(());
+        }
+        self.last_plan = None;
         let partitions: Vec<i32> = std::mem::take(&mut self.unplanned).into_iter().collect();
-        for p in partitions {
-            let Some(task) = self.tasks.get_mut(&p) else {
+        'partitions: for p in partitions {
+            if !self.tasks.contains_key(&p) {
                 continue;
-            };
+            }
+            if !self.changelogs.is_empty() {
+                let stable = consumer.committed_offsets(
+                    Self::tpl_one(&self.source_topic, p, None)?,
+                    Duration::from_millis(300),
+                );
+                if let Err(err) = stable {
+                    if self.open_txn_waits.insert(p) {
+                        tracing::info!(
+                            partition = p,
+                            error = %err,
+                            "committed offset not stable (the previous owner's transaction is open): waiting for it to end before restoring"
+                        );
+                    }
+                    self.unplanned.insert(p);
+                    self.last_plan = Some(Instant::now());
+                    continue 'partitions;
+                }
+            }
+            let mut ends = Vec::with_capacity(self.changelogs.len());
             for (store, topic) in &self.changelogs {
-                let (low, end) = self
+                let (low, stable) = self
                     .restore_consumer
                     .fetch_watermarks(topic, p, Duration::from_secs(30))
                     .map_err(Error::kafka("changelog end offsets"))?;
-                if let Some(start) = task.plan_restore(store, low, end)? {
+                let (_, high) = self
+                    .watermarks
+                    .fetch_watermarks(topic, p, Duration::from_secs(30))
+                    .map_err(Error::kafka("changelog high watermark"))?;
+                if stable < high {
+                    if self.open_txn_waits.insert(p) {
+                        tracing::info!(
+                            store,
+                            partition = p,
+                            stable,
+                            high,
+                            "changelog holds an open transaction of the previous owner: waiting for it to end before restoring"
+                        );
+                    }
+                    self.unplanned.insert(p);
+                    self.last_plan = Some(Instant::now());
+                    continue 'partitions;
+                }
+                ends.push((store.clone(), topic.clone(), low, stable));
+            }
+            self.open_txn_waits.remove(&p);
+            let task = self.tasks.get_mut(&p).expect("checked above");
+            for (store, topic, low, end) in ends {
+                if let Some(start) = task.plan_restore(&store, low, end)? {
                     self.restore_consumer
-                        .incremental_assign(&Self::tpl_one(topic, p, Some(start))?)
+                        .incremental_assign(&Self::tpl_one(&topic, p, Some(start))?)
                         .map_err(Error::kafka("assign changelog"))?;
                 }
             }
@@ -421,6 +499,24 @@ impl Engine {
                 .map_err(Error::kafka("seek"))?;
         }
         consumer.resume(&tpl).map_err(Error::kafka("resume"))
+    }
+
+    /// exactly_once_v2, partitions lost: abort the open transaction and drop every staged
+    /// write, so that the following commit finds nothing to commit.
+    fn abort_lost(&mut self) -> Result<()> {
+        if self.txn_open {
+            self.producer
+                .abort_transaction()
+                .map_err(|e| self.fenced_or(e))?;
+            self.txn_open = false;
+            metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
+        }
+        self.producer.reset_failures();
+        for t in self.tasks.values_mut() {
+            t.abort(None);
+        }
+        self.uncommitted = 0;
+        Ok(())
     }
 
     fn any_restoring(&self) -> bool {
@@ -525,7 +621,21 @@ struct Listener {
 impl RebalanceListener for Listener {
     fn on_revoke(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
-        tracing::info!(?partitions, "partitions revoked: committing their work");
+        if e.eos && consumer.assignment_lost() {
+            // The group moved on without us (session timeout, e.g. after a long stop):
+            // other instances may own these partitions already. Committing now would put
+            // this instance's outputs next to theirs; abort and drop the staged state.
+            tracing::warn!(
+                ?partitions,
+                "partitions lost (this instance left the group): aborting the open transaction"
+            );
+            if let Err(err) = e.abort_lost() {
+                e.failed.get_or_insert(err);
+                return;
+            }
+        } else {
+            tracing::info!(?partitions, "partitions revoked: committing their work");
+        }
         if let Err(err) = e.commit(consumer, CommitMode::Sync) {
             tracing::error!(error = %err, "commit on revocation failed");
             e.failed.get_or_insert(err);
@@ -543,6 +653,7 @@ impl RebalanceListener for Listener {
                 }
             }
             e.unplanned.remove(p);
+            e.open_txn_waits.remove(p);
             e.replay_from.remove(p);
             e.at_end.remove(p);
         }
@@ -551,6 +662,7 @@ impl RebalanceListener for Listener {
     fn on_assign(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
         tracing::info!(?partitions, "partitions assigned");
+        e.group_meta = consumer.group_metadata();
         let mut tpl = TopicPartitionList::new();
         for p in partitions {
             tpl.add_partition(&e.source_topic, *p);
@@ -700,6 +812,7 @@ impl App {
             .collect();
         let producer = OutputProducer::new(&self.config, changelogs.values().cloned().collect())?;
         let restore_consumer = consumer::create_restore_consumer(&self.config)?;
+        let watermarks = consumer::create_watermark_client(&self.config)?;
         if self.config.exactly_once() {
             producer.init_transactions()?;
             tracing::info!(transactional_id = %self.config.transactional_id(), "transactions initialised");
@@ -713,6 +826,10 @@ impl App {
             backend,
             producer,
             restore_consumer,
+            watermarks,
+            group_meta: None,
+            last_plan: None,
+            open_txn_waits: BTreeSet::new(),
             changelogs,
             tasks: BTreeMap::new(),
             unplanned: BTreeSet::new(),
@@ -781,22 +898,22 @@ impl App {
                 tracing::info!("shutdown requested: committing and closing");
                 return Ok(());
             }
-            let restoring = {
+            let wait = {
                 let mut e = engine.lock().expect("engine lock");
                 if !e.unplanned.is_empty() {
                     e.plan_restores(consumer)?;
                 }
-                let restoring = e.any_restoring();
-                if restoring {
+                if e.tasks.values().any(|t| t.is_restoring()) {
                     e.restore_step(consumer, Duration::from_millis(50))?;
+                    Duration::ZERO
+                } else if !e.unplanned.is_empty() {
+                    // Waiting for an open changelog transaction: poll briefly, plan again.
+                    Duration::from_millis(20)
+                } else {
+                    Duration::from_millis(100)
                 }
-                restoring
             };
-            let polled = consumer.poll(if restoring {
-                Duration::ZERO
-            } else {
-                Duration::from_millis(100)
-            });
+            let polled = consumer.poll(wait);
             let mut e = engine.lock().expect("engine lock");
             if let Some(err) = e.failed.take() {
                 return Err(err);

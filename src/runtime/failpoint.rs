@@ -3,7 +3,9 @@
 //! Chosen by the environment variable `ONCEFLOW_FAILPOINTS`, a comma-separated list of
 //! `name=action[@n]`: `action` is `kill` (the process sends itself SIGKILL: no cleanup, no
 //! commit) or `pause` (log `failpoint <name>: paused` and stop here forever, so a test can
-//! SIGKILL the process at that exact moment); `@n` fires on the n-th hit (default 1).
+//! SIGKILL the process at that exact moment) or `stop` (log `failpoint <name>: stopped` and
+//! send itself SIGSTOP; after a SIGCONT it goes on from there: a zombie in the making);
+//! `@n` fires on the n-th hit (default 1).
 //! Off, a failpoint costs one relaxed atomic load.
 //!
 //! Points of the at_least_once commit protocol (see `runtime::app`):
@@ -40,6 +42,7 @@ pub const NAMES: &[&str] = &[
 enum Action {
     Kill,
     Pause,
+    Stop,
 }
 
 struct Point {
@@ -79,7 +82,8 @@ pub fn init_from_env() -> crate::Result<()> {
         let action = match action {
             "kill" => Action::Kill,
             "pause" => Action::Pause,
-            _ => return Err(bad("action must be kill or pause")),
+            "stop" => Action::Stop,
+            _ => return Err(bad("action must be kill, pause or stop")),
         };
         points.insert(
             name.to_string(),
@@ -119,6 +123,14 @@ fn fire(name: &str) {
             unsafe {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
+        }
+        Action::Stop => {
+            eprintln!("failpoint {name}: stopped");
+            // SAFETY: kill(2) on our own pid with a valid signal has no memory effects.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGSTOP);
+            }
+            eprintln!("failpoint {name}: continued");
         }
         Action::Pause => {
             eprintln!("failpoint {name}: paused");

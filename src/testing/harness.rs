@@ -24,7 +24,10 @@
 //!    state dir wiped;
 //!    Opt-in kind `sigstop` ([`HarnessOptions::kill_kinds`]): not a kill but SIGSTOP for
 //!    7–12 s (longer than the session timeout) and SIGCONT, so the group evicts the
-//!    instance and it comes back a zombie in the middle of a transaction;
+//!    instance and it comes back a zombie in the middle of a transaction. Opt-in kind
+//!    `zombie`: the same stop, but the instance stops itself at `eos.after_changelog` or
+//!    `eos.before_commit` (`=stop@<n>`), the exact window where its offsets are in an open
+//!    transaction;
 //! 4. waits until the group's committed offsets reach the input's high watermarks, then
 //!    stops every instance with SIGTERM (each must exit 0);
 //! 5. reads the output read_committed (every distinct id once: duplicates and losses are
@@ -118,7 +121,12 @@ impl HarnessOptions {
             min_events: 3_000,
             max_events: 20_000,
             gharchive_probability: 0.1,
-            work_dir: std::env::temp_dir().join(format!("onceflow-harness-{}", std::process::id())),
+            // One dir per harness, also when several run in one process (parallel tests).
+            work_dir: std::env::temp_dir().join(format!(
+                "onceflow-harness-{}-{}",
+                std::process::id(),
+                HARNESSES.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            )),
             keep_logs: false,
             copy_binary: true,
             kill_kinds: Vec::new(),
@@ -371,7 +379,18 @@ enum KillPlan {
     /// the session timeout), so the group evicts the instance and it comes back a zombie
     /// with an open transaction of an old generation (opt-in kind `sigstop`).
     Stop(Duration, Duration),
+    /// `ONCEFLOW_FAILPOINTS=<name>=stop@<n>`: the instance stops itself (SIGSTOP) at a
+    /// transactional failpoint, with its transaction open (`eos.before_commit`: offsets
+    /// already added); SIGCONT after the duration, longer than the session timeout, so it
+    /// comes back a zombie in the exact window (opt-in kind `zombie`).
+    Zombie(&'static str, u32, Duration),
 }
+
+/// Harnesses created in this process, for their work dirs.
+static HARNESSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Failpoints of the opt-in kind `zombie`.
+const ZOMBIE_POINTS: &[&str] = &["eos.after_changelog", "eos.before_commit"];
 
 /// Sets its flag when dropped.
 struct SetOnDrop(Arc<AtomicBool>);
@@ -728,6 +747,13 @@ impl<'a> Run<'a> {
                     .any(|o| o == "sigstop")
                     .then_some("sigstop"),
             )
+            .chain(
+                self.opts
+                    .kill_kinds
+                    .iter()
+                    .any(|o| o == "zombie")
+                    .then_some("zombie"),
+            )
             .collect();
         if kinds.is_empty() {
             return Err(format!("no kill kind among {:?}", self.opts.kill_kinds));
@@ -736,6 +762,11 @@ impl<'a> Run<'a> {
             "moment" => KillPlan::Moment(self.moment()),
             "sigstop" => KillPlan::Stop(
                 self.moment(),
+                Duration::from_millis(self.rng.random_range(7_000..=12_000)),
+            ),
+            "zombie" => KillPlan::Zombie(
+                ZOMBIE_POINTS[self.rng.random_range(0..ZOMBIE_POINTS.len())],
+                self.rng.random_range(1..=4u32),
                 Duration::from_millis(self.rng.random_range(7_000..=12_000)),
             ),
             kind => {
@@ -755,13 +786,14 @@ impl<'a> Run<'a> {
         for slot in 0..k {
             let fp = match &plan {
                 KillPlan::Failpoint(name, n) if slot == victim => Some(format!("{name}=kill@{n}")),
+                KillPlan::Zombie(name, n, _) if slot == victim => Some(format!("{name}=stop@{n}")),
                 _ => None,
             };
             self.start(slot, fp.as_deref(), &[])?;
         }
 
         // 3. The kill.
-        let stop = matches!(plan, KillPlan::Stop(..));
+        let stop = matches!(plan, KillPlan::Stop(..) | KillPlan::Zombie(..));
         match plan {
             KillPlan::Stop(after, pause) => {
                 self.report.kill = format!(
@@ -777,6 +809,22 @@ impl<'a> Run<'a> {
                 std::thread::sleep(pause);
                 p.signal(libc::SIGCONT);
                 self.report.fired = true;
+            }
+            KillPlan::Zombie(name, n, pause) => {
+                self.report.kill = format!("{name}=stop@{n}+{:.1}s", pause.as_secs_f64());
+                let p = self.procs[victim]
+                    .as_ref()
+                    .ok_or_else(|| format!("slot {victim} is not running"))?;
+                let needle = format!("failpoint {name}: stopped");
+                let deadline = Instant::now() + FAILPOINT_WAIT;
+                while !p.log_text().contains(&needle) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                if p.log_text().contains(&needle) {
+                    std::thread::sleep(pause);
+                    self.report.fired = true;
+                }
+                p.signal(libc::SIGCONT);
             }
             KillPlan::Moment(after) => {
                 self.report.kill = format!("moment@{:.2}s", after.as_secs_f64());
