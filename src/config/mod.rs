@@ -22,6 +22,7 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "ONCEFLOW_BROKER_",
     "ONCEFLOW_TEST_",
     "ONCEFLOW_BENCH_",
+    "ONCEFLOW_BIN",
 ];
 
 /// Keys onceflow knows, besides `kafka.*`.
