@@ -25,6 +25,11 @@ pub const EXPIRED: &str = "onceflow_dedup_expired_total";
 /// Counter `{topology}`: commits of the at_least_once protocol.
 pub const COMMITS: &str = "onceflow_commits_total";
 
+/// Counter `{table}`: table topic records applied to a lookup table (load and follow).
+pub const TABLE_RECORDS: &str = "onceflow_table_records_total";
+/// Counter `{topology,stage,result}` of enrich stages, result = matched|missing|error.
+pub const ENRICH_LOOKUPS: &str = "onceflow_enrich_lookups_total";
+
 /// Install the Prometheus exporter listening on `addr` (serves `/metrics`).
 ///
 /// # Errors

@@ -5,7 +5,9 @@
 //! partition's state stores. Processors are created per task (per source partition), so
 //! they may keep scratch buffers without locks.
 
+pub mod codec;
 pub mod dedup;
+pub mod enrich;
 pub mod json_scan;
 pub mod key;
 pub mod record;
@@ -77,6 +79,8 @@ pub struct Context<'a> {
     pub(crate) forwarded: &'a mut Vec<Record>,
     pub(crate) emitted: &'a mut Vec<OutRecord>,
     pub(crate) counts: &'a mut Counts,
+    /// The instance's lookup tables (enrich stages read them).
+    pub(crate) tables: &'a crate::state::table::Tables,
     /// Wall-clock time in ms (the test driver's mock clock under test).
     pub wall_clock_ms: i64,
     /// The partition's stream time: the highest record timestamp seen (ms).

@@ -372,6 +372,7 @@ pub struct SinkSpec {
 pub struct TopicSink {
     topic: String,
     forward: bool,
+    codec: Option<(super::codec::Format, super::codec::Format)>,
 }
 
 impl TopicSink {
@@ -381,13 +382,29 @@ impl TopicSink {
         TopicSink {
             topic: spec.topic.clone(),
             forward,
+            codec: None,
         }
+    }
+
+    /// Write values in the `sink` format, the source being in `source` format (see
+    /// [`super::codec::encode_for_sink`]); without this the value bytes pass as they are.
+    /// A record whose view does not encode goes to the dead-letter topic.
+    pub fn with_codec(mut self, source: super::codec::Format, sink: super::codec::Format) -> Self {
+        self.codec = Some((source, sink));
+        self
     }
 }
 
 impl Processor for TopicSink {
     fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
         let timestamp = record.timestamp;
+        let encoded = match &self.codec {
+            None => None,
+            Some((source, sink)) => Some(
+                super::codec::encode_for_sink(&record, source, sink)
+                    .map_err(|e| RecordError::new(format!("sink-{}", self.topic), e))?,
+            ),
+        };
         let out = |key, value, headers| OutRecord {
             topic: self.topic.clone(),
             partition: None,
@@ -397,14 +414,12 @@ impl Processor for TopicSink {
             timestamp,
         };
         if self.forward {
-            ctx.emit(out(
-                record.key.clone(),
-                record.value.clone(),
-                record.headers.clone(),
-            ));
+            let value = encoded.unwrap_or_else(|| record.value.clone());
+            ctx.emit(out(record.key.clone(), value, record.headers.clone()));
             ctx.forward(record);
         } else {
-            ctx.emit(out(record.key, record.value, record.headers));
+            let value = encoded.unwrap_or(record.value);
+            ctx.emit(out(record.key, value, record.headers));
         }
         Ok(())
     }

@@ -43,6 +43,7 @@ pub struct Task {
     restorers: Vec<Restorer>,
     pointers: std::sync::Arc<[String]>,
     pointer_tokens: Vec<Vec<String>>,
+    tables: crate::state::table::Tables,
 }
 
 impl Task {
@@ -64,7 +65,7 @@ impl Task {
         Ok(Task {
             topic: topology.source().topic.as_str().into(),
             partition,
-            format: topology.source().format,
+            format: topology.source().format.clone(),
             nodes: topology.instantiate(),
             stores,
             dlq_topic: dlq_topic.to_string(),
@@ -83,7 +84,15 @@ impl Task {
                 .iter()
                 .map(|p| crate::processor::json_scan::tokens(p))
                 .collect(),
+            tables: Default::default(),
         })
+    }
+
+    /// Give the task the instance's lookup tables (for enrich stages); they are shared by
+    /// all tasks and loaded before any task processes a record.
+    pub fn with_tables(mut self, tables: crate::state::table::Tables) -> Self {
+        self.tables = tables;
+        self
     }
 
     /// The source partition.
@@ -147,35 +156,27 @@ impl Task {
                 &err,
             ));
         };
-        if self.format == Format::Json {
-            // One validating pass that picks the fields the stages read; no tree is built.
-            match record
-                .value
-                .as_deref()
-                .map(|v| crate::processor::json_scan::scan(v, &self.pointer_tokens))
-            {
-                Some(Ok(vals)) => record.fields = Some((self.pointers.clone(), vals)),
-                Some(Err(e)) => {
-                    self.dlq_counter.increment(1);
-                    dead(
-                        RecordError::new("source", format!("value is not valid JSON: {e}")),
-                        out,
-                        &mut self.counts,
-                    );
-                    self.position = Some(offset + 1);
-                    return Ok(());
-                }
-                None => {
-                    self.dlq_counter.increment(1);
-                    dead(
-                        RecordError::new("source", "value is null, expected JSON"),
-                        out,
-                        &mut self.counts,
-                    );
-                    self.position = Some(offset + 1);
-                    return Ok(());
-                }
-            }
+        let decoded = match &self.format {
+            // One validating pass that picks the fields the stages read; no tree is built
+            // (a stage that needs the view parses it, see `codec::view_mut`).
+            Format::Json => match record.value.as_deref() {
+                Some(v) => crate::processor::json_scan::scan(v, &self.pointer_tokens)
+                    .map(|vals| record.fields = Some((self.pointers.clone(), vals)))
+                    .map_err(|e| format!("value is not valid JSON: {e}")),
+                None => Err("value is null, expected JSON".to_string()),
+            },
+            Format::Bytes => Ok(()),
+            // String and protobuf values are decoded into the record view when read.
+            other => match record.value.as_deref() {
+                Some(v) => other.decode(v).map(|view| record.json = Some(view)),
+                None => Err(format!("value is null, expected {}", other.describe())),
+            },
+        };
+        if let Err(reason) = decoded {
+            self.dlq_counter.increment(1);
+            dead(RecordError::new("source", reason), out, &mut self.counts);
+            self.position = Some(offset + 1);
+            return Ok(());
         }
         self.cur.clear();
         self.cur.push(record);
@@ -187,6 +188,7 @@ impl Task {
                     forwarded: &mut self.next,
                     emitted: out,
                     counts: &mut self.counts,
+                    tables: &self.tables,
                     wall_clock_ms: wall_ms,
                     stream_time_ms: self.stream_time,
                 };
@@ -225,6 +227,7 @@ impl Task {
                 forwarded: &mut sink,
                 emitted: &mut out,
                 counts: &mut self.counts,
+                tables: &self.tables,
                 wall_clock_ms: wall_ms,
                 stream_time_ms: self.stream_time,
             };

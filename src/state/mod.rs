@@ -10,9 +10,10 @@
 mod memory;
 pub mod restore;
 mod sled;
+pub mod table;
 
 pub use self::memory::{MemoryBackend, MemoryStore};
-pub use self::sled::{SledBackend, SledStore};
+pub use self::sled::{SledBackend, SledStore, SledTable};
 
 use crate::error::Result;
 use std::collections::HashMap;

@@ -91,6 +91,7 @@ pub struct TestDriver {
     changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
     restored: u64,
     uncommitted: usize,
+    tables: TableState,
 }
 
 impl TestDriver {
@@ -111,7 +112,9 @@ impl TestDriver {
             changelog: BTreeMap::new(),
             restored: 0,
             uncommitted: 0,
+            tables: TableState::default(),
         }
+        .with_tables()
     }
 
     /// Commit after every piped record (default `true`); with `false`, call [`Self::commit`].
@@ -136,7 +139,8 @@ impl TestDriver {
     }
 
     fn restored_task(&mut self, partition: i32, limit: usize) -> Result<Task> {
-        let mut t = Task::new(&self.topology, partition, &self.backend, &self.dlq_topic)?;
+        let mut t = Task::new(&self.topology, partition, &self.backend, &self.dlq_topic)?
+            .with_tables(self.tables.handles.clone());
         for store in self.topology.stores() {
             let log = self
                 .changelog
@@ -203,6 +207,7 @@ impl TestDriver {
         };
         let clock = self.clock_ms;
         let mut out = Vec::new();
+        self.sync_tables()?;
         self.task(r.partition)?.process(rec, clock, &mut out)?;
         self.pending.extend(out);
         self.uncommitted += 1;
@@ -273,6 +278,9 @@ impl TestDriver {
     pub fn wipe_state(&mut self) {
         self.crash();
         self.backend.wipe();
+        for t in self.tables.engines.values() {
+            let _ = crate::state::table::TableEngine::clear(t.as_ref());
+        }
     }
 
     /// Move the mock wall clock forward.
@@ -336,6 +344,105 @@ impl TestDriver {
             c.add(t.counts());
         }
         c
+    }
+}
+
+// ---- Lookup tables (enrich): an in-memory table topic per table, loaded like the runtime
+// loads a table topic (from the stored offsets to the end, before each piped record). ----
+
+/// The driver's tables: engines, their topics' records, and load counts.
+#[derive(Default)]
+struct TableState {
+    handles: crate::state::table::Tables,
+    engines: BTreeMap<String, std::sync::Arc<crate::state::table::MemoryTable>>,
+    logs: BTreeMap<String, BTreeMap<i32, Vec<crate::state::table::TableRecord>>>,
+    loaded: u64,
+}
+
+impl TestDriver {
+    fn with_tables(mut self) -> Self {
+        for t in self.topology.tables() {
+            let engine = std::sync::Arc::new(crate::state::table::MemoryTable::new(&t.name));
+            self.tables.handles.insert(t.name.clone(), engine.clone());
+            self.tables.engines.insert(t.name.clone(), engine);
+        }
+        self
+    }
+
+    /// Write a record to the topic of table `table` (key = row key, null value = delete);
+    /// the table picks it up before the next piped record. Returns its offset.
+    ///
+    /// # Errors
+    /// [`crate::Error::Topology`] when the topology has no such table.
+    pub fn pipe_table(&mut self, table: &str, r: TestRecord) -> Result<i64> {
+        if !self.tables.engines.contains_key(table) {
+            return Err(crate::Error::Topology {
+                node: table.to_string(),
+                reason: "no such table in this topology".into(),
+            });
+        }
+        let log = self
+            .tables
+            .logs
+            .entry(table.to_string())
+            .or_default()
+            .entry(r.partition)
+            .or_default();
+        let offset = log.len() as i64;
+        log.push(crate::state::table::TableRecord {
+            partition: r.partition,
+            offset,
+            key: r.key.map(|k| k.to_vec()),
+            value: r.value.map(|v| v.to_vec()),
+        });
+        Ok(offset)
+    }
+
+    /// Bring every table up to the end of its topic, from its stored offsets.
+    ///
+    /// # Errors
+    /// A table engine failure.
+    pub fn sync_tables(&mut self) -> Result<()> {
+        for spec in self.topology.tables() {
+            let engine = &self.tables.engines[&spec.name];
+            let offsets = crate::state::table::TableEngine::offsets(engine.as_ref())?;
+            let Some(parts) = self.tables.logs.get(&spec.name) else {
+                continue;
+            };
+            let mut batch = Vec::new();
+            for (p, log) in parts {
+                let from = offsets.get(p).copied().unwrap_or(0).max(0) as usize;
+                batch.extend(log.iter().skip(from).cloned());
+            }
+            if !batch.is_empty() {
+                self.tables.loaded += batch.len() as u64;
+                crate::state::table::apply_records(engine.as_ref(), &spec.format, &batch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Table topic records applied to tables so far (a wiped table loads its topic again).
+    pub fn table_records_loaded(&self) -> u64 {
+        self.tables.loaded
+    }
+
+    /// The row of `key` in table `table`, as JSON text.
+    ///
+    /// # Errors
+    /// Unknown table or a table engine failure.
+    pub fn table_row(&mut self, table: &str, key: &[u8]) -> Result<Option<String>> {
+        self.sync_tables()?;
+        let engine = self
+            .tables
+            .engines
+            .get(table)
+            .ok_or_else(|| crate::Error::Topology {
+                node: table.to_string(),
+                reason: "no such table in this topology".into(),
+            })?;
+        Ok(crate::state::table::TableEngine::get(engine.as_ref(), key)?
+            .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 }
 

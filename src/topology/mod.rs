@@ -9,25 +9,8 @@ use crate::processor::stages::{Dedup, DedupSpec, SinkSpec, TopicSink};
 use crate::processor::Processor;
 use std::fmt::Write as _;
 
-/// How source record values are decoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Format {
-    /// JSON: a value that does not parse goes to the dead-letter topic.
-    #[default]
-    Json,
-    /// Raw bytes, not decoded.
-    Bytes,
-}
-
-impl Format {
-    /// Name as written in topology files.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Json => "json",
-            Format::Bytes => "bytes",
-        }
-    }
-}
+pub use crate::processor::codec::{Format, ProtoFormat};
+pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +28,8 @@ pub enum StageKind {
     Dedup(DedupSpec),
     /// Write records to a topic.
     Sink(SinkSpec),
+    /// Join records with a lookup table.
+    Enrich(EnrichSpec),
 }
 
 impl StageKind {
@@ -52,6 +37,7 @@ impl StageKind {
         match self {
             StageKind::Dedup(_) => "dedup",
             StageKind::Sink(_) => "sink",
+            StageKind::Enrich(_) => "enrich",
         }
     }
 }
@@ -71,6 +57,8 @@ pub struct Topology {
     name: String,
     source: Source,
     stages: Vec<Stage>,
+    tables: Vec<TableSpec>,
+    topic_formats: std::collections::BTreeMap<String, Format>,
 }
 
 impl Topology {
@@ -102,8 +90,10 @@ impl Topology {
     pub fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();
         for s in &self.stages {
-            if let StageKind::Dedup(d) = &s.kind {
-                d.key.json_pointers(&mut out);
+            match &s.kind {
+                StageKind::Dedup(d) => d.key.json_pointers(&mut out),
+                StageKind::Enrich(e) => e.key.json_pointers(&mut out),
+                StageKind::Sink(_) => {}
             }
         }
         out
@@ -133,7 +123,15 @@ impl Topology {
                     StageKind::Dedup(spec) => {
                         Box::new(Dedup::new(&self.name, &s.name, &s.name, spec.clone()))
                     }
-                    StageKind::Sink(spec) => Box::new(TopicSink::new(spec, i != last)),
+                    StageKind::Sink(spec) => Box::new(
+                        TopicSink::new(spec, i != last)
+                            .with_codec(self.source.format.clone(), self.topic_format(&spec.topic)),
+                    ),
+                    StageKind::Enrich(spec) => Box::new(crate::processor::enrich::Enrich::new(
+                        &self.name,
+                        &s.name,
+                        spec.clone(),
+                    )),
                 };
                 (s.name.clone(), p)
             })
@@ -148,8 +146,18 @@ impl Topology {
             s,
             "  Source: topic {} (format {})",
             self.source.topic,
-            self.source.format.name()
+            self.source.format.describe()
         );
+        for t in &self.tables {
+            let _ = writeln!(
+                s,
+                "  Table: {} topic={} (format {}) store=table-{}",
+                t.name,
+                t.topic,
+                t.format.describe(),
+                t.name
+            );
+        }
         for st in &self.stages {
             match &st.kind {
                 StageKind::Dedup(d) => {
@@ -166,7 +174,24 @@ impl Topology {
                     );
                 }
                 StageKind::Sink(k) => {
-                    let _ = writeln!(s, "  Sink: {} topic={}", st.name, k.topic);
+                    let _ = writeln!(
+                        s,
+                        "  Sink: {} topic={} (format {})",
+                        st.name,
+                        k.topic,
+                        self.topic_format(&k.topic).describe()
+                    );
+                }
+                StageKind::Enrich(e) => {
+                    let _ = writeln!(
+                        s,
+                        "  Enrich: {} table={} key={} into={:?} on_missing={}",
+                        st.name,
+                        e.table,
+                        e.key.describe(),
+                        e.into,
+                        e.on_missing.name()
+                    );
                 }
             }
         }
@@ -192,6 +217,8 @@ pub struct TopologyBuilder {
     name: String,
     source: Option<Source>,
     stages: Vec<Stage>,
+    tables: Vec<TableSpec>,
+    topic_formats: std::collections::BTreeMap<String, Format>,
 }
 
 impl TopologyBuilder {
@@ -247,7 +274,7 @@ impl TopologyBuilder {
         if self.name.trim().is_empty() {
             errors.push(err("topology", "field `name`: must not be empty".into()));
         }
-        let source = match self.source {
+        let source = match self.source.clone() {
             Some(s) => {
                 if let Err(r) = check_topic_name(&s.topic) {
                     errors.push(err("source", format!("field `topic`: {r}")));
@@ -314,8 +341,10 @@ impl TopologyBuilder {
                         errors.push(err(&st.name, format!("field `topic`: {r}")));
                     }
                 }
+                StageKind::Enrich(_) => {}
             }
         }
+        self.validate_tables(source.as_ref(), &mut errors);
         if !self
             .stages
             .iter()
@@ -328,9 +357,171 @@ impl TopologyBuilder {
                 name: self.name,
                 source,
                 stages: self.stages,
+                tables: self.tables,
+                topic_formats: self.topic_formats,
             }),
             _ => Err(errors),
         }
+    }
+}
+
+// ---- Lookup tables, enrich and per-topic codecs (issue 5). Kept in one block. ----
+
+impl Topology {
+    /// The lookup tables, in declaration order.
+    pub fn tables(&self) -> &[TableSpec] {
+        &self.tables
+    }
+
+    /// The codec of `topic`'s values: as set with [`TopologyBuilder::topic_format`], else the
+    /// source's format (so a pipeline writes what it reads unless told otherwise).
+    pub fn topic_format(&self, topic: &str) -> Format {
+        self.topic_formats
+            .get(topic)
+            .cloned()
+            .unwrap_or_else(|| self.source.format.clone())
+    }
+}
+
+impl TopologyBuilder {
+    /// Declare a lookup table materialized from a compacted topic (see
+    /// [`crate::state::table`]); enrich stages refer to it by name.
+    pub fn table(mut self, spec: TableSpec) -> Self {
+        self.tables.push(spec);
+        self
+    }
+
+    /// Add an enrich stage: a lookup join against a declared table.
+    pub fn enrich(mut self, name: impl Into<String>, spec: EnrichSpec) -> Self {
+        self.stages.push(Stage {
+            name: name.into(),
+            kind: StageKind::Enrich(spec),
+        });
+        self
+    }
+
+    /// Set the codec of a sink topic's values (default: the source's format).
+    pub fn topic_format(mut self, topic: impl Into<String>, format: Format) -> Self {
+        self.topic_formats.insert(topic.into(), format);
+        self
+    }
+
+    /// Checks of tables, enrich stages and codecs, appended to `errors`.
+    fn validate_tables(&self, source: Option<&Source>, errors: &mut Vec<Error>) {
+        let err = |node: &str, reason: String| Error::Topology {
+            node: node.to_string(),
+            reason,
+        };
+        let mut names = std::collections::HashSet::new();
+        for t in &self.tables {
+            let node = format!("table {}", t.name);
+            if t.name.is_empty()
+                || !t
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+            {
+                errors.push(err(
+                    &node,
+                    "field `name`: use only ASCII letters, digits, '-', '_' and '.' (it names the table's store), at least one".into(),
+                ));
+            }
+            if !names.insert(t.name.as_str()) {
+                errors.push(err(&node, "field `name`: duplicate table name".into()));
+            }
+            if let Err(r) = check_topic_name(&t.topic) {
+                errors.push(err(&node, format!("field `topic`: {r}")));
+            }
+            if !t.format.has_view() {
+                errors.push(err(
+                    &node,
+                    "field `format`: a table needs rows with a view (json, string or protobuf), not bytes".into(),
+                ));
+            }
+            if source.is_some_and(|s| s.topic == t.topic) {
+                errors.push(err(
+                    &node,
+                    format!(
+                        "field `topic`: {} is the source topic; a table needs its own topic",
+                        t.topic
+                    ),
+                ));
+            }
+        }
+        for st in &self.stages {
+            let StageKind::Enrich(e) = &st.kind else {
+                continue;
+            };
+            if !self.tables.iter().any(|t| t.name == e.table) {
+                let have: Vec<&str> = self.tables.iter().map(|t| t.name.as_str()).collect();
+                errors.push(err(
+                    &st.name,
+                    format!(
+                        "field `table`: no table named {:?} (declared: {})",
+                        e.table,
+                        if have.is_empty() {
+                            "none".to_string()
+                        } else {
+                            have.join(", ")
+                        }
+                    ),
+                ));
+            }
+            if let Some(src) = source {
+                if !src.format.has_view() {
+                    errors.push(err(
+                        &st.name,
+                        "enrich needs a source with a record view (json, string or protobuf), but the source format is bytes".into(),
+                    ));
+                }
+            }
+            for (field, p) in [
+                ("key", key_pointer(&e.key)),
+                ("into", Some(e.into.as_str())),
+            ] {
+                if let Some(p) = p {
+                    if !p.is_empty() && !p.starts_with('/') {
+                        errors.push(err(
+                            &st.name,
+                            format!("field `{field}`: JSON pointer {p:?} must start with '/'"),
+                        ));
+                    }
+                }
+            }
+        }
+        for (topic, f) in &self.topic_formats {
+            let written = self
+                .stages
+                .iter()
+                .any(|s| matches!(&s.kind, StageKind::Sink(k) if &k.topic == topic));
+            if !written {
+                errors.push(err(
+                    &format!("topic {topic}"),
+                    format!(
+                        "a format ({}) is set for a topic no sink writes",
+                        f.describe()
+                    ),
+                ));
+            }
+            if let Some(src) = source {
+                if !src.format.has_view() && !matches!(f, Format::Bytes) {
+                    errors.push(err(
+                        &format!("topic {topic}"),
+                        format!(
+                            "the source format is bytes, which cannot be written as {}",
+                            f.describe()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+fn key_pointer(k: &crate::processor::key::KeySource) -> Option<&str> {
+    match k {
+        crate::processor::key::KeySource::JsonPointer(p) => Some(p),
+        _ => None,
     }
 }
 
