@@ -1,0 +1,278 @@
+//! The enrich stage through the broker-free test driver: joins, table updates and
+//! tombstones, missing-match policies, bad lookup keys, and the table restored from its
+//! topic after the state is wiped; each with its exact output.
+
+use onceflow::processor::key::KeySource;
+use onceflow::runtime::task::dlq_headers;
+use onceflow::testing::{TestDriver, TestRecord};
+use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, TopologyBuilder};
+
+fn driver(policy: MissingPolicy, into: &str) -> TestDriver {
+    let t = TopologyBuilder::new("orders")
+        .source("orders", Format::Json)
+        .table(TableSpec::new("customers", "customers"))
+        .enrich(
+            "join",
+            EnrichSpec::new(
+                "customers",
+                KeySource::JsonPointer("/customer_id".into()),
+                into,
+            )
+            .on_missing(policy),
+        )
+        .sink("out", "orders.enriched")
+        .build()
+        .unwrap();
+    TestDriver::new(t)
+}
+
+fn customer(d: &mut TestDriver, id: &str, row: Option<&str>) {
+    let r = match row {
+        Some(v) => TestRecord::json(v),
+        None => TestRecord::null_value(),
+    };
+    d.pipe_table("customers", r.key(id)).unwrap();
+}
+
+fn reasons(d: &TestDriver) -> Vec<(String, String)> {
+    d.dead_letters()
+        .iter()
+        .map(|r| {
+            let h = |n: &str| {
+                let v = r.headers.iter().find(|(k, _)| k == n).unwrap();
+                String::from_utf8(v.1.as_ref().unwrap().to_vec()).unwrap()
+            };
+            (h(dlq_headers::STAGE), h(dlq_headers::REASON))
+        })
+        .collect()
+}
+
+#[test]
+fn joins_follow_table_updates_and_tombstones() {
+    let mut d = driver(MissingPolicy::Pass, "/customer");
+    customer(&mut d, "c1", Some(r#"{"name":"Ada","tier":"gold"}"#));
+    customer(&mut d, "42", Some(r#"{"name":"Num"}"#));
+    d.pipe(TestRecord::json(
+        r#"{"order_id":"o1","customer_id":"c1","amount":5}"#,
+    ))
+    .unwrap();
+    // A numeric key field matches the table key "42" (its decimal text).
+    d.pipe(TestRecord::json(r#"{"order_id":"o2","customer_id":42}"#))
+        .unwrap();
+    // A table update changes later joins, not earlier ones.
+    customer(&mut d, "c1", Some(r#"{"name":"Ada","tier":"platinum"}"#));
+    d.pipe(TestRecord::json(r#"{"order_id":"o3","customer_id":"c1"}"#))
+        .unwrap();
+    // A tombstone deletes the row: the next order has no match and passes unchanged.
+    customer(&mut d, "c1", None);
+    d.pipe(TestRecord::json(
+        r#"{"order_id":"o4",  "customer_id":"c1"}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        d.output_values("orders.enriched"),
+        vec![
+            r#"{"order_id":"o1","customer_id":"c1","amount":5,"customer":{"name":"Ada","tier":"gold"}}"#,
+            r#"{"order_id":"o2","customer_id":42,"customer":{"name":"Num"}}"#,
+            r#"{"order_id":"o3","customer_id":"c1","customer":{"name":"Ada","tier":"platinum"}}"#,
+            // Unchanged records keep their bytes as read.
+            r#"{"order_id":"o4",  "customer_id":"c1"}"#,
+        ]
+    );
+    assert!(d.dead_letters().is_empty());
+}
+
+#[test]
+fn missing_policies_drop_pass_dead_letter() {
+    let order = r#"{"order_id":"o1","customer_id":"nobody"}"#;
+    let mut d = driver(MissingPolicy::Drop, "/customer");
+    d.pipe(TestRecord::json(order)).unwrap();
+    assert!(d.output_values("orders.enriched").is_empty());
+    assert!(d.dead_letters().is_empty());
+
+    let mut d = driver(MissingPolicy::Pass, "/customer");
+    d.pipe(TestRecord::json(order)).unwrap();
+    assert_eq!(d.output_values("orders.enriched"), vec![order]);
+
+    let mut d = driver(MissingPolicy::DeadLetter, "/customer");
+    d.pipe(TestRecord::json(order)).unwrap();
+    d.pipe(TestRecord::json(r#"{"customer_id":"bin\u0001"}"#))
+        .unwrap();
+    assert!(d.output_values("orders.enriched").is_empty());
+    assert_eq!(
+        reasons(&d),
+        vec![
+            (
+                "join".to_string(),
+                "no row in table customers for key \"nobody\"".to_string()
+            ),
+            (
+                "join".to_string(),
+                "no row in table customers for key \"bin\\x01\"".to_string()
+            ),
+        ]
+    );
+    assert_eq!(d.dead_letters()[0].value.as_deref(), Some(order.as_bytes()));
+}
+
+#[test]
+fn bad_lookup_keys_and_records_are_dead_lettered() {
+    let mut d = driver(MissingPolicy::Pass, "/customer/profile");
+    customer(&mut d, "c1", Some(r#"{"name":"Ada"}"#));
+    d.pipe(TestRecord::json(r#"{"order_id":"o1"}"#)).unwrap();
+    d.pipe(TestRecord::json(r#"{"customer_id":null}"#)).unwrap();
+    d.pipe(TestRecord::json(r#"{"customer_id":{"id":"c1"}}"#))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"customer_id":"c1","customer":"vip"}"#))
+        .unwrap();
+    d.pipe(TestRecord::json(
+        r#"{"customer_id":"c1","customer":{"since":2020}}"#,
+    ))
+    .unwrap();
+    d.pipe(TestRecord::json("not json")).unwrap();
+    assert_eq!(
+        reasons(&d),
+        vec![
+            (
+                "join".into(),
+                "lookup key: key field /customer_id is missing".into()
+            ),
+            (
+                "join".into(),
+                "lookup key: key field /customer_id is null".into()
+            ),
+            (
+                "join".into(),
+                "lookup key: key field /customer_id is an object, expected a string or a number"
+                    .into()
+            ),
+            (
+                "join".into(),
+                "cannot set /customer/profile: /customer is a string, not an object".into()
+            ),
+            (
+                "source".to_string(),
+                "value is not valid JSON: expected ident at line 1 column 2".to_string()
+            ),
+        ]
+    );
+    assert_eq!(
+        d.output_values("orders.enriched"),
+        vec![r#"{"customer_id":"c1","customer":{"since":2020,"profile":{"name":"Ada"}}}"#]
+    );
+}
+
+#[test]
+fn empty_into_merges_the_row_fields() {
+    let mut d = driver(MissingPolicy::Pass, "");
+    customer(&mut d, "c1", Some(r#"{"name":"Ada","customer_id":"C-1"}"#));
+    d.pipe(TestRecord::json(r#"{"customer_id":"c1","n":1}"#))
+        .unwrap();
+    assert_eq!(
+        d.output_values("orders.enriched"),
+        vec![r#"{"customer_id":"C-1","n":1,"name":"Ada"}"#]
+    );
+}
+
+#[test]
+fn unusable_table_rows_are_removed_not_served_stale() {
+    let mut d = driver(MissingPolicy::DeadLetter, "/c");
+    customer(&mut d, "c1", Some(r#"{"name":"Ada"}"#));
+    customer(&mut d, "c1", Some("{broken"));
+    d.pipe_table("customers", TestRecord::json(r#"{"no":"key"}"#))
+        .unwrap();
+    assert_eq!(d.table_row("customers", b"c1").unwrap(), None);
+    d.pipe(TestRecord::json(r#"{"customer_id":"c1"}"#)).unwrap();
+    assert_eq!(
+        reasons(&d),
+        vec![(
+            "join".to_string(),
+            "no row in table customers for key \"c1\"".to_string()
+        )]
+    );
+}
+
+#[test]
+fn table_comes_back_from_its_topic_after_a_wipe() {
+    let mut d = driver(MissingPolicy::Pass, "/customer");
+    for i in 0..5 {
+        customer(&mut d, &format!("c{i}"), Some(&format!(r#"{{"n":{i}}}"#)));
+    }
+    d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
+    assert_eq!(d.table_records_loaded(), 5);
+    // Kept state: the table resumes from its stored offsets (nothing is read twice).
+    d.crash();
+    customer(&mut d, "c3", Some(r#"{"n":33}"#));
+    d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
+    assert_eq!(d.table_records_loaded(), 6);
+    // Wiped state: the table is loaded again from the start of its topic.
+    d.wipe_state();
+    assert_eq!(
+        d.table_row("customers", b"c3").unwrap().as_deref(),
+        Some(r#"{"n":33}"#)
+    );
+    assert_eq!(d.table_records_loaded(), 12);
+    d.pipe(TestRecord::json(r#"{"customer_id":"c4"}"#)).unwrap();
+    assert_eq!(
+        d.output_values("orders.enriched"),
+        vec![
+            r#"{"customer_id":"c3","customer":{"n":3}}"#,
+            r#"{"customer_id":"c3","customer":{"n":33}}"#,
+            r#"{"customer_id":"c4","customer":{"n":4}}"#,
+        ]
+    );
+}
+
+#[test]
+fn build_checks_tables_and_enrich_stages() {
+    let errs = TopologyBuilder::new("t")
+        .source("raw", Format::Bytes)
+        .table(TableSpec::new("customers", "raw").format(Format::Bytes))
+        .table(TableSpec::new("customers", "c"))
+        .enrich(
+            "join",
+            EnrichSpec::new("custs", KeySource::JsonPointer("id".into()), "x"),
+        )
+        .sink("out", "out")
+        .topic_format("other", Format::Json)
+        .build()
+        .unwrap_err();
+    let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        text,
+        vec![
+            "topology error in table customers: field `format`: a table needs rows with a view (json, string or protobuf), not bytes",
+            "topology error in table customers: field `topic`: raw is the source topic; a table needs its own topic",
+            "topology error in table customers: field `name`: duplicate table name",
+            "topology error in join: field `table`: no table named \"custs\" (declared: customers, customers)",
+            "topology error in join: enrich needs a source with a record view (json, string or protobuf), but the source format is bytes",
+            "topology error in join: field `key`: JSON pointer \"id\" must start with '/'",
+            "topology error in join: field `into`: JSON pointer \"x\" must start with '/'",
+            "topology error in topic other: a format (json) is set for a topic no sink writes",
+            "topology error in topic other: the source format is bytes, which cannot be written as json",
+        ]
+    );
+}
+
+#[test]
+fn describe_shows_tables_enrich_and_formats() {
+    let t = TopologyBuilder::new("orders")
+        .source("orders", Format::Json)
+        .table(TableSpec::new("customers", "customers"))
+        .enrich(
+            "join",
+            EnrichSpec::new(
+                "customers",
+                KeySource::JsonPointer("/customer_id".into()),
+                "/customer",
+            )
+            .on_missing(MissingPolicy::DeadLetter),
+        )
+        .sink("out", "orders.enriched")
+        .build()
+        .unwrap();
+    assert_eq!(
+        t.describe(),
+        "Topology: orders\n  Source: topic orders (format json)\n  Table: customers topic=customers (format json) store=table-customers\n  Enrich: join table=customers key=json pointer /customer_id into=\"/customer\" on_missing=dead_letter\n  Sink: out topic=orders.enriched (format json)\n"
+    );
+}
