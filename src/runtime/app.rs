@@ -139,6 +139,8 @@ struct Engine {
     failed: Option<Error>,
     out: Vec<OutRecord>,
     first_record: Option<Instant>,
+    /// Lookup tables, loaded before the consumer subscribes (runtime/table.rs).
+    tables: crate::state::table::Tables,
 }
 
 impl Engine {
@@ -679,7 +681,9 @@ impl RebalanceListener for Listener {
             if e.tasks.contains_key(p) {
                 continue;
             }
-            match Task::new(&e.topology, *p, &e.backend, &e.config.dlq_topic) {
+            match Task::new(&e.topology, *p, &e.backend, &e.config.dlq_topic)
+                .map(|t| t.with_tables(e.tables.clone()))
+            {
                 Ok(t) => {
                     e.tasks.insert(*p, t);
                     e.unplanned.insert(*p);
@@ -805,6 +809,8 @@ impl App {
         self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
         let backend = SledBackend::open(&dir)?;
+        let table_set =
+            super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self
             .changelog_topics()
             .into_iter()
@@ -844,6 +850,7 @@ impl App {
             failed: None,
             out: Vec::with_capacity(16),
             first_record: None,
+            tables: table_set.handles(),
         }));
         let consumer = consumer::create(
             &self.config,

@@ -2,6 +2,7 @@
 
 pub mod app;
 pub mod failpoint;
+pub mod table;
 pub mod task;
 
 pub use app::{App, RunOptions, RunSummary};
