@@ -276,3 +276,80 @@ fn describe_shows_tables_enrich_and_formats() {
         "Topology: orders\n  Source: topic orders (format json)\n  Table: customers topic=customers (format json) store=table-customers\n  Enrich: join table=customers key=json pointer /customer_id into=\"/customer\" on_missing=dead_letter\n  Sink: out topic=orders.enriched (format json)\n"
     );
 }
+
+#[test]
+fn shipped_enrich_orders_file_runs_and_matches_the_builder() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/topologies/enrich-orders.yaml");
+    let t = onceflow::dsl::load(std::path::Path::new(path)).unwrap();
+    let built = TopologyBuilder::new("enrich-orders")
+        .source("orders", Format::Json)
+        .table(TableSpec::new("customers", "customers"))
+        .enrich(
+            "join-customer",
+            EnrichSpec::new(
+                "customers",
+                KeySource::JsonPointer("/customer_id".into()),
+                "/customer",
+            )
+            .on_missing(MissingPolicy::DeadLetter),
+        )
+        .sink("enriched", "orders.enriched")
+        .topic_format("orders.enriched", Format::Json)
+        .build()
+        .unwrap();
+    assert_eq!(t, built);
+    let mut d = TestDriver::new(t);
+    d.pipe_table("customers", TestRecord::json(r#"{"name":"Ada"}"#).key("c1"))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"order_id":"o1","customer_id":"c1"}"#))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"order_id":"o2","customer_id":"c2"}"#))
+        .unwrap();
+    assert_eq!(
+        d.output_values("orders.enriched"),
+        vec![r#"{"order_id":"o1","customer_id":"c1","customer":{"name":"Ada"}}"#]
+    );
+    assert_eq!(
+        reasons(&d),
+        vec![(
+            "join-customer".to_string(),
+            "no row in table customers for key \"c2\"".to_string()
+        )]
+    );
+}
+
+#[test]
+fn topology_files_with_codecs_and_tables_compile_or_name_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/shop.desc");
+    std::fs::copy(desc, dir.path().join("shop.desc")).unwrap();
+    let file = dir.path().join("t.yaml");
+    let text = r#"name: t
+source: { topic: orders, format: { protobuf: { descriptor_set: shop.desc, message: shop.Order } } }
+tables:
+  - { name: customers, topic: customers, format: { protobuf: { descriptor_set: shop.desc, message: shop.Customer } } }
+stages:
+  - enrich: { table: customers, key: { json_pointer: /customer_id } }
+  - sink: { topic: out, format: { protobuf: { descriptor_set: shop.desc, message: shop.EnrichedOrder } } }
+"#;
+    std::fs::write(&file, text).unwrap();
+    let t = onceflow::dsl::load(&file).unwrap();
+    assert_eq!(
+        t.describe(),
+        "Topology: t\n  Source: topic orders (format protobuf shop.Order)\n  Table: customers topic=customers (format protobuf shop.Customer) store=table-customers\n  Enrich: enrich-customers table=customers key=json pointer /customer_id into=\"/customers\" on_missing=pass\n  Sink: sink-out topic=out (format protobuf shop.EnrichedOrder)\n"
+    );
+    std::fs::write(
+        &file,
+        text.replace("shop.Customer", "shop.Nope")
+            .replace("customers, key", "custs, key"),
+    )
+    .unwrap();
+    let err = onceflow::dsl::load(&file).unwrap_err().to_string();
+    let f = file.display().to_string();
+    let d = dir.path().join("shop.desc").display().to_string();
+    assert_eq!(
+        err,
+        format!("{f}: tables[0] (`customers`): field `format`: config error: {d}: no message type \"shop.Nope\" in the descriptor set (it has: shop.Customer, shop.EnrichedOrder, shop.Order)\n\
+{f}: stage `enrich-custs`: field `table`: no table named \"custs\" (declared: none)")
+    );
+}

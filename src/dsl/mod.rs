@@ -18,6 +18,8 @@ use crate::topology::{Format, Topology, TopologyBuilder};
 use serde::Deserialize;
 use std::path::Path;
 
+pub mod tables;
+
 /// A topology file.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,6 +28,9 @@ pub struct TopologyFile {
     pub name: String,
     /// The source topic.
     pub source: SourceDef,
+    /// Lookup tables (see [`tables`]).
+    #[serde(default)]
+    pub tables: Vec<tables::TableDef>,
     /// Stages in order.
     pub stages: Vec<StageDef>,
 }
@@ -36,20 +41,9 @@ pub struct TopologyFile {
 pub struct SourceDef {
     /// Topic to consume.
     pub topic: String,
-    /// `json` (default) or `bytes`.
+    /// `json` (default), `bytes`, `string` or `{ protobuf: {...} }`.
     #[serde(default)]
-    pub format: FormatDef,
-}
-
-/// `format:` values.
-#[derive(Debug, Deserialize, Default, Clone, Copy)]
-#[serde(rename_all = "snake_case")]
-pub enum FormatDef {
-    /// JSON values.
-    #[default]
-    Json,
-    /// Raw bytes.
-    Bytes,
+    pub format: tables::CodecDef,
 }
 
 /// One item of `stages:`, a map with one key naming the stage kind.
@@ -60,6 +54,8 @@ pub enum StageDef {
     Dedup(DedupDef),
     /// `- sink: {...}`
     Sink(SinkDef),
+    /// `- enrich: {...}` (see [`tables`])
+    Enrich(tables::EnrichDef),
 }
 
 /// `dedup:`.
@@ -132,10 +128,12 @@ pub struct SinkDef {
     pub name: Option<String>,
     /// Destination topic.
     pub topic: String,
+    /// Codec of the topic's values (default: the source's).
+    pub format: Option<tables::CodecDef>,
 }
 
 impl KeyDef {
-    fn compile(&self) -> KeySource {
+    pub(crate) fn compile(&self) -> KeySource {
         match self {
             KeyDef::JsonPointer(p) => KeySource::JsonPointer(p.clone()),
             KeyDef::Header(h) => KeySource::Header(h.clone()),
@@ -209,11 +207,13 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
     )
     .map_err(|e| fail(vec![e.to_string()]))?;
     let mut errors = Vec::new();
-    let format = match def.source.format {
-        FormatDef::Json => Format::Json,
-        FormatDef::Bytes => Format::Bytes,
-    };
+    let base = Path::new(file).parent().unwrap_or(Path::new("."));
+    let format = def.source.format.compile(base).unwrap_or_else(|e| {
+        errors.push(format!("source: field `format`: {e}"));
+        Format::Bytes
+    });
     let mut b = TopologyBuilder::new(def.name).source(def.source.topic, format);
+    b = tables::add_tables(b, &def.tables, base, &mut errors);
     for (i, st) in def.stages.iter().enumerate() {
         match st {
             StageDef::Dedup(d) => {
@@ -253,8 +253,17 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                     .name
                     .clone()
                     .unwrap_or_else(|| format!("sink-{}", s.topic));
-                b = b.sink(name, s.topic.clone());
+                b = b.sink(name.clone(), s.topic.clone());
+                if let Some(f) = &s.format {
+                    match f.compile(base) {
+                        Ok(f) => b = b.topic_format(s.topic.clone(), f),
+                        Err(e) => {
+                            errors.push(format!("stages[{i}] (sink `{name}`): field `format`: {e}"))
+                        }
+                    }
+                }
             }
+            StageDef::Enrich(e) => b = tables::add_enrich(b, e),
         }
     }
     match b.build() {
@@ -309,7 +318,7 @@ mod tests {
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - map: {}\n",
-                "t.yaml: stages[0]: unknown variant `map`, expected `dedup` or `sink` at line 4 column 5",
+                "t.yaml: stages[0]: unknown variant `map`, expected one of `dedup`, `sink`, `enrich` at line 4 column 5",
             ),
             (
                 "name: t\nsource: {topic: a, format: bytes}\nstages:\n  - dedup: {key: {json_pointer: /id}}\n",

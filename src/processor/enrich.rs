@@ -185,6 +185,9 @@ impl Processor for Enrich {
         if let Err(e) = place(view, &self.into, &self.spec.into, row) {
             return Err(self.fail(e));
         }
+        // The view is now what sinks write (see `codec`); fields scanned from the source
+        // bytes no longer describe it.
+        record.fields = None;
         self.matched.increment(1);
         ctx.forward(record);
         Ok(())
