@@ -108,6 +108,8 @@ pub struct Enrich {
     name: String,
     spec: EnrichSpec,
     into: Vec<String>,
+    /// `"<field>":` when `into` names one top-level field (the splice fast path).
+    splice_key: Option<Vec<u8>>,
     key_buf: Vec<u8>,
     matched: metrics::Counter,
     missing: metrics::Counter,
@@ -124,6 +126,11 @@ impl Enrich {
         Enrich {
             name: name.to_string(),
             into: super::json_scan::tokens(&spec.into),
+            splice_key: splice_field(&spec.into).map(|f| {
+                let mut k = serde_json::to_vec(f).expect("a string serializes");
+                k.push(b':');
+                k
+            }),
             spec,
             key_buf: Vec::with_capacity(64),
             matched: c("matched"),
@@ -172,6 +179,13 @@ impl Processor for Enrich {
                 .into()),
             };
         };
+        if let Some(v) = self.splice(&record, &row) {
+            record.value = Some(v);
+            record.fields = None;
+            self.matched.increment(1);
+            ctx.forward(record);
+            return Ok(());
+        }
         let row: Value = serde_json::from_slice(&row).map_err(|e| {
             Error::state(
                 format!("table {}", self.spec.table),
@@ -192,6 +206,47 @@ impl Processor for Enrich {
         ctx.forward(record);
         Ok(())
     }
+}
+
+impl Enrich {
+    /// The fast path for a JSON record not decoded yet, joined into one top-level field the
+    /// source scan found absent: the row's JSON text is appended to the object's text
+    /// (`{...,"field":row}`), with no tree built or written. The result is the same JSON as
+    /// the slow path's, with the record's own text (spacing, number forms) kept. `None` when
+    /// the fast path does not apply.
+    fn splice(&self, record: &Record, row: &[u8]) -> Option<bytes::Bytes> {
+        let key = self.splice_key.as_ref()?;
+        if record.json.is_some() {
+            return None;
+        }
+        let (ptrs, vals) = record.fields.as_ref()?;
+        let i = ptrs.iter().position(|p| *p == self.spec.into)?;
+        if vals[i] != super::json_scan::Scalar::Missing {
+            return None;
+        }
+        let v = record.value.as_deref()?;
+        let end = v.iter().rposition(|b| !b.is_ascii_whitespace())?;
+        let start = v.iter().position(|b| !b.is_ascii_whitespace())?;
+        if v[start] != b'{' || v[end] != b'}' {
+            return None;
+        }
+        let empty = v[start + 1..end].iter().all(u8::is_ascii_whitespace);
+        let mut out = Vec::with_capacity(end + key.len() + row.len() + 2);
+        out.extend_from_slice(&v[..end]);
+        if !empty {
+            out.push(b',');
+        }
+        out.extend_from_slice(key);
+        out.extend_from_slice(row);
+        out.push(b'}');
+        Some(out.into())
+    }
+}
+
+/// The field of a pointer naming one top-level field (`/customer`), else `None`.
+pub(crate) fn splice_field(pointer: &str) -> Option<&str> {
+    let f = pointer.strip_prefix('/')?;
+    (!f.contains('/') && !f.contains('~')).then_some(f)
 }
 
 /// Set `row` at the pointer `tokens` (`pointer` for messages) in `view`, creating objects
@@ -258,6 +313,61 @@ mod tests {
         let mut v = v;
         place(&mut v, &super::super::json_scan::tokens(p), p, row)?;
         Ok(v)
+    }
+
+    fn record(value: &[u8], pointers: &[String]) -> Record {
+        let toks: Vec<Vec<String>> = pointers
+            .iter()
+            .map(|p| super::super::json_scan::tokens(p))
+            .collect();
+        let fields = super::super::json_scan::scan(value, &toks).ok();
+        Record {
+            key: None,
+            value: Some(bytes::Bytes::copy_from_slice(value)),
+            headers: Vec::new(),
+            timestamp: None,
+            json: None,
+            fields: fields.map(|f| (pointers.to_vec().into(), f)),
+            source: super::super::SourceMeta {
+                topic: "t".into(),
+                partition: 0,
+                offset: 0,
+            },
+        }
+    }
+
+    proptest::proptest! {
+        /// The splice fast path gives the same JSON as the tree path, or declines.
+        #[test]
+        fn splice_agrees_with_the_tree_path(
+            fields in proptest::collection::vec((0usize..4, 0i64..100), 0..5),
+            ws in proptest::collection::vec(0usize..3, 8),
+            row_n in 0i64..9,
+        ) {
+            let names = ["a", "customer", "customers", "c"];
+            let sp = |i: usize| [" ", "", "\n "][ws[i % ws.len()]];
+            let body: Vec<String> = fields
+                .iter()
+                .enumerate()
+                .map(|(i, (n, v))| format!("{}\"{}\"{}:{}{}", sp(i), names[*n], sp(i + 1), sp(i + 2), v))
+                .collect();
+            let text = format!("{}{{{}{}}}{}", sp(0), body.join(","), sp(3), sp(4));
+            let row = format!("{{\"n\": {row_n}}}");
+            let spec = EnrichSpec::new("t", KeySource::KafkaKey, "/customer");
+            let e = Enrich::new("t", "e", spec);
+            let rec = record(text.as_bytes(), &["/customer".to_string()]);
+            let mut tree: Value = serde_json::from_str(&text).unwrap();
+            place(&mut tree, &e.into, "/customer", serde_json::from_str(&row).unwrap()).unwrap();
+            let has_customer = fields.iter().any(|(n, _)| *n == 1);
+            match e.splice(&rec, row.as_bytes()) {
+                Some(out) => {
+                    proptest::prop_assert!(!has_customer);
+                    let got: Value = serde_json::from_slice(&out).unwrap();
+                    proptest::prop_assert_eq!(got, tree);
+                }
+                None => proptest::prop_assert!(has_customer),
+            }
+        }
     }
 
     #[test]

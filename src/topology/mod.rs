@@ -92,7 +92,15 @@ impl Topology {
         for s in &self.stages {
             match &s.kind {
                 StageKind::Dedup(d) => d.key.json_pointers(&mut out),
-                StageKind::Enrich(e) => e.key.json_pointers(&mut out),
+                StageKind::Enrich(e) => {
+                    e.key.json_pointers(&mut out);
+                    // The enrich fast path needs to know the target field is absent.
+                    if crate::processor::enrich::splice_field(&e.into).is_some()
+                        && !out.contains(&e.into)
+                    {
+                        out.push(e.into.clone());
+                    }
+                }
                 StageKind::Sink(_) => {}
             }
         }
