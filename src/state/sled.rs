@@ -176,11 +176,27 @@ impl StateBackend for SledBackend {
 
 const META_TABLE_OFFSET: &[u8] = b"m:offset:";
 
+/// Rows (and known-absent keys) a table keeps in memory in front of sled; past it the
+/// cache is emptied and fills again.
+const TABLE_CACHE_ENTRIES: usize = 100_000;
+
 /// A [`super::table::TableEngine`] on one sled tree: rows under `b'd' ++ key`, the next
 /// offset of partition `p` under `b"m:offset:" ++ p (big-endian i32)`, written in one batch.
+///
+/// Lookups go through a bounded in-memory cache of rows and absent keys. Every write goes
+/// through [`super::table::TableEngine::apply`], which updates the cache entries of the keys
+/// it writes under the cache's lock and bumps a version, and a lookup that read sled caches
+/// its result only if no write happened meanwhile, so the cache never serves a stale row.
 pub struct SledTable {
     name: String,
     tree: ::sled::Tree,
+    cache: std::sync::RwLock<TableCache>,
+}
+
+#[derive(Default)]
+struct TableCache {
+    rows: ahash::AHashMap<Vec<u8>, Option<Vec<u8>>>,
+    version: u64,
 }
 
 impl super::table::TableEngine for SledTable {
@@ -189,15 +205,37 @@ impl super::table::TableEngine for SledTable {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        self.tree
+        let version = {
+            let c = self.cache.read().expect("table cache lock");
+            if let Some(hit) = c.rows.get(key) {
+                return Ok(hit.clone());
+            }
+            c.version
+        };
+        let v = self
+            .tree
             .get(data_key(key))
             .map(|v| v.map(|iv| iv.to_vec()))
-            .map_err(|e| Error::state(&self.name, e))
+            .map_err(|e| Error::state(&self.name, e))?;
+        let mut c = self.cache.write().expect("table cache lock");
+        if c.version == version {
+            if c.rows.len() >= TABLE_CACHE_ENTRIES {
+                c.rows.clear();
+            }
+            c.rows.insert(key.to_vec(), v.clone());
+        }
+        Ok(v)
     }
 
     fn apply(&self, ops: Vec<(Vec<u8>, Option<Vec<u8>>)>, offsets: &[(i32, i64)]) -> Result<()> {
+        // Hold the cache lock across the write: no lookup caches what this batch replaces.
+        let mut cache = self.cache.write().expect("table cache lock");
+        cache.version += 1;
         let mut b = ::sled::Batch::default();
         for (k, v) in ops {
+            if let Some(entry) = cache.rows.get_mut(&k) {
+                entry.clone_from(&v);
+            }
             match v {
                 Some(v) => b.insert(data_key(&k), v),
                 None => b.remove(data_key(&k)),
@@ -230,6 +268,9 @@ impl super::table::TableEngine for SledTable {
     }
 
     fn clear(&self) -> Result<()> {
+        let mut cache = self.cache.write().expect("table cache lock");
+        cache.version += 1;
+        cache.rows.clear();
         self.tree.clear().map_err(|e| Error::state(&self.name, e))
     }
 }
@@ -247,6 +288,7 @@ impl SledBackend {
         Ok(std::sync::Arc::new(SledTable {
             name: name.to_string(),
             tree,
+            cache: Default::default(),
         }))
     }
 }
@@ -314,9 +356,22 @@ mod tests {
         let t = b.open_table("customers").unwrap();
         assert_eq!(t.get(b"c1").unwrap(), Some(b"{}".to_vec()));
         assert_eq!(t.offsets().unwrap(), BTreeMap::from([(0, 5), (3, 1)]));
+        // Cached rows and cached absences follow later writes.
+        assert_eq!(t.get(b"c2").unwrap(), None);
+        t.apply(
+            vec![
+                (b"c1".to_vec(), None),
+                (b"c2".to_vec(), Some(b"2".to_vec())),
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(t.get(b"c1").unwrap(), None);
+        assert_eq!(t.get(b"c2").unwrap(), Some(b"2".to_vec()));
         t.clear().unwrap();
         assert!(t.offsets().unwrap().is_empty());
         assert_eq!(t.get(b"c1").unwrap(), None);
+        assert_eq!(t.get(b"c2").unwrap(), None);
     }
 
     proptest! {
