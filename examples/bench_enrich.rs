@@ -23,7 +23,8 @@
 //! ONCEFLOW_BENCH_RECORDS=50000 scripts/bench-enrich      # quick smoke run
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
-//! (500000), ONCEFLOW_BENCH_CUSTOMERS (10000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
+//! (500000), ONCEFLOW_BENCH_CUSTOMERS (10000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn),
+//! ONCEFLOW_BENCH_TASKS_ONLY (set: part 3 only, no broker; for profiling).
 
 #[path = "bench_support/mod.rs"]
 mod support;
@@ -234,6 +235,16 @@ fn run(s: &Settings, customers: usize, created: &mut Created) -> Res<()> {
             t_mem[round],
             t_sled[round]
         );
+    }
+
+    if std::env::var_os("ONCEFLOW_BENCH_TASKS_ONLY").is_some() {
+        println!(
+            "tasks only: passthrough {:.0}/s, enrich(sled) {:.0}/s, enrich(memory) {:.0}/s (medians)",
+            median(&t_pass),
+            median(&t_sled),
+            median(&t_mem)
+        );
+        return Ok(());
     }
 
     // (2) against the broker.

@@ -338,3 +338,37 @@ fn protobuf_table_enriches_into_a_protobuf_sink() {
         r#"{"orderId":"o1","customerId":"c1","amountCents":"300","items":["x"],"customer":{"name":"Ada","tier":"gold"}}"#
     );
 }
+
+#[test]
+fn dedup_by_pointer_on_a_protobuf_source() {
+    use onceflow::processor::stages::DedupSpec;
+    let t = TopologyBuilder::new("t")
+        .source("orders", proto("shop.Order"))
+        .dedup(
+            "dedup",
+            DedupSpec::new(KeySource::JsonPointer("/order_id".into())),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    d.pipe(TestRecord::json(order_bytes("o1", "c1", 1, &[])).timestamp(0))
+        .unwrap();
+    d.pipe(TestRecord::json(order_bytes("o1", "c2", 2, &[])).timestamp(1))
+        .unwrap();
+    d.pipe(TestRecord::json(order_bytes("o2", "c1", 3, &[])).timestamp(2))
+        .unwrap();
+    let got: Vec<Vec<u8>> = d
+        .output("out")
+        .iter()
+        .map(|r| r.value.as_ref().unwrap().to_vec())
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            order_bytes("o1", "c1", 1, &[]),
+            order_bytes("o2", "c1", 3, &[])
+        ]
+    );
+    assert_eq!(d.counts().duplicates, 1);
+}

@@ -8,7 +8,9 @@
 //! kept, loading resumes from there; with it wiped, the table is read again from the start
 //! of its topic. A stored offset past a partition's end (the topic was deleted and created
 //! again) clears the table and reloads it. Reads are `read_committed`; offsets are never
-//! committed to the group coordinator (the tree holds them).
+//! committed to the group coordinator (the tree holds them). The load ends when each
+//! partition's consumer position reaches the high watermark captured at start, so an open
+//! transaction on a table topic holds the start-up until it commits or aborts.
 //!
 //! Updates the follower applies are visible to lookups at once; a lookup never waits for
 //! the follower, so joins see the table as of the moment they run.

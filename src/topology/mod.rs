@@ -324,7 +324,9 @@ impl TopologyBuilder {
                         errors.push(err(&st.name, "field `ttl`: must be positive".into()));
                     }
                     if let Some(src) = &source {
-                        if d.key.needs_json() && src.format != Format::Json {
+                        if d.key.needs_json()
+                            && matches!(src.format, Format::Bytes | Format::String)
+                        {
                             errors.push(err(
                                 &st.name,
                                 format!(
