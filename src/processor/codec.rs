@@ -16,6 +16,13 @@
 //! `onceflow.dlq.reason` header; so does a record whose view cannot be encoded for its sink
 //! topic. Decoding never panics on any input.
 //!
+//! The contract between stages and sinks: a stage that changes a record changes its view
+//! ([`view_mut`] parses a JSON value on first use) and clears [`Record::fields`] (they
+//! described the bytes as read); a sink writes the view, encoded in its topic's format, when
+//! there is one, and otherwise the value bytes as read ([`encode_for_sink`]). A stage may
+//! instead write new value bytes in the source's format and leave no view (the enrich fast
+//! path does, for JSON).
+//!
 //! Keys are never decoded: codecs apply to record values only.
 
 use super::record::Record;
