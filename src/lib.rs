@@ -13,6 +13,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod processor;
 pub mod runtime;
+pub mod sink;
 pub mod state;
 pub mod testing;
 pub mod topology;

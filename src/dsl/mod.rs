@@ -11,6 +11,8 @@
 //! Unknown fields and stage kinds are errors. Every error names the file, and the stage and
 //! field where it knows them; parse errors carry the line and column.
 
+pub mod sinks;
+
 use crate::error::Error;
 use crate::processor::key::KeySource;
 use crate::processor::stages::{ConflictPolicy, DedupSpec, TimeSource};
@@ -56,6 +58,14 @@ pub enum StageDef {
     Sink(SinkDef),
     /// `- enrich: {...}` (see [`tables`])
     Enrich(tables::EnrichDef),
+    /// `- http: {...}` (external sink, see [`sinks`])
+    Http(sinks::HttpDef),
+    /// `- postgres: {...}` (external sink)
+    Postgres(sinks::PostgresDef),
+    /// `- redis: {...}` (external sink)
+    Redis(sinks::RedisDef),
+    /// `- file: {...}` (external sink)
+    File(sinks::FileDef),
 }
 
 /// `dedup:`.
@@ -264,6 +274,21 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                 }
             }
             StageDef::Enrich(e) => b = tables::add_enrich(b, e),
+            StageDef::Http(_) | StageDef::Postgres(_) | StageDef::Redis(_) | StageDef::File(_) => {
+                let mut errs = Vec::new();
+                let (name, spec) = match st {
+                    StageDef::Http(d) => sinks::http(d, &mut errs),
+                    StageDef::Postgres(d) => sinks::postgres(d, &mut errs),
+                    StageDef::Redis(d) => sinks::redis(d, &mut errs),
+                    StageDef::File(d) => sinks::file(d, &mut errs),
+                    _ => unreachable!("matched above"),
+                };
+                errors.extend(
+                    errs.into_iter()
+                        .map(|e| format!("stages[{i}] (`{name}`): {e}")),
+                );
+                b = b.external_sink(name, spec);
+            }
         }
     }
     match b.build() {
@@ -318,7 +343,7 @@ mod tests {
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - map: {}\n",
-                "t.yaml: stages[0]: unknown variant `map`, expected one of `dedup`, `sink`, `enrich` at line 4 column 5",
+                "t.yaml: stages[0]: unknown variant `map`, expected one of `dedup`, `sink`, `enrich`, `http`, `postgres`, `redis`, `file` at line 4 column 5",
             ),
             (
                 "name: t\nsource: {topic: a, format: bytes}\nstages:\n  - dedup: {key: {json_pointer: /id}}\n",

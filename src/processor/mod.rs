@@ -138,4 +138,15 @@ pub trait Processor: Send {
     /// The open commit was aborted: its staged writes are gone and its records will be
     /// processed again. Drop anything derived from them. Default: nothing.
     fn on_abort(&mut self) {}
+
+    /// Finish the work still running for records already handed to [`Processor::process`]
+    /// (external effects in flight), forwarding the records that may go on. Called before
+    /// every commit, so no offset is committed ahead of its record's effect. Returns the
+    /// records whose work failed, with the reason, for the dead-letter topic. Default: nothing.
+    ///
+    /// # Errors
+    /// A system failure that must stop the commit.
+    fn flush(&mut self, _ctx: &mut Context<'_>) -> Result<Vec<(Record, RecordError)>, Error> {
+        Ok(Vec::new())
+    }
 }

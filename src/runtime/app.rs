@@ -194,6 +194,22 @@ impl Engine {
                 || self.uncommitted >= 200_000)
     }
 
+    /// Wait for every task's external effects in flight; send what they output.
+    fn flush_effects(&mut self) -> Result<()> {
+        let now = wall_clock_ms();
+        for t in self.tasks.values_mut() {
+            t.flush_effects(now, &mut self.out)?;
+        }
+        if !self.out.is_empty() {
+            self.ensure_txn()?;
+            let out = std::mem::take(&mut self.out);
+            for o in &out {
+                self.producer.send(o).map_err(|e| self.fenced_or(e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Begin the transaction of this commit interval if none is open (exactly_once_v2).
     fn ensure_txn(&mut self) -> Result<()> {
         if self.eos && !self.txn_open {
@@ -273,6 +289,9 @@ impl Engine {
         if self.uncommitted == 0 {
             return Ok(());
         }
+        // 1. Sinks: external effects in flight finish (their dead letters and downstream
+        // outputs join the commit), so no offset is committed ahead of its effect.
+        self.flush_effects()?;
         if self.eos {
             return self.commit_transaction(consumer);
         }

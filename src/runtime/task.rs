@@ -12,6 +12,10 @@ use crate::state::{StagedStore, StateBackend};
 use crate::topology::{Format, Topology};
 use bytes::Bytes;
 
+// External effects in flight: `Task::flush_effects` (kept in its own file).
+#[path = "effects.rs"]
+mod effects;
+
 /// Header names of a dead-letter record; the original headers come first.
 pub mod dlq_headers {
     /// Source topic of the dead record.

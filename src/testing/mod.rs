@@ -231,6 +231,7 @@ impl TestDriver {
         self.uncommitted = 0;
         let clock = self.clock_ms;
         for t in self.tasks.values_mut() {
+            t.flush_effects(clock, &mut self.pending)?;
             t.punctuate(clock)?;
         }
         self.outputs.append(&mut self.pending);

@@ -30,6 +30,8 @@ pub enum StageKind {
     Sink(SinkSpec),
     /// Join records with a lookup table.
     Enrich(EnrichSpec),
+    /// An effect outside Kafka (HTTP, PostgreSQL, Redis, file) with keyed idempotency.
+    External(crate::sink::ExternalSinkSpec),
 }
 
 impl StageKind {
@@ -38,6 +40,7 @@ impl StageKind {
             StageKind::Dedup(_) => "dedup",
             StageKind::Sink(_) => "sink",
             StageKind::Enrich(_) => "enrich",
+            StageKind::External(_) => "external sink",
         }
     }
 }
@@ -102,6 +105,7 @@ impl Topology {
                     }
                 }
                 StageKind::Sink(_) => {}
+                StageKind::External(e) => e.json_pointers(&mut out),
             }
         }
         out
@@ -139,6 +143,12 @@ impl Topology {
                         &self.name,
                         &s.name,
                         spec.clone(),
+                    )),
+                    StageKind::External(spec) => Box::new(crate::sink::stage::ExternalSink::new(
+                        &self.name,
+                        &s.name,
+                        spec,
+                        i != last,
                     )),
                 };
                 (s.name.clone(), p)
@@ -200,6 +210,9 @@ impl Topology {
                         e.into,
                         e.on_missing.name()
                     );
+                }
+                StageKind::External(e) => {
+                    let _ = writeln!(s, "{}", e.describe(&st.name));
                 }
             }
         }
@@ -267,13 +280,32 @@ impl TopologyBuilder {
         self
     }
 
+    // ---- External sinks (issue 6: effects outside Kafka with keyed idempotency) ----
+
+    /// Add an external sink stage: an HTTP call, a PostgreSQL statement, a Redis command or
+    /// a file line per record, made once per idempotency key (see [`crate::sink`]). Its key
+    /// template and settings are checked by [`TopologyBuilder::build`].
+    pub fn external_sink(
+        mut self,
+        name: impl Into<String>,
+        spec: crate::sink::ExternalSinkSpec,
+    ) -> Self {
+        self.stages.push(Stage {
+            name: name.into(),
+            kind: StageKind::External(spec),
+        });
+        self
+    }
+
+    // ---- end of external sinks ----
+
     /// Validate and build.
     ///
     /// # Errors
     /// Every problem found, each an [`Error::Topology`] naming the stage and field: no
     /// source, an empty or invalid topic name, duplicate stage names, a TTL that is not
     /// positive, a JSON-pointer key on a non-JSON source, no sink.
-    pub fn build(self) -> Result<Topology, Vec<Error>> {
+    pub fn build(mut self) -> Result<Topology, Vec<Error>> {
         let mut errors = Vec::new();
         let err = |node: &str, reason: String| Error::Topology {
             node: node.to_string(),
@@ -281,6 +313,12 @@ impl TopologyBuilder {
         };
         if self.name.trim().is_empty() {
             errors.push(err("topology", "field `name`: must not be empty".into()));
+        }
+        let fmt = self.source.as_ref().map(|s| s.format.clone());
+        for i in 0..self.stages.len() {
+            for r in crate::sink::validate(&mut self.stages, i, fmt.as_ref()) {
+                errors.push(err(&self.stages[i].name, r));
+            }
         }
         let source = match self.source.clone() {
             Some(s) => {
@@ -352,13 +390,14 @@ impl TopologyBuilder {
                     }
                 }
                 StageKind::Enrich(_) => {}
+                StageKind::External(_) => {}
             }
         }
         self.validate_tables(source.as_ref(), &mut errors);
         if !self
             .stages
             .iter()
-            .any(|s| matches!(s.kind, StageKind::Sink(_)))
+            .any(|s| matches!(s.kind, StageKind::Sink(_) | StageKind::External(_)))
         {
             errors.push(err("stages", "a topology needs at least one sink".into()));
         }

@@ -1,0 +1,420 @@
+//! External sinks (HTTP, PostgreSQL, Redis, file) and the idempotency-key machinery that
+//! makes their effects happen once.
+//!
+//! An effect outside Kafka cannot join a Kafka transaction. Each external sink therefore gives
+//! every effect an **idempotency key**, rendered from a [`template::Template`] over the record
+//! (default: the key of the nearest dedup stage upstream, else `{topic}-{partition}-{offset}`),
+//! and records it:
+//!
+//! - `store: postgres` (PostgreSQL sinks only): an inbox row `(sink, key)` is inserted in the
+//!   same database transaction as the sink's own SQL; a second insert of the key finds the
+//!   row and the transaction is rolled back. Exactly once for the database.
+//! - `store: sled` / `store: redis`: the reservation protocol of [`protocol`]: reserve (in
+//!   flight, with a lease), run the effect, mark it completed with its result.
+//! - `store: none`: no protection (at-least-once), for measurements and idempotent targets.
+//!
+//! A key that renders empty, names a missing field, or is longer than `max_key_bytes` fails
+//! the record (dead letter, with the reason); the effect never runs without its key.
+//!
+//! The runtime commits a record's source offset only after its effect is done or
+//! dead-lettered: the sink stage runs effects on a shared tokio runtime, up to `concurrency`
+//! at once per partition, keeping the order of records with the same key, and the task waits
+//! for all of them before each commit ([`crate::processor::Processor::flush`]).
+
+pub mod effects;
+pub mod protocol;
+pub mod stage;
+pub mod store;
+pub mod template;
+
+use crate::processor::key::KeySource;
+use crate::topology::{Format, Stage, StageKind};
+pub use protocol::{InFlight, OnStoreError, Outcome, Policy};
+use std::path::PathBuf;
+use std::time::Duration;
+pub use template::Template;
+
+/// A setting that may be a secret: given inline, or read from an environment variable when
+/// the sink connects. `describe` and errors print only `env:NAME` or `<inline>`, never the
+/// value.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Secret {
+    /// The value itself.
+    Inline(String),
+    /// The name of an environment variable holding it.
+    Env(String),
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl Secret {
+    /// The value.
+    ///
+    /// # Errors
+    /// A sentence naming the variable when it is unset or not UTF-8.
+    pub fn resolve(&self) -> Result<String, String> {
+        match self {
+            Secret::Inline(v) => Ok(v.clone()),
+            Secret::Env(n) => {
+                std::env::var(n).map_err(|_| format!("environment variable {n} is not set"))
+            }
+        }
+    }
+
+    /// A printable form that never shows the value.
+    pub fn describe(&self) -> String {
+        match self {
+            Secret::Inline(_) => "<inline>".into(),
+            Secret::Env(n) => format!("env:{n}"),
+        }
+    }
+}
+
+/// `http` sink settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpSpec {
+    /// Target URL (may be a secret: it can carry a token).
+    pub url: Secret,
+    /// `POST` (default) or `PUT`.
+    pub method: String,
+    /// Headers; values may be secrets (`Authorization`).
+    pub headers: Vec<(String, Secret)>,
+    /// Body template (default `{value}`: the record value as read).
+    pub body: String,
+    /// Timeout of one call (default 10 s).
+    pub timeout: Duration,
+    /// Retries after the first call for 408, 409, 425, 429, 5xx and transport errors (default 5).
+    pub retries: u32,
+    /// First backoff, doubled per retry up to 10 s (default 200 ms).
+    pub backoff: Duration,
+}
+
+impl HttpSpec {
+    /// POST the record value to `url`, with the defaults above.
+    pub fn new(url: Secret) -> Self {
+        HttpSpec {
+            url,
+            method: "POST".into(),
+            headers: Vec::new(),
+            body: "{value}".into(),
+            timeout: Duration::from_secs(10),
+            retries: 5,
+            backoff: Duration::from_millis(200),
+        }
+    }
+}
+
+/// `postgres` sink settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresSpec {
+    /// Connection URL (`postgres://user:pass@host:port/db`), usually from the environment.
+    pub url: Secret,
+    /// The statement, with `$1`.. placeholders; every parameter is sent as text, so cast in
+    /// SQL where a column is not text (`$2::bigint`).
+    pub sql: String,
+    /// One template per placeholder.
+    pub params: Vec<String>,
+}
+
+/// `redis` sink settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSpec {
+    /// Connection URL.
+    pub url: Secret,
+    /// The command and its arguments, each a template, e.g. `[SET, "order:{value./id}", "{value}"]`.
+    pub command: Vec<String>,
+}
+
+/// `file` sink settings: one line per record appended to `path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSpec {
+    /// File to append to (created if missing).
+    pub path: PathBuf,
+    /// Line template (default `{value}`; a JSON value makes a JSON line).
+    pub line: String,
+}
+
+/// Which effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EffectSpec {
+    /// HTTP call.
+    Http(HttpSpec),
+    /// PostgreSQL statement.
+    Postgres(PostgresSpec),
+    /// Redis command.
+    Redis(RedisSpec),
+    /// Append a line to a file.
+    File(FileSpec),
+}
+
+impl EffectSpec {
+    fn kind(&self) -> &'static str {
+        match self {
+            EffectSpec::Http(_) => "http",
+            EffectSpec::Postgres(_) => "postgres",
+            EffectSpec::Redis(_) => "redis",
+            EffectSpec::File(_) => "file",
+        }
+    }
+}
+
+/// Where idempotency keys are recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// No protection: effects are at-least-once.
+    None,
+    /// Local sled database at `path` (one tree per sink).
+    Sled {
+        /// Database directory.
+        path: PathBuf,
+    },
+    /// Redis, shared by instances.
+    Redis {
+        /// Connection URL.
+        url: Secret,
+        /// Prefix of the Redis keys (default `onceflow:<sink>:`).
+        prefix: Option<String>,
+    },
+    /// PostgreSQL inbox table in the sink's own database and transaction (postgres sinks only).
+    Postgres {
+        /// Inbox table name (default `onceflow_inbox`), created if missing.
+        table: String,
+    },
+}
+
+impl StoreSpec {
+    fn describe(&self) -> String {
+        match self {
+            StoreSpec::None => "none".into(),
+            StoreSpec::Sled { path } => format!("sled({})", path.display()),
+            StoreSpec::Redis { url, .. } => format!("redis({})", url.describe()),
+            StoreSpec::Postgres { table } => format!("postgres-inbox({table})"),
+        }
+    }
+}
+
+/// How the idempotency key is made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRule {
+    /// A template over the record.
+    Template(Template),
+    /// The key of the dedup stage upstream (the default when there is one).
+    Dedup(KeySource),
+}
+
+/// An external sink stage: its effect, its key and its store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExternalSinkSpec {
+    /// The effect.
+    pub effect: EffectSpec,
+    /// Key template; `None` = the default (dedup key upstream, else topic-partition-offset).
+    pub key: Option<String>,
+    /// Filled by `build()`: the key rule in force.
+    pub resolved_key: Option<KeyRule>,
+    /// Longest key accepted, in bytes (default 1024).
+    pub max_key_bytes: usize,
+    /// The idempotency store.
+    pub store: StoreSpec,
+    /// The reservation protocol's settings.
+    pub policy: Policy,
+    /// Effects in flight at once per partition (default 16); records with the same key run
+    /// in order.
+    pub concurrency: usize,
+}
+
+impl ExternalSinkSpec {
+    /// A sink for `effect` with store `store` and every default.
+    pub fn new(effect: EffectSpec, store: StoreSpec) -> Self {
+        ExternalSinkSpec {
+            effect,
+            key: None,
+            resolved_key: None,
+            max_key_bytes: 1024,
+            store,
+            policy: Policy::default(),
+            concurrency: 16,
+        }
+    }
+
+    /// Set the key template.
+    pub fn with_key(mut self, template: impl Into<String>) -> Self {
+        self.key = Some(template.into());
+        self
+    }
+
+    /// The JSON pointers its templates read.
+    pub fn json_pointers(&self, out: &mut Vec<String>) {
+        let mut push = |t: &str| {
+            if let Ok(t) = Template::parse(t) {
+                t.json_pointers(out);
+            }
+        };
+        if let Some(k) = &self.key {
+            push(k);
+        }
+        match &self.effect {
+            EffectSpec::Http(h) => push(&h.body),
+            EffectSpec::Postgres(p) => p.params.iter().for_each(|t| push(t)),
+            EffectSpec::Redis(r) => r.command.iter().for_each(|t| push(t)),
+            EffectSpec::File(f) => push(&f.line),
+        }
+        if let Some(KeyRule::Dedup(k)) = &self.resolved_key {
+            k.json_pointers(out);
+        }
+    }
+
+    /// One line for `describe`; secrets are shown by their source only.
+    pub fn describe(&self, name: &str) -> String {
+        let what = match &self.effect {
+            EffectSpec::Http(h) => format!(
+                "{} {} headers=[{}] timeout={:?} retries={}",
+                h.method,
+                h.url.describe(),
+                h.headers
+                    .iter()
+                    .map(|(k, v)| format!("{k}={}", v.describe()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                h.timeout,
+                h.retries
+            ),
+            EffectSpec::Postgres(p) => {
+                format!("{} sql={:?} params={:?}", p.url.describe(), p.sql, p.params)
+            }
+            EffectSpec::Redis(r) => format!("{} command={:?}", r.url.describe(), r.command),
+            EffectSpec::File(f) => format!("{} line={:?}", f.path.display(), f.line),
+        };
+        let key = match &self.resolved_key {
+            Some(KeyRule::Template(t)) => t.text().to_string(),
+            Some(KeyRule::Dedup(k)) => format!("dedup key {}", k.describe()),
+            None => self.key.clone().unwrap_or_default(),
+        };
+        let in_flight = match self.policy.in_flight {
+            InFlight::Wait(d) => format!("wait({d:?})"),
+            InFlight::Raise => "raise".into(),
+        };
+        format!(
+            "  ExternalSink: {name} {} {what} key={key:?} store={} in_flight={in_flight} on_store_error={:?} concurrency={}",
+            self.effect.kind(),
+            self.store.describe(),
+            self.policy.on_store_error,
+            self.concurrency
+        )
+    }
+}
+
+/// Validate external sink stage `idx` of `stages` and resolve its key rule; called by
+/// `TopologyBuilder::build`. Returns the problems found, each naming the field.
+pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Vec<String> {
+    let upstream_dedup = stages[..idx].iter().rev().find_map(|s| match &s.kind {
+        StageKind::Dedup(d) => Some(d.key.clone()),
+        _ => None,
+    });
+    let StageKind::External(spec) = &mut stages[idx].kind else {
+        return Vec::new();
+    };
+    let mut errs = Vec::new();
+    let check = |field: &str, t: &str, errs: &mut Vec<String>| match Template::parse(t) {
+        Ok(t) => {
+            if let Some(f) = format {
+                if let Err(e) = t.check_format(f) {
+                    errs.push(format!("field `{field}`: {e}"));
+                }
+            }
+            Some(t)
+        }
+        Err(e) => {
+            errs.push(format!("field `{field}`: {e}"));
+            None
+        }
+    };
+    spec.resolved_key = match (&spec.key, upstream_dedup) {
+        (Some(k), _) => {
+            let t = check("key", k, &mut errs);
+            if let Some(t) = &t {
+                if t.parts().is_empty() {
+                    errs.push("field `key`: the template is empty".into());
+                }
+            }
+            t.map(KeyRule::Template)
+        }
+        (None, Some(d)) => Some(KeyRule::Dedup(d)),
+        (None, None) => Template::parse("{topic}-{partition}-{offset}")
+            .ok()
+            .map(KeyRule::Template),
+    };
+    if spec.max_key_bytes == 0 {
+        errs.push("field `max_key_bytes`: must be positive".into());
+    }
+    if spec.concurrency == 0 {
+        errs.push("field `concurrency`: must be positive".into());
+    }
+    if spec.policy.lease.is_zero() {
+        errs.push("field `lease`: must be positive".into());
+    }
+    match &spec.effect {
+        EffectSpec::Http(h) => {
+            check("body", &h.body, &mut errs);
+            if !matches!(h.method.as_str(), "POST" | "PUT") {
+                errs.push(format!("field `method`: {:?}; use POST or PUT", h.method));
+            }
+            if let Secret::Inline(u) = &h.url {
+                if !(u.starts_with("http://") || u.starts_with("https://")) {
+                    errs.push("field `url`: must start with http:// or https://".into());
+                }
+            }
+        }
+        EffectSpec::Postgres(p) => {
+            for (i, t) in p.params.iter().enumerate() {
+                check(&format!("params[{i}]"), t, &mut errs);
+            }
+            if p.sql.trim().is_empty() {
+                errs.push("field `sql`: must not be empty".into());
+            }
+        }
+        EffectSpec::Redis(r) => {
+            if r.command.is_empty() {
+                errs.push("field `command`: must name a command, e.g. [SET, \"k:{value./id}\", \"{value}\"]".into());
+            }
+            for (i, t) in r.command.iter().enumerate() {
+                check(&format!("command[{i}]"), t, &mut errs);
+            }
+        }
+        EffectSpec::File(f) => {
+            check("line", &f.line, &mut errs);
+        }
+    }
+    if let StoreSpec::Postgres { table } = &spec.store {
+        if !matches!(spec.effect, EffectSpec::Postgres(_)) {
+            errs.push("field `idempotency.store`: postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled".into());
+        }
+        if table.is_empty()
+            || !table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+        {
+            errs.push(format!(
+                "field `idempotency.table`: {table:?}; use ASCII letters, digits, '_' and '.'"
+            ));
+        }
+    }
+    errs
+}
+
+/// The shared runtime on which every external effect runs (two worker threads, started on
+/// first use).
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("onceflow-sink")
+            .enable_all()
+            .build()
+            .expect("cannot start the sink runtime")
+    })
+}

@@ -1,0 +1,411 @@
+//! The reservation protocol for effects that are not transactional with their store (HTTP,
+//! Redis, files): reserve the key (in flight, with a lease) → run the effect → mark it
+//! completed with its result.
+//!
+//! Guarantees, each with its test below:
+//! - a completed key is never run again (its stored result is returned as a duplicate);
+//! - a failed effect releases its reservation, and a failure never marks a key completed;
+//! - a concurrent twin (same key, in flight elsewhere) waits for the result
+//!   ([`InFlight::Wait`], bounded) or raises "in progress" and is retried after a backoff
+//!   ([`InFlight::Raise`]) until the key completes (then skipped) or is free (then run);
+//! - an expired lease (its holder died) lets the next attempt run;
+//! - store unreachable: [`OnStoreError::FailClosed`] retries for `store_retry_for`, then
+//!   fails the record (dead letter), never running the effect unprotected;
+//!   [`OnStoreError::FailOpen`] runs the effect unprotected and says so in the outcome.
+//!
+//! The one window left: the process dies after the effect and before the completed mark.
+//! The key stays in flight until its lease expires, then the effect runs again; HTTP sinks
+//! send the same `Idempotency-Key` so the receiver can tell.
+
+use super::store::{IdempotencyStore, Reservation, StoreError};
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// What a twin does when it finds its key in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Poll for the result up to this long, then behave as `Raise`.
+    Wait(Duration),
+    /// Give up at once: the record is retried after `raise_backoff`.
+    Raise,
+}
+
+/// What to do when the idempotency store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnStoreError {
+    /// Retry; after `store_retry_for`, dead-letter the record. Never run unprotected.
+    #[default]
+    FailClosed,
+    /// Run the effect without protection, counted as `unprotected` and logged.
+    FailOpen,
+}
+
+/// Protocol settings of one sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// How long a reservation holds before another attempt may take the key (default 60 s).
+    /// Make it longer than the effect can take with its retries.
+    pub lease: Duration,
+    /// How long a completed record is kept (default 7 days).
+    pub completed_ttl: Duration,
+    /// Twin behaviour (default `Wait(30 s)`).
+    pub in_flight: InFlight,
+    /// Pause before a raised ("in progress") record is tried again (default 500 ms).
+    pub raise_backoff: Duration,
+    /// How long a record keeps being retried while its key is in flight elsewhere (default
+    /// lease × 2); past it the record is dead-lettered.
+    pub in_flight_give_up: Duration,
+    /// Store failure policy (default fail_closed).
+    pub on_store_error: OnStoreError,
+    /// How long store operations are retried before `on_store_error` applies (default 30 s).
+    pub store_retry_for: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            lease: Duration::from_secs(60),
+            completed_ttl: Duration::from_secs(7 * 24 * 3600),
+            in_flight: InFlight::Wait(Duration::from_secs(30)),
+            raise_backoff: Duration::from_millis(500),
+            in_flight_give_up: Duration::from_secs(120),
+            on_store_error: OnStoreError::FailClosed,
+            store_retry_for: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How an effect ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The effect ran now; its result.
+    Done(Vec<u8>),
+    /// The key was completed before (a redelivery or a twin); the stored result.
+    SkippedDuplicate(Vec<u8>),
+    /// The store was unreachable and the policy is fail_open: the effect ran unprotected.
+    Unprotected(Vec<u8>),
+}
+
+impl Outcome {
+    /// The metric label: `done`, `skipped_duplicate` or `unprotected`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Done(_) => "done",
+            Outcome::SkippedDuplicate(_) => "skipped_duplicate",
+            Outcome::Unprotected(_) => "unprotected",
+        }
+    }
+
+    /// The effect's result (run now or stored).
+    pub fn result(&self) -> &[u8] {
+        match self {
+            Outcome::Done(r) | Outcome::SkippedDuplicate(r) | Outcome::Unprotected(r) => r,
+        }
+    }
+}
+
+async fn with_retry<T, F, Fut>(deadline: Instant, what: &str, mut op: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) => {
+                if Instant::now() + pause > deadline {
+                    return Err(StoreError(format!("{what}: {e}")));
+                }
+                tracing::warn!(error = %e, op = what, "idempotency store failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Run `effect` at most once for `key` under `policy`.
+///
+/// `effect` does its own retries (HTTP backoff); an `Err` from it is final for this attempt:
+/// the reservation is released and the reason returned.
+///
+/// # Errors
+/// A sentence for the dead-letter topic: the effect failed, the store stayed unreachable
+/// (fail_closed), or the key stayed in flight elsewhere past `in_flight_give_up`.
+pub async fn run_once<F, Fut>(
+    store: &dyn IdempotencyStore,
+    key: &[u8],
+    policy: &Policy,
+    mut effect: F,
+) -> Result<Outcome, String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Vec<u8>, String>>,
+{
+    let started = Instant::now();
+    let token: u64 = rand::random();
+    loop {
+        let deadline = Instant::now() + policy.store_retry_for;
+        let r = with_retry(deadline, "reserve", || {
+            store.reserve(key, token, policy.lease)
+        })
+        .await;
+        match r {
+            Err(e) => match policy.on_store_error {
+                OnStoreError::FailClosed => {
+                    return Err(format!(
+                        "idempotency store unreachable for {:?} (fail_closed; effect not run): {e}",
+                        policy.store_retry_for
+                    ))
+                }
+                OnStoreError::FailOpen => {
+                    tracing::warn!(error = %e, "idempotency store unreachable: running the effect unprotected (fail_open)");
+                    return effect().await.map(Outcome::Unprotected);
+                }
+            },
+            Ok(Reservation::Completed(r)) => return Ok(Outcome::SkippedDuplicate(r)),
+            Ok(Reservation::Acquired) => {
+                return match effect().await {
+                    Ok(result) => {
+                        let deadline = Instant::now() + policy.store_retry_for;
+                        if let Err(e) = with_retry(deadline, "complete", || {
+                            store.complete(key, &result, policy.completed_ttl)
+                        })
+                        .await
+                        {
+                            // The effect ran: failing the record now would not undo it. The key
+                            // stays in flight until its lease expires.
+                            tracing::error!(error = %e, "effect done but its completed mark could not be stored; a redelivery after the lease may repeat it");
+                        }
+                        Ok(Outcome::Done(result))
+                    }
+                    Err(reason) => {
+                        let deadline = Instant::now() + policy.store_retry_for;
+                        if let Err(e) =
+                            with_retry(deadline, "release", || store.release(key, token)).await
+                        {
+                            tracing::warn!(error = %e, "could not release a failed reservation; it expires with its lease");
+                        }
+                        Err(reason)
+                    }
+                };
+            }
+            Ok(Reservation::InFlight) => {
+                if let InFlight::Wait(max) = policy.in_flight {
+                    let until = Instant::now() + max;
+                    let mut pause = Duration::from_millis(20);
+                    loop {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(250));
+                        match store.lookup(key).await {
+                            Ok(Some(Reservation::Completed(r))) => {
+                                return Ok(Outcome::SkippedDuplicate(r))
+                            }
+                            Ok(None) => break, // released or expired: try to reserve
+                            Ok(_) | Err(_) if Instant::now() < until => continue,
+                            _ => break,
+                        }
+                    }
+                    if Instant::now() < until {
+                        continue;
+                    }
+                }
+                if started.elapsed() >= policy.in_flight_give_up {
+                    return Err(format!(
+                        "effect key still in flight elsewhere after {:?}",
+                        policy.in_flight_give_up
+                    ));
+                }
+                tokio::time::sleep(policy.raise_backoff).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::store::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn quick() -> Policy {
+        Policy {
+            lease: Duration::from_millis(300),
+            in_flight: InFlight::Wait(Duration::from_secs(2)),
+            raise_backoff: Duration::from_millis(30),
+            in_flight_give_up: Duration::from_secs(3),
+            store_retry_for: Duration::from_millis(300),
+            ..Policy::default()
+        }
+    }
+
+    #[test]
+    fn completed_key_is_never_run_again() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            let n = AtomicUsize::new(0);
+            let eff = || async {
+                n.fetch_add(1, Ordering::SeqCst);
+                Ok(b"r1".to_vec())
+            };
+            assert_eq!(
+                run_once(&s, b"k", &quick(), eff).await,
+                Ok(Outcome::Done(b"r1".to_vec()))
+            );
+            let again = run_once(&s, b"k", &quick(), eff).await;
+            assert_eq!(again, Ok(Outcome::SkippedDuplicate(b"r1".to_vec())));
+            assert_eq!(n.load(Ordering::SeqCst), 1);
+            // A different key runs.
+            run_once(&s, b"k2", &quick(), eff).await.unwrap();
+            assert_eq!(n.load(Ordering::SeqCst), 2);
+        });
+    }
+
+    #[test]
+    fn failure_releases_and_never_marks_done() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            let r = run_once(&s, b"k", &quick(), || async {
+                Err::<Vec<u8>, _>("boom".to_string())
+            })
+            .await;
+            assert_eq!(r, Err("boom".into()));
+            assert_eq!(s.lookup(b"k").await.unwrap(), None);
+            let r = run_once(&s, b"k", &quick(), || async { Ok(b"ok".to_vec()) }).await;
+            assert_eq!(r, Ok(Outcome::Done(b"ok".to_vec())));
+        });
+    }
+
+    #[test]
+    fn expired_lease_lets_the_next_attempt_run() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            // A holder that died: reserved, never completed nor released.
+            assert_eq!(
+                s.reserve(b"k", 1, Duration::from_millis(100))
+                    .await
+                    .unwrap(),
+                Reservation::Acquired
+            );
+            let p = Policy {
+                in_flight: InFlight::Raise,
+                ..quick()
+            };
+            let t = Instant::now();
+            let r = run_once(&s, b"k", &p, || async { Ok(b"x".to_vec()) }).await;
+            assert_eq!(r, Ok(Outcome::Done(b"x".to_vec())));
+            assert!(
+                t.elapsed() >= Duration::from_millis(60),
+                "ran before the lease expired"
+            );
+        });
+    }
+
+    async fn twins(policy: Policy) -> (Result<Outcome, String>, Result<Outcome, String>, usize) {
+        let s = MemoryStore::new();
+        let n = Arc::new(AtomicUsize::new(0));
+        let slow = {
+            let n = n.clone();
+            move || {
+                let n = n.clone();
+                async move {
+                    n.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    Ok(b"result-1".to_vec())
+                }
+            }
+        };
+        let (a, b) = tokio::join!(run_once(&s, b"twin", &policy, slow.clone()), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            run_once(&s, b"twin", &policy, slow.clone()).await
+        });
+        (a, b, n.load(Ordering::SeqCst))
+    }
+
+    #[test]
+    fn twin_waits_for_the_result() {
+        rt().block_on(async {
+            let p = Policy {
+                lease: Duration::from_secs(5),
+                ..quick()
+            };
+            let (a, b, n) = twins(p).await;
+            assert_eq!(a, Ok(Outcome::Done(b"result-1".to_vec())));
+            assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"result-1".to_vec())));
+            assert_eq!(n, 1);
+        });
+    }
+
+    #[test]
+    fn twin_raises_then_is_skipped_as_completed() {
+        rt().block_on(async {
+            let p = Policy {
+                lease: Duration::from_secs(5),
+                in_flight: InFlight::Raise,
+                ..quick()
+            };
+            let (a, b, n) = twins(p).await;
+            assert_eq!(a, Ok(Outcome::Done(b"result-1".to_vec())));
+            assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"result-1".to_vec())));
+            assert_eq!(n, 1);
+        });
+    }
+
+    #[test]
+    fn twin_gives_up_when_in_flight_too_long() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            s.reserve(b"k", 1, Duration::from_secs(60)).await.unwrap();
+            let p = Policy {
+                in_flight: InFlight::Raise,
+                in_flight_give_up: Duration::from_millis(200),
+                ..quick()
+            };
+            let r = run_once(&s, b"k", &p, || async { Ok(b"x".to_vec()) }).await;
+            assert!(r.unwrap_err().contains("still in flight"));
+        });
+    }
+
+    #[test]
+    fn store_errors_fail_closed_or_open() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            let n = AtomicUsize::new(0);
+            let eff = || async {
+                n.fetch_add(1, Ordering::SeqCst);
+                Ok(b"r".to_vec())
+            };
+            // A short outage is retried through.
+            s.fail_next(2);
+            assert_eq!(
+                run_once(&s, b"a", &quick(), eff).await,
+                Ok(Outcome::Done(b"r".to_vec()))
+            );
+            // A long one: closed never runs the effect.
+            s.fail_next(1000);
+            let r = run_once(&s, b"b", &quick(), eff).await;
+            assert!(r.unwrap_err().contains("fail_closed"));
+            assert_eq!(n.load(Ordering::SeqCst), 1);
+            // Open runs it, unprotected.
+            let p = Policy {
+                on_store_error: OnStoreError::FailOpen,
+                ..quick()
+            };
+            assert_eq!(
+                run_once(&s, b"b", &p, eff).await,
+                Ok(Outcome::Unprotected(b"r".to_vec()))
+            );
+            assert_eq!(n.load(Ordering::SeqCst), 2);
+        });
+    }
+}

@@ -1,0 +1,496 @@
+//! Idempotency stores: where a sink reserves an effect key before running the effect and
+//! records it completed, with the effect's result, after.
+//!
+//! An entry is either *in flight* (reserved by one holder, identified by a random token, until
+//! its lease expires) or *completed* (with the stored result, until its TTL expires). A key
+//! with no entry, or with an expired lease, is free. Keys are raw bytes, stored as given.
+//!
+//! - [`MemoryStore`]: one process, for tests (it can be told to fail, to test the policies);
+//! - [`SledStore`]: one instance, local disk (a sled tree per sink);
+//! - [`RedisStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
+//!
+//! The PostgreSQL inbox is not a store of this kind: its row commits in the sink's own
+//! transaction (see `sink::effects`).
+
+use futures::future::BoxFuture;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// What a reservation attempt found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reservation {
+    /// The key was free: the caller holds it until its lease expires.
+    Acquired,
+    /// Another holder's lease is live.
+    InFlight,
+    /// The effect was done; its stored result.
+    Completed(Vec<u8>),
+}
+
+/// A store operation failed (unreachable, timed out): the policy `on_store_error` decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreError(pub String);
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An idempotency store. Every method is one atomic step of the reservation protocol.
+pub trait IdempotencyStore: Send + Sync {
+    /// Reserve `key` for `token` with a lease of `lease`, unless it is in flight or completed.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached.
+    fn reserve<'a>(
+        &'a self,
+        key: &'a [u8],
+        token: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Reservation, StoreError>>;
+
+    /// Mark `key` completed with `result`, kept for `ttl`. Called only after the effect
+    /// succeeded; it overwrites whatever is there (a completed effect is completed).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached.
+    fn complete<'a>(
+        &'a self,
+        key: &'a [u8],
+        result: &'a [u8],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Drop the reservation of `key` if `token` still holds it (the effect failed).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached.
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// The state of `key` now: `None` when free, else `InFlight` or `Completed`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached.
+    fn lookup<'a>(
+        &'a self,
+        key: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>>;
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Entry encoding shared by the memory and sled stores: `I` + token (8) + expiry ms (8), or
+/// `C` + expiry ms (8) + result.
+fn encode_in_flight(token: u64, expires: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(17);
+    v.push(b'I');
+    v.extend_from_slice(&token.to_be_bytes());
+    v.extend_from_slice(&expires.to_be_bytes());
+    v
+}
+
+fn encode_completed(result: &[u8], expires: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(9 + result.len());
+    v.push(b'C');
+    v.extend_from_slice(&expires.to_be_bytes());
+    v.extend_from_slice(result);
+    v
+}
+
+/// Decode a stored entry as seen at time `now`: `None` when free (absent, expired, or not ours).
+fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
+    let u = |b: &[u8]| u64::from_be_bytes(b.try_into().unwrap_or([0; 8]));
+    match v.first() {
+        Some(b'I') if v.len() == 17 => {
+            (u(&v[9..17]) > now).then(|| (Reservation::InFlight, Some(u(&v[1..9]))))
+        }
+        Some(b'C') if v.len() >= 9 => {
+            (u(&v[1..9]) > now).then(|| (Reservation::Completed(v[9..].to_vec()), None))
+        }
+        _ => None,
+    }
+}
+
+/// In-process store for tests: a map behind a mutex, with real time for leases. It can be
+/// set to fail the next `n` operations, to exercise `on_store_error`.
+#[derive(Default, Clone)]
+pub struct MemoryStore {
+    map: Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>>,
+    fail_next: Arc<AtomicUsize>,
+    /// Operations served (reserve, complete, release, lookup), failed or not.
+    pub ops: Arc<AtomicUsize>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Fail the next `n` operations with a [`StoreError`].
+    pub fn fail_next(&self, n: usize) {
+        self.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    fn check(&self) -> Result<(), StoreError> {
+        self.ops.fetch_add(1, Ordering::SeqCst);
+        let r = self
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        match r {
+            Ok(_) => Err(StoreError("memory store: injected failure".into())),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut HashMap<Vec<u8>, Vec<u8>>) -> T,
+    ) -> Result<T, StoreError> {
+        self.check()?;
+        let mut m = self
+            .map
+            .lock()
+            .map_err(|_| StoreError("memory store poisoned".into()))?;
+        Ok(f(&mut m))
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a [u8],
+        token: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move {
+            self.with(|m| {
+                let now = now_ms();
+                if let Some((r, _)) = m.get(key).and_then(|v| decode(v, now)) {
+                    return r;
+                }
+                m.insert(
+                    key.to_vec(),
+                    encode_in_flight(token, now + lease.as_millis() as u64),
+                );
+                Reservation::Acquired
+            })
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a [u8],
+        result: &'a [u8],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.with(|m| {
+                m.insert(
+                    key.to_vec(),
+                    encode_completed(result, now_ms() + ttl.as_millis() as u64),
+                );
+            })
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.with(|m| {
+                if let Some((Reservation::InFlight, Some(t))) =
+                    m.get(key).and_then(|v| decode(v, now_ms()))
+                {
+                    if t == token {
+                        m.remove(key);
+                    }
+                }
+            })
+        })
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        key: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+        Box::pin(
+            async move { self.with(|m| m.get(key).and_then(|v| decode(v, now_ms())).map(|r| r.0)) },
+        )
+    }
+}
+
+/// Local store: one sled tree per sink in a database shared by the process. It protects
+/// against redelivery to this instance (crash, restart, retry, a twin from another local
+/// partition) but not against a twin on another instance: use Redis for that.
+#[derive(Clone)]
+pub struct SledStore {
+    tree: sled::Tree,
+}
+
+static SLED_DBS: std::sync::OnceLock<Mutex<HashMap<std::path::PathBuf, sled::Db>>> =
+    std::sync::OnceLock::new();
+
+impl SledStore {
+    /// Open (or reuse, within this process) the database at `path` and its tree `tree`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when sled cannot open the path.
+    pub fn open(path: &std::path::Path, tree: &str) -> Result<SledStore, StoreError> {
+        let dbs = SLED_DBS.get_or_init(Default::default);
+        let mut dbs = dbs
+            .lock()
+            .map_err(|_| StoreError("sled registry poisoned".into()))?;
+        let db = match dbs.get(path) {
+            Some(db) => db.clone(),
+            None => {
+                let db = sled::open(path).map_err(|e| {
+                    StoreError(format!(
+                        "cannot open the sled idempotency store at {}: {e}",
+                        path.display()
+                    ))
+                })?;
+                dbs.insert(path.to_path_buf(), db.clone());
+                db
+            }
+        };
+        let tree = db
+            .open_tree(format!("idempotency:{tree}"))
+            .map_err(|e| StoreError(format!("sled tree {tree}: {e}")))?;
+        Ok(SledStore { tree })
+    }
+
+    fn err(e: sled::Error) -> StoreError {
+        StoreError(format!("sled idempotency store: {e}"))
+    }
+}
+
+impl IdempotencyStore for SledStore {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a [u8],
+        token: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move {
+            loop {
+                let now = now_ms();
+                let cur = self.tree.get(key).map_err(Self::err)?;
+                if let Some((r, _)) = cur.as_deref().and_then(|v| decode(v, now)) {
+                    return Ok(r);
+                }
+                let new = encode_in_flight(token, now + lease.as_millis() as u64);
+                match self
+                    .tree
+                    .compare_and_swap(key, cur, Some(new))
+                    .map_err(Self::err)?
+                {
+                    Ok(()) => return Ok(Reservation::Acquired),
+                    Err(_) => continue, // raced: look again
+                }
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a [u8],
+        result: &'a [u8],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.tree
+                .insert(
+                    key,
+                    encode_completed(result, now_ms() + ttl.as_millis() as u64),
+                )
+                .map_err(Self::err)?;
+            self.tree.flush_async().await.map_err(Self::err)?;
+            Ok(())
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let cur = self.tree.get(key).map_err(Self::err)?;
+            if let Some((Reservation::InFlight, Some(t))) =
+                cur.as_deref().and_then(|v| decode(v, now_ms()))
+            {
+                if t == token {
+                    let _ = self
+                        .tree
+                        .compare_and_swap(key, cur, None as Option<Vec<u8>>)
+                        .map_err(Self::err)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        key: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+        Box::pin(async move {
+            let cur = self.tree.get(key).map_err(Self::err)?;
+            Ok(cur
+                .as_deref()
+                .and_then(|v| decode(v, now_ms()))
+                .map(|r| r.0))
+        })
+    }
+}
+
+/// Shared store on Redis. The Redis key is `prefix` + the idempotency key bytes. In flight:
+/// `SET k I<token> NX PX <lease>`; completed: `SET k C<result> PX <ttl>`; release deletes the
+/// key only while it still holds our token (a Lua script, so it is atomic).
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: redis::aio::ConnectionManager,
+    prefix: Vec<u8>,
+    op_timeout: Duration,
+}
+
+const RELEASE_LUA: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+impl RedisStore {
+    /// Connect to `url` (`redis://host:port/db`). Each operation times out after `op_timeout`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the URL is invalid or Redis cannot be reached; the message never
+    /// holds the URL (it may carry a password).
+    pub async fn connect(
+        url: &str,
+        prefix: &[u8],
+        op_timeout: Duration,
+    ) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError(format!(
+                "redis idempotency store: invalid URL ({:?})",
+                e.kind()
+            ))
+        })?;
+        let cfg = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(op_timeout)
+            .set_response_timeout(op_timeout)
+            .set_number_of_retries(1);
+        let conn = tokio::time::timeout(
+            op_timeout * 2,
+            redis::aio::ConnectionManager::new_with_config(client, cfg),
+        )
+        .await
+        .map_err(|_| StoreError("redis idempotency store: connect timed out".into()))?
+        .map_err(|e| StoreError(format!("redis idempotency store: connect failed: {e}")))?;
+        Ok(RedisStore {
+            conn,
+            prefix: prefix.to_vec(),
+            op_timeout,
+        })
+    }
+
+    fn k(&self, key: &[u8]) -> Vec<u8> {
+        let mut k = self.prefix.clone();
+        k.extend_from_slice(key);
+        k
+    }
+
+    async fn q<T: redis::FromRedisValue>(&self, c: redis::Cmd) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(self.op_timeout, c.query_async(&mut conn)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(StoreError(format!("redis idempotency store: {e}"))),
+            Err(_) => Err(StoreError(
+                "redis idempotency store: operation timed out".into(),
+            )),
+        }
+    }
+
+    fn parse(v: Option<Vec<u8>>) -> Option<Reservation> {
+        match v {
+            Some(v) if v.first() == Some(&b'C') => Some(Reservation::Completed(v[1..].to_vec())),
+            Some(_) => Some(Reservation::InFlight),
+            None => None,
+        }
+    }
+}
+
+impl IdempotencyStore for RedisStore {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a [u8],
+        token: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move {
+            let k = self.k(key);
+            let mut val = vec![b'I'];
+            val.extend_from_slice(token.to_string().as_bytes());
+            loop {
+                let mut c = redis::cmd("SET");
+                c.arg(&k)
+                    .arg(&val)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(lease.as_millis().max(1) as u64);
+                let ok: Option<String> = self.q(c).await?;
+                if ok.is_some() {
+                    return Ok(Reservation::Acquired);
+                }
+                let mut g = redis::cmd("GET");
+                g.arg(&k);
+                if let Some(r) = Self::parse(self.q(g).await?) {
+                    return Ok(r);
+                }
+                // Expired or released between SET and GET: try again.
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a [u8],
+        result: &'a [u8],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut val = vec![b'C'];
+            val.extend_from_slice(result);
+            let mut c = redis::cmd("SET");
+            c.arg(self.k(key))
+                .arg(val)
+                .arg("PX")
+                .arg(ttl.as_millis().max(1) as u64);
+            let _: Option<String> = self.q(c).await?;
+            Ok(())
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut val = vec![b'I'];
+            val.extend_from_slice(token.to_string().as_bytes());
+            let mut c = redis::cmd("EVAL");
+            c.arg(RELEASE_LUA).arg(1).arg(self.k(key)).arg(val);
+            let _: i64 = self.q(c).await?;
+            Ok(())
+        })
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        key: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+        Box::pin(async move {
+            let mut g = redis::cmd("GET");
+            g.arg(self.k(key));
+            Ok(Self::parse(self.q(g).await?))
+        })
+    }
+}

@@ -1,0 +1,371 @@
+//! Templates over a record: idempotency keys, HTTP bodies, SQL parameters, Redis arguments.
+//!
+//! A template is text with placeholders in braces; `{{` and `}}` stand for literal braces.
+//!
+//! | placeholder | renders |
+//! |---|---|
+//! | `{key}` | the Kafka key, byte for byte |
+//! | `{value}` | the whole value: byte for byte as read, or the record view as JSON when there is one (a stage changed it, or the source is protobuf) |
+//! | `{value./order_id}` | the JSON field at that pointer (RFC 6901): a string as its UTF-8 bytes, a number as its decimal text |
+//! | `{header.msg-id}` | the first header of that name, byte for byte |
+//! | `{topic}`, `{partition}`, `{offset}` | where the record was read |
+//! | `{timestamp}` | the record timestamp in ms |
+//!
+//! Rendering is strict: a missing or null field, header or key, or a field that is an object,
+//! array or boolean, is an error naming it; nothing is ever replaced by an empty string.
+//! Output is raw bytes: nothing is decoded or escaped, so any byte (`:`, `/`, non-UTF-8) is
+//! kept as given.
+
+use crate::processor::json_scan::Scalar;
+use crate::processor::key::KeySource;
+use crate::processor::Record;
+use crate::topology::Format;
+use std::io::Write as _;
+
+/// One part of a parsed template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    /// Literal bytes.
+    Lit(Vec<u8>),
+    /// `{key}`.
+    Key,
+    /// `{value}`.
+    Value,
+    /// `{value./ptr}`.
+    Field(String),
+    /// `{header.NAME}`.
+    Header(String),
+    /// `{topic}`.
+    Topic,
+    /// `{partition}`.
+    Partition,
+    /// `{offset}`.
+    Offset,
+    /// `{timestamp}`.
+    Timestamp,
+}
+
+/// A parsed template; see the module docs for the syntax.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    text: String,
+    parts: Vec<Part>,
+}
+
+impl Template {
+    /// Parse `text`.
+    ///
+    /// # Errors
+    /// A sentence naming the unknown placeholder, an unclosed `{`, a stray `}`, or a JSON
+    /// pointer that does not start with `/`.
+    pub fn parse(text: &str) -> Result<Template, String> {
+        let mut parts = Vec::new();
+        let mut lit = Vec::new();
+        let b = text.as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'{' if b.get(i + 1) == Some(&b'{') => {
+                    lit.push(b'{');
+                    i += 2;
+                }
+                b'}' if b.get(i + 1) == Some(&b'}') => {
+                    lit.push(b'}');
+                    i += 2;
+                }
+                b'}' => {
+                    return Err(format!(
+                    "template {text:?}: stray '}}' at byte {i} (write '}}}}' for a literal brace)"
+                ))
+                }
+                b'{' => {
+                    let end = text[i + 1..].find('}').ok_or_else(|| {
+                        format!("template {text:?}: '{{' at byte {i} is never closed")
+                    })? + i
+                        + 1;
+                    let name = &text[i + 1..end];
+                    if !lit.is_empty() {
+                        parts.push(Part::Lit(std::mem::take(&mut lit)));
+                    }
+                    parts.push(
+                        parse_placeholder(name).map_err(|r| format!("template {text:?}: {r}"))?,
+                    );
+                    i = end + 1;
+                }
+                c => {
+                    lit.push(c);
+                    i += 1;
+                }
+            }
+        }
+        if !lit.is_empty() {
+            parts.push(Part::Lit(lit));
+        }
+        Ok(Template {
+            text: text.to_string(),
+            parts,
+        })
+    }
+
+    /// The template as written.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Its parts.
+    pub fn parts(&self) -> &[Part] {
+        &self.parts
+    }
+
+    /// The JSON pointers it reads (appended to `out`, without repeats).
+    pub fn json_pointers(&self, out: &mut Vec<String>) {
+        for p in &self.parts {
+            if let Part::Field(f) = p {
+                if !out.contains(f) {
+                    out.push(f.clone());
+                }
+            }
+        }
+    }
+
+    /// Check the template against the source format: a field placeholder needs a source
+    /// whose values have fields (`json`, or `protobuf` whose message type has the field).
+    ///
+    /// # Errors
+    /// A sentence naming the field and the format (and, for protobuf, the missing field).
+    pub fn check_format(&self, format: &Format) -> Result<(), String> {
+        for p in &self.parts {
+            let Part::Field(f) = p else { continue };
+            match format {
+                Format::Json => {}
+                Format::Protobuf(pf) => {
+                    let mut desc = pf.descriptor().clone();
+                    for tok in crate::processor::json_scan::tokens(f) {
+                        let Some(field) = desc.get_field_by_name(&tok) else {
+                            return Err(format!(
+                                "template {:?} reads field {f}, but protobuf message {} has no field {tok:?}",
+                                self.text,
+                                desc.full_name()
+                            ));
+                        };
+                        match field.kind() {
+                            prost_reflect::Kind::Message(m) if !field.is_list() && !field.is_map() => {
+                                desc = m
+                            }
+                            _ => break, // a scalar, list or map: deeper tokens are not checked
+                        }
+                    }
+                }
+                Format::Bytes | Format::String => {
+                    return Err(format!(
+                        "template {:?} reads field {f}, but the source format is {}: its values have no fields",
+                        self.text,
+                        format.name()
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Render against `record`, appending to `out`.
+    ///
+    /// # Errors
+    /// A sentence naming the missing or unusable part.
+    pub fn render_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
+        for p in &self.parts {
+            match p {
+                Part::Lit(l) => out.extend_from_slice(l),
+                Part::Key => match &record.key {
+                    Some(k) => out.extend_from_slice(k),
+                    None => return Err("{key}: the record has a null Kafka key".into()),
+                },
+                // The view when a stage changed it (or the source decoded one), as JSON;
+                // else the value bytes as read.
+                Part::Value => match (&record.json, &record.value) {
+                    (Some(view), _) => serde_json::to_writer(&mut *out, view)
+                        .map_err(|e| format!("{{value}}: {e}"))?,
+                    (None, Some(v)) => out.extend_from_slice(v),
+                    (None, None) => return Err("{value}: the record has a null value".into()),
+                },
+                Part::Header(h) => match record.header(h) {
+                    Some(Some(v)) => out.extend_from_slice(v),
+                    Some(None) => return Err(format!("{{header.{h}}}: the header is null")),
+                    None => return Err(format!("{{header.{h}}}: no such header")),
+                },
+                Part::Field(f) => field(record, f, out)?,
+                Part::Topic => out.extend_from_slice(record.source.topic.as_bytes()),
+                Part::Partition => {
+                    let _ = write!(out, "{}", record.source.partition);
+                }
+                Part::Offset => {
+                    let _ = write!(out, "{}", record.source.offset);
+                }
+                Part::Timestamp => match record.timestamp {
+                    Some(t) => {
+                        let _ = write!(out, "{t}");
+                    }
+                    None => return Err("{timestamp}: the record has no timestamp".into()),
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// Render against `record` into a new buffer.
+    ///
+    /// # Errors
+    /// As [`Template::render_into`].
+    pub fn render(&self, record: &Record) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        self.render_into(record, &mut out)?;
+        Ok(out)
+    }
+}
+
+fn parse_placeholder(name: &str) -> Result<Part, String> {
+    Ok(match name {
+        "key" => Part::Key,
+        "value" => Part::Value,
+        "topic" => Part::Topic,
+        "partition" => Part::Partition,
+        "offset" => Part::Offset,
+        "timestamp" => Part::Timestamp,
+        _ => {
+            if let Some(ptr) = name.strip_prefix("value.") {
+                if !ptr.starts_with('/') {
+                    return Err(format!(
+                        "{{{name}}}: a field is a JSON pointer starting with '/', e.g. {{value./id}}"
+                    ));
+                }
+                Part::Field(ptr.to_string())
+            } else if let Some(h) = name.strip_prefix("header.") {
+                if h.is_empty() {
+                    return Err("{header.}: the header name is empty".into());
+                }
+                Part::Header(h.to_string())
+            } else {
+                return Err(format!(
+                    "unknown placeholder {{{name}}}; use key, value, value./pointer, header.NAME, topic, partition, offset or timestamp"
+                ));
+            }
+        }
+    })
+}
+
+fn field(record: &Record, ptr: &str, out: &mut Vec<u8>) -> Result<(), String> {
+    if let Some((ptrs, vals)) = &record.fields {
+        if let Some(i) = ptrs.iter().position(|p| p == ptr) {
+            return match &vals[i] {
+                Scalar::Missing => Err(format!("{{value.{ptr}}}: the field is missing")),
+                Scalar::Null => Err(format!("{{value.{ptr}}}: the field is null")),
+                Scalar::Str(s) | Scalar::Num(s) => {
+                    out.extend_from_slice(s.as_bytes());
+                    Ok(())
+                }
+                Scalar::Other(t) => Err(format!(
+                    "{{value.{ptr}}}: the field is {t}, expected a string or a number"
+                )),
+            };
+        }
+    }
+    // No scanned fields: read through the dedup key code, which also parses the value.
+    let mut buf = Vec::new();
+    let json_source = KeySource::JsonPointer(ptr.to_string());
+    if record.json.is_some() {
+        return json_source
+            .extract_into(record, &mut buf)
+            .map(|()| out.extend_from_slice(&buf))
+            .map_err(|e| format!("{{value.{ptr}}}: {e}"));
+    }
+    let Some(v) = record.value.as_deref() else {
+        return Err(format!("{{value.{ptr}}}: the record has a null value"));
+    };
+    let toks = vec![crate::processor::json_scan::tokens(ptr)];
+    match crate::processor::json_scan::scan(v, &toks) {
+        Ok(mut vals) => {
+            let r = Record {
+                fields: Some((vec![ptr.to_string()].into(), vec![vals.remove(0)])),
+                ..record.clone()
+            };
+            field(&r, ptr, out)
+        }
+        Err(e) => Err(format!("{{value.{ptr}}}: the value is not JSON: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::processor::SourceMeta;
+    use bytes::Bytes;
+
+    fn rec(value: &str) -> Record {
+        Record {
+            key: Some(Bytes::from_static(b"k\xff1")),
+            value: Some(Bytes::from(value.to_string())),
+            headers: vec![("msg-id".into(), Some(Bytes::from_static(b"m-1")))],
+            timestamp: Some(7),
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic: "orders".into(),
+                partition: 3,
+                offset: 42,
+            },
+        }
+    }
+
+    #[test]
+    fn renders_every_placeholder_as_raw_bytes() {
+        let t = Template::parse(
+            "{value./order_id}.invoice|{header.msg-id}|{key}|{topic}-{partition}-{offset}|{{x}}",
+        )
+        .unwrap();
+        let out = t.render(&rec(r#"{"order_id": 9}"#)).unwrap();
+        assert_eq!(out, b"9.invoice|m-1|k\xff1|orders-3-42|{x}".to_vec());
+        let t = Template::parse("order-{value./o/id}:invoice").unwrap();
+        assert_eq!(
+            t.render(&rec(r#"{"o":{"id":"9"}}"#)).unwrap(),
+            b"order-9:invoice"
+        );
+    }
+
+    #[test]
+    fn missing_parts_are_errors() {
+        let t = Template::parse("{value./order_id}").unwrap();
+        assert!(t.render(&rec("{}")).unwrap_err().contains("missing"));
+        assert!(t
+            .render(&rec(r#"{"order_id":null}"#))
+            .unwrap_err()
+            .contains("null"));
+        assert!(t
+            .render(&rec(r#"{"order_id":[1]}"#))
+            .unwrap_err()
+            .contains("array"));
+        let t = Template::parse("{header.nope}").unwrap();
+        assert!(t.render(&rec("{}")).unwrap_err().contains("no such header"));
+    }
+
+    #[test]
+    fn parse_errors_name_the_problem() {
+        assert!(Template::parse("{valu}")
+            .unwrap_err()
+            .contains("unknown placeholder {valu}"));
+        assert!(Template::parse("{value.id}").unwrap_err().contains("'/'"));
+        assert!(Template::parse("a{key")
+            .unwrap_err()
+            .contains("never closed"));
+        assert!(Template::parse("a}b").unwrap_err().contains("stray"));
+        let t = Template::parse("{value./id}").unwrap();
+        assert!(t
+            .check_format(&Format::Bytes)
+            .unwrap_err()
+            .contains("bytes"));
+        assert!(t
+            .check_format(&Format::String)
+            .unwrap_err()
+            .contains("string"));
+        assert!(t.check_format(&Format::Json).is_ok());
+    }
+}
