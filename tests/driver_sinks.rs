@@ -1,0 +1,245 @@
+//! External sinks through the broker-free test driver, against a local HTTP receiver (and a
+//! private Redis for the outage tests): key templates, raw-byte keys, the 2 KiB key, one
+//! retry after a 503, Redis stopped mid-run under fail_closed and fail_open.
+
+mod sink_support;
+
+use onceflow::runtime::task::dlq_headers;
+use onceflow::sink::stage::{OUTCOME_HEADER, RESULT_HEADER};
+use onceflow::sink::{EffectSpec, ExternalSinkSpec, HttpSpec, OnStoreError, Secret, StoreSpec};
+use onceflow::testing::{TestDriver, TestRecord};
+use onceflow::topology::{Format, Topology, TopologyBuilder};
+use sink_support::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn http(url: &str) -> HttpSpec {
+    let mut h = HttpSpec::new(Secret::Inline(url.to_string()));
+    h.backoff = Duration::from_millis(20);
+    h.timeout = Duration::from_secs(5);
+    h
+}
+
+fn topology(spec: ExternalSinkSpec, format: Format) -> Topology {
+    TopologyBuilder::new("t")
+        .source("in", format)
+        .external_sink("hook", spec)
+        .sink("out", "out")
+        .build()
+        .unwrap()
+}
+
+fn sled(dir: &tempfile::TempDir) -> StoreSpec {
+    StoreSpec::Sled {
+        path: dir.path().join("idem"),
+    }
+}
+
+fn header<'a>(r: &'a onceflow::processor::OutRecord, name: &str) -> Option<&'a [u8]> {
+    r.headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| v.as_deref())
+}
+
+#[test]
+fn key_templates_keep_raw_bytes_and_refuse_long_keys() {
+    let rx = Receiver::ok();
+    let dir = tempfile::tempdir().unwrap();
+    let spec =
+        ExternalSinkSpec::new(EffectSpec::Http(http(&rx.url)), sled(&dir)).with_key("{header.k}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    d.pipe(TestRecord::json(r#"{"n":1}"#).header("k", "order-9:invoice"))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"n":2}"#).header("k", b"\xff\xfe-9\x80".to_vec()))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"n":3}"#).header("k", vec![b'x'; 2048]))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"n":4}"#)).unwrap(); // no header: no key
+                                                     // The same keys again: duplicates, no second call.
+    d.pipe(TestRecord::json(r#"{"n":5}"#).header("k", "order-9:invoice"))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"n":6}"#).header("k", b"\xff\xfe-9\x80".to_vec()))
+        .unwrap();
+
+    let keys: Vec<Vec<u8>> = rx.calls().into_iter().map(|c| c.key.unwrap()).collect();
+    assert_eq!(
+        keys,
+        vec![b"order-9:invoice".to_vec(), b"\xff\xfe-9\x80".to_vec()]
+    );
+    let outcomes: Vec<&[u8]> = d
+        .output("out")
+        .iter()
+        .map(|r| header(r, OUTCOME_HEADER).unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            &b"done"[..],
+            b"done",
+            b"skipped_duplicate",
+            b"skipped_duplicate"
+        ]
+    );
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 2);
+    let reason = |i: usize| {
+        String::from_utf8_lossy(header(dl[i], dlq_headers::REASON).unwrap()).into_owned()
+    };
+    assert_eq!(
+        reason(0),
+        "idempotency key is 2048 bytes, longer than max_key_bytes (1024)"
+    );
+    assert_eq!(reason(1), "{header.k}: no such header");
+    assert_eq!(header(dl[0], dlq_headers::STAGE), Some(&b"hook"[..]));
+    assert_eq!(d.committed_offset(0), Some(6));
+}
+
+#[test]
+fn a_template_naming_a_field_the_codec_cannot_have_fails_validation() {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::Http(http("http://127.0.0.1:1/")),
+        StoreSpec::None,
+    )
+    .with_key("{value./order_id}.invoice");
+    let errs = TopologyBuilder::new("t")
+        .source("in", Format::Bytes)
+        .external_sink("hook", spec)
+        .build()
+        .unwrap_err();
+    assert_eq!(errs.len(), 1);
+    assert_eq!(
+        errs[0].to_string(),
+        "topology error in hook: field `key`: template \"{value./order_id}.invoice\" reads field /order_id, but the source format is bytes: its values have no fields"
+    );
+}
+
+#[test]
+fn a_503_is_retried_once_then_done_without_duplicate() {
+    let rx = Receiver::start(Arc::new(|k, n| {
+        if k == Some(&b"order-7"[..]) && n == 0 {
+            (503, Duration::ZERO)
+        } else {
+            (200, Duration::ZERO)
+        }
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ExternalSinkSpec::new(EffectSpec::Http(http(&rx.url)), sled(&dir))
+        .with_key("order-{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    for id in [6, 7, 8, 7] {
+        d.pipe(TestRecord::json(format!(r#"{{"id":{id}}}"#)))
+            .unwrap();
+    }
+    let per = rx.per_key();
+    assert_eq!(
+        per[&b"order-7".to_vec()],
+        vec![503, 200],
+        "one retry, one 2xx"
+    );
+    assert_eq!(per[&b"order-6".to_vec()], vec![200]);
+    assert_eq!(per[&b"order-8".to_vec()], vec![200]);
+    assert_eq!(rx.calls().len(), 4);
+    let out = d.output("out");
+    assert_eq!(
+        header(out[3], OUTCOME_HEADER),
+        Some(&b"skipped_duplicate"[..])
+    );
+    // The twin gets the stored result of the call that succeeded.
+    assert_eq!(header(out[3], RESULT_HEADER), header(out[1], RESULT_HEADER));
+    assert!(d.dead_letters().is_empty());
+}
+
+#[test]
+fn a_4xx_is_dead_lettered_with_status_and_body() {
+    let rx = Receiver::start(Arc::new(|_, _| (422, Duration::ZERO)));
+    let dir = tempfile::tempdir().unwrap();
+    let spec =
+        ExternalSinkSpec::new(EffectSpec::Http(http(&rx.url)), sled(&dir)).with_key("{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    assert_eq!(rx.calls().len(), 1, "not retried");
+    let dl = d.dead_letters();
+    assert_eq!(
+        header(dl[0], dlq_headers::REASON),
+        Some(&b"HTTP 422 (not retried): answer 422 #0"[..])
+    );
+    // A failure never marks the key done: the next delivery calls again.
+    d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    assert_eq!(rx.calls().len(), 2);
+}
+
+fn outage(policy: OnStoreError) -> (Receiver, TestDriver, usize) {
+    let mut redis = OwnRedis::start();
+    let rx = Receiver::ok();
+    let mut spec = ExternalSinkSpec::new(
+        EffectSpec::Http(http(&rx.url)),
+        StoreSpec::Redis {
+            url: Secret::Inline(redis.url()),
+            prefix: None,
+        },
+    )
+    .with_key("{value./id}");
+    spec.policy.on_store_error = policy;
+    // fail_closed rides out the 3 s outage; fail_open gives up on the store quickly.
+    spec.policy.store_retry_for = match policy {
+        OnStoreError::FailClosed => Duration::from_secs(20),
+        OnStoreError::FailOpen => Duration::from_millis(300),
+    };
+    spec.concurrency = 4;
+    let mut d = TestDriver::new(topology(spec, Format::Json)).auto_commit(false);
+    let ev = |i: usize| TestRecord::json(format!(r#"{{"id":"e{i}"}}"#)).partition((i % 2) as i32);
+    for i in 0..20 {
+        d.pipe(ev(i)).unwrap();
+    }
+    d.commit().unwrap();
+    redis.stop();
+    let restart = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(3));
+        redis.resume();
+        redis
+    });
+    // During the outage (and for fail_closed, past it): 20 new ids and 20 repeats.
+    for i in 10..50 {
+        d.pipe(ev(i)).unwrap();
+    }
+    d.commit().unwrap();
+    let redis = restart.join().unwrap();
+    // After it, the repeats again: all completed.
+    for i in 0..40 {
+        d.pipe(ev(i)).unwrap();
+    }
+    d.commit().unwrap();
+    drop(redis);
+    let unprotected = d
+        .output("out")
+        .iter()
+        .filter(|r| header(r, OUTCOME_HEADER) == Some(&b"unprotected"[..]))
+        .count();
+    (rx, d, unprotected)
+}
+
+#[test]
+fn redis_outage_fail_closed_loses_nothing_and_repeats_nothing() {
+    let (rx, d, unprotected) = outage(OnStoreError::FailClosed);
+    let per = rx.per_key();
+    assert_eq!(per.len(), 50, "every id reached the receiver");
+    let repeated: Vec<_> = per.iter().filter(|(_, v)| v.len() > 1).collect();
+    assert!(repeated.is_empty(), "repeated effects: {repeated:?}");
+    assert_eq!(unprotected, 0);
+    assert!(d.dead_letters().is_empty());
+    assert_eq!(d.output("out").len(), 100);
+}
+
+#[test]
+fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
+    let (rx, d, unprotected) = outage(OnStoreError::FailOpen);
+    let per = rx.per_key();
+    assert_eq!(per.len(), 50, "every id reached the receiver");
+    assert!(unprotected > 0, "the outage must run effects unprotected");
+    eprintln!(
+        "fail_open: {unprotected} effects unprotected, {} calls for 50 ids",
+        rx.calls().len()
+    );
+    assert!(d.dead_letters().is_empty());
+}

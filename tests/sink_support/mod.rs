@@ -1,0 +1,242 @@
+//! Test support for external sinks: a local HTTP receiver that logs every call with its
+//! `Idempotency-Key`, and the PostgreSQL / Redis addresses from the environment.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// One call the receiver answered.
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// The `Idempotency-Key` header, raw bytes (None if absent).
+    pub key: Option<Vec<u8>>,
+    /// Status answered.
+    pub status: u16,
+    /// Request body.
+    pub body: Vec<u8>,
+    /// Method.
+    pub method: String,
+}
+
+/// Decides the answer to a call: (status, delay before answering), given the key and how
+/// many calls with that key came before this one.
+pub type Behaviour = Arc<dyn Fn(Option<&[u8]>, usize) -> (u16, Duration) + Send + Sync>;
+
+/// A local HTTP/1.1 receiver (keep-alive, one thread per connection).
+pub struct Receiver {
+    pub url: String,
+    pub calls: Arc<Mutex<Vec<Call>>>,
+}
+
+impl Receiver {
+    /// Always 200 at once.
+    pub fn ok() -> Receiver {
+        Self::start(Arc::new(|_, _| (200, Duration::ZERO)))
+    }
+
+    /// Answer by `behaviour`.
+    pub fn start(behaviour: Behaviour) -> Receiver {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/hook", l.local_addr().unwrap());
+        let calls: Arc<Mutex<Vec<Call>>> = Arc::default();
+        let seen: Arc<Mutex<HashMap<Option<Vec<u8>>, usize>>> = Arc::default();
+        let c = calls.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                let (c, b, seen) = (c.clone(), behaviour.clone(), seen.clone());
+                std::thread::spawn(move || serve(s, c, b, seen));
+            }
+        });
+        Receiver { url, calls }
+    }
+
+    /// Calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// Calls per key.
+    pub fn per_key(&self) -> HashMap<Vec<u8>, Vec<u16>> {
+        let mut m: HashMap<Vec<u8>, Vec<u16>> = HashMap::new();
+        for c in self.calls() {
+            m.entry(c.key.unwrap_or_default())
+                .or_default()
+                .push(c.status);
+        }
+        m
+    }
+}
+
+fn serve(
+    s: TcpStream,
+    calls: Arc<Mutex<Vec<Call>>>,
+    b: Behaviour,
+    seen: Arc<Mutex<HashMap<Option<Vec<u8>>, usize>>>,
+) {
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    loop {
+        let mut line = Vec::new();
+        if r.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let method = String::from_utf8_lossy(&line)
+            .split(' ')
+            .next()
+            .unwrap_or("")
+            .to_string();
+        let (mut len, mut key) = (0usize, None);
+        loop {
+            let mut h = Vec::new();
+            if r.read_until(b'\n', &mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == b"\r\n" || h == b"\n" {
+                break;
+            }
+            let Some(colon) = h.iter().position(|&c| c == b':') else {
+                continue;
+            };
+            let name = String::from_utf8_lossy(&h[..colon]).to_ascii_lowercase();
+            let mut v = &h[colon + 1..];
+            while v.first() == Some(&b' ') {
+                v = &v[1..];
+            }
+            while matches!(v.last(), Some(b'\r' | b'\n')) {
+                v = &v[..v.len() - 1];
+            }
+            match name.as_str() {
+                "content-length" => len = String::from_utf8_lossy(v).trim().parse().unwrap_or(0),
+                "idempotency-key" => key = Some(v.to_vec()),
+                _ => {}
+            }
+        }
+        let mut body = vec![0; len];
+        if r.read_exact(&mut body).is_err() {
+            return;
+        }
+        let n = {
+            let mut m = seen.lock().unwrap();
+            let e = m.entry(key.clone()).or_insert(0);
+            *e += 1;
+            *e - 1
+        };
+        let (status, delay) = b(key.as_deref(), n);
+        std::thread::sleep(delay);
+        calls.lock().unwrap().push(Call {
+            key,
+            status,
+            body,
+            method,
+        });
+        let text = format!("answer {status} #{n}");
+        let resp = format!(
+            "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nContent-Type: text/plain\r\n\r\n{text}",
+            text.len()
+        );
+        if w.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// `ONCEFLOW_POSTGRES_URL`, or None after a loud message (the test then returns early).
+pub fn postgres_url() -> Option<String> {
+    env_or_skip("ONCEFLOW_POSTGRES_URL", "scripts/postgres start")
+}
+
+/// `ONCEFLOW_REDIS_URL`, or None after a loud message.
+pub fn redis_url() -> Option<String> {
+    env_or_skip("ONCEFLOW_REDIS_URL", "scripts/redis start")
+}
+
+fn env_or_skip(var: &str, how: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            eprintln!(
+                "\n*** SKIPPED: {var} is not set; this test needs it (run scripts/test, or `{how}` and export {var}) ***\n"
+            );
+            None
+        }
+    }
+}
+
+/// A private redis-server on a free port, for tests that stop and restart Redis.
+pub struct OwnRedis {
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+}
+
+impl OwnRedis {
+    /// Start one (panics if redis-server is not installed: scripts/redis installs it).
+    pub fn start() -> OwnRedis {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut r = OwnRedis {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        r.resume();
+        r
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Stop it (SIGKILL: an outage, not a clean shutdown; its append-only file keeps what it
+    /// acknowledged).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start it again on the same port.
+    pub fn resume(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server not found: run scripts/redis start once (it installs Redis)");
+        self.child = Some(child);
+        for _ in 0..100 {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("redis-server did not start on port {}", self.port);
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
