@@ -23,6 +23,11 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "ONCEFLOW_TEST_",
     "ONCEFLOW_BENCH_",
     "ONCEFLOW_BIN",
+    // External sink services of the tests and scripts (scripts/postgres, scripts/redis);
+    // topology files name them with `{ env: ONCEFLOW_POSTGRES_URL }`.
+    "ONCEFLOW_POSTGRES_",
+    "ONCEFLOW_PG_",
+    "ONCEFLOW_REDIS_",
 ];
 
 /// Keys onceflow knows, besides `kafka.*`.

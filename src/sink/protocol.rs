@@ -211,6 +211,10 @@ where
                         continue;
                     }
                 }
+                tracing::info!(
+                    in_flight = ?policy.in_flight,
+                    "effect key in progress elsewhere: the record is retried after the backoff"
+                );
                 if started.elapsed() >= policy.in_flight_give_up {
                     return Err(format!(
                         "effect key still in flight elsewhere after {:?}",
