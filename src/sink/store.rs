@@ -311,7 +311,13 @@ impl IdempotencyStore for SledStore {
                     encode_completed(result, now_ms() + ttl.as_millis() as u64),
                 )
                 .map_err(Self::err)?;
-            self.tree.flush_async().await.map_err(Self::err)?;
+            // Durable before the record's offset can be committed. sled's flush_async stalled
+            // under many concurrent callers here; a blocking flush on the blocking pool does not.
+            let tree = self.tree.clone();
+            tokio::task::spawn_blocking(move || tree.flush())
+                .await
+                .map_err(|e| StoreError(format!("sled flush task: {e}")))?
+                .map_err(Self::err)?;
             Ok(())
         })
     }
