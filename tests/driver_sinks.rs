@@ -243,3 +243,41 @@ fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
     );
     assert!(d.dead_letters().is_empty());
 }
+
+#[test]
+fn same_key_effects_keep_their_order_while_others_overlap() {
+    // The first call for key a is slow; b and c overtake it, the second a waits for it.
+    let rx = Receiver::start(Arc::new(|k, n| {
+        if k == Some(&b"a"[..]) && n == 0 {
+            (200, Duration::from_millis(400))
+        } else {
+            (200, Duration::ZERO)
+        }
+    }));
+    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(http(&rx.url)), StoreSpec::None)
+        .with_key("{value./k}");
+    spec.concurrency = 8;
+    let mut d = TestDriver::new(topology(spec, Format::Json)).auto_commit(false);
+    for (k, v) in [("a", 1), ("b", 2), ("c", 3), ("a", 4)] {
+        d.pipe(TestRecord::json(format!(r#"{{"k":"{k}","v":{v}}}"#)))
+            .unwrap();
+    }
+    d.commit().unwrap();
+    let bodies: Vec<String> = rx
+        .calls()
+        .iter()
+        .map(|c| String::from_utf8(c.body.clone()).unwrap())
+        .collect();
+    assert_eq!(bodies.len(), 4);
+    let pos = |s: &str| bodies.iter().position(|b| b.contains(s)).unwrap();
+    assert!(
+        pos(r#""v":1"#) < pos(r#""v":4"#),
+        "same key in order: {bodies:?}"
+    );
+    assert!(
+        pos(r#""v":2"#) < pos(r#""v":1"#),
+        "other keys overlap the slow call: {bodies:?}"
+    );
+    // Everything finished before the commit; the offset covers all four.
+    assert_eq!(d.committed_offset(0), Some(4));
+}
