@@ -233,10 +233,33 @@ fn redis_outage_fail_closed_loses_nothing_and_repeats_nothing() {
 
 #[test]
 fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
-    let (rx, d, unprotected) = outage(OnStoreError::FailOpen);
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (rx, d, unprotected) =
+        metrics::with_local_recorder(&recorder, || outage(OnStoreError::FailOpen));
     let per = rx.per_key();
     assert_eq!(per.len(), 50, "every id reached the receiver");
     assert!(unprotected > 0, "the outage must run effects unprotected");
+    let mut counted = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
+            let result = key
+                .key()
+                .labels()
+                .find(|l| l.key() == "result")
+                .unwrap()
+                .value()
+                .to_string();
+            *counted.entry(result).or_insert(0) += n;
+        }
+    }
+    assert_eq!(
+        counted.get("unprotected"),
+        Some(&(unprotected as u64)),
+        "{counted:?}"
+    );
+    assert_eq!(counted.values().sum::<u64>(), 100, "{counted:?}");
     eprintln!(
         "fail_open: {unprotected} effects unprotected, {} calls for 50 ids",
         rx.calls().len()
