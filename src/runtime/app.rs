@@ -825,6 +825,7 @@ impl App {
     /// processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
         let _lock = StateDirLock::acquire(&self.config.state_dir)?;
+        crate::sink::preflight(&self.topology)?;
         self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
         let backend = SledBackend::open(&dir)?;

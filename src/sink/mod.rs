@@ -55,13 +55,15 @@ impl Secret {
     /// The value.
     ///
     /// # Errors
-    /// A sentence naming the variable when it is unset or not UTF-8.
+    /// A sentence naming the variable when it is unset, empty or not UTF-8.
     pub fn resolve(&self) -> Result<String, String> {
         match self {
             Secret::Inline(v) => Ok(v.clone()),
-            Secret::Env(n) => {
-                std::env::var(n).map_err(|_| format!("environment variable {n} is not set"))
-            }
+            Secret::Env(n) => match std::env::var(n) {
+                Ok(v) if !v.is_empty() => Ok(v),
+                Ok(_) => Err(format!("environment variable {n} is empty")),
+                Err(_) => Err(format!("environment variable {n} is not set")),
+            },
         }
     }
 
@@ -403,6 +405,46 @@ pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Ve
         }
     }
     errs
+}
+
+/// Start-up check of a topology's external sinks: every secret given as `{ env: VAR }` is
+/// set. Called before processing starts, so a missing variable stops start-up instead of
+/// dead-lettering every record.
+///
+/// # Errors
+/// [`crate::error::Error::Config`] naming the stage, the field and the variable (never a
+/// value).
+pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::error::Error> {
+    let mut errs = Vec::new();
+    for st in topology.stages() {
+        let StageKind::External(spec) = &st.kind else {
+            continue;
+        };
+        let mut check = |field: &str, s: &Secret| {
+            if let Err(e) = s.resolve() {
+                errs.push(format!("stage `{}`: field `{field}`: {e}", st.name));
+            }
+        };
+        match &spec.effect {
+            EffectSpec::Http(h) => {
+                check("url", &h.url);
+                for (k, v) in &h.headers {
+                    check(&format!("headers.{k}"), v);
+                }
+            }
+            EffectSpec::Postgres(p) => check("url", &p.url),
+            EffectSpec::Redis(r) => check("url", &r.url),
+            EffectSpec::File(_) => {}
+        }
+        if let StoreSpec::Redis { url, .. } = &spec.store {
+            check("idempotency.url", url);
+        }
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::error::Error::Config(errs.join("; ")))
+    }
 }
 
 /// The shared runtime on which every external effect runs (two worker threads, started on
