@@ -304,3 +304,79 @@ fn same_key_effects_keep_their_order_while_others_overlap() {
     // Everything finished before the commit; the offset covers all four.
     assert_eq!(d.committed_offset(0), Some(4));
 }
+
+#[test]
+fn redis_sink_runs_its_command_once_per_key() {
+    let redis = OwnRedis::start();
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(redis.url()),
+            command: vec![
+                "INCRBY".into(),
+                "orders:{value./customer}".into(),
+                "{value./amount}".into(),
+            ],
+        }),
+        StoreSpec::Redis {
+            url: Secret::Inline(redis.url()),
+            prefix: Some("idem:".into()),
+        },
+    )
+    .with_key("order-{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    for (id, amount) in [(1, 5), (2, 7), (1, 5), (3, 1), (2, 7)] {
+        d.pipe(TestRecord::json(format!(
+            r#"{{"id":{id},"customer":"c:9","amount":{amount}}}"#
+        )))
+        .unwrap();
+    }
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "GET", "orders:c:9"])
+        .output()
+        .unwrap();
+    // INCRBY is not idempotent: 13 only if each order ran once (5 + 7 + 1), not 25.
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "13");
+    let outcomes: Vec<&[u8]> = d
+        .output("out")
+        .iter()
+        .map(|r| header(r, OUTCOME_HEADER).unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            &b"done"[..],
+            b"done",
+            b"skipped_duplicate",
+            b"done",
+            b"skipped_duplicate"
+        ]
+    );
+    let completed = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "GET", "idem:order-1"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&completed.stdout).trim(), "C5");
+}
+
+#[test]
+fn file_sink_appends_one_json_line_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out.jsonl");
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::sink::FileSpec {
+            path: path.clone(),
+            line: "{value}".into(),
+        }),
+        sled(&dir),
+    )
+    .with_key("{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    for id in [1, 2, 1, 3, 3] {
+        d.pipe(TestRecord::json(format!(r#"{{"id":{id}}}"#)))
+            .unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        "{\"id\":1}\n{\"id\":2}\n{\"id\":3}\n"
+    );
+}

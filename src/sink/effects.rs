@@ -260,7 +260,7 @@ impl Effector {
                     }
                     .await;
                     match r {
-                        Ok(v) => return Ok(format!("{v:?}").into_bytes()),
+                        Ok(v) => return Ok(redis_result(&v)),
                         Err(e)
                             if (e.is_io_error()
                                 || e.is_connection_dropped()
@@ -364,6 +364,19 @@ impl Effector {
                 }
             }
         }
+    }
+}
+
+/// The stored result of a Redis command: a status or string reply as its bytes, an integer as
+/// decimal text, anything else in its debug form.
+fn redis_result(v: &redis::Value) -> Vec<u8> {
+    match v {
+        redis::Value::Okay => b"OK".to_vec(),
+        redis::Value::Int(i) => i.to_string().into_bytes(),
+        redis::Value::BulkString(b) => b.clone(),
+        redis::Value::SimpleString(s) => s.clone().into_bytes(),
+        redis::Value::Nil => b"nil".to_vec(),
+        other => format!("{other:?}").into_bytes(),
     }
 }
 
