@@ -75,7 +75,20 @@ impl Shared {
         if matches!(self.spec.store, StoreSpec::None) {
             return eff.run(Some(&key), &prep).await.map(Outcome::Done);
         }
-        let store = match self.store().await {
+        // Connecting is retried like any store operation (Redis may be down at start-up).
+        let deadline = std::time::Instant::now() + policy.store_retry_for;
+        let mut pause = std::time::Duration::from_millis(100);
+        let store = loop {
+            match self.store().await {
+                Err(e) if std::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(sink = %self.name, error = %e, "idempotency store: cannot connect; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_secs(2));
+                }
+                r => break r,
+            }
+        };
+        let store = match store {
             Ok(s) => s,
             Err(e) => {
                 // Could not even connect: the same policy as an unreachable store.
