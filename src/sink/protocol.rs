@@ -413,3 +413,108 @@ mod tests {
         });
     }
 }
+
+/// The protocol's guarantees against the real stores (sled always; Redis when
+/// ONCEFLOW_REDIS_URL is set).
+#[cfg(test)]
+mod real_store_tests {
+    use super::*;
+    use crate::sink::store::{RedisStore, SledStore};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    async fn suite(s: Arc<dyn IdempotencyStore>, ns: &str) {
+        let p = Policy {
+            lease: Duration::from_millis(400),
+            in_flight: InFlight::Wait(Duration::from_secs(3)),
+            raise_backoff: Duration::from_millis(30),
+            in_flight_give_up: Duration::from_secs(5),
+            store_retry_for: Duration::from_millis(300),
+            ..Policy::default()
+        };
+        let k = |s: &str| format!("{ns}{s}").into_bytes();
+        let n = Arc::new(AtomicUsize::new(0));
+        let eff = |r: &'static str| {
+            let n = n.clone();
+            move || {
+                let n = n.clone();
+                async move {
+                    n.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    Ok(r.as_bytes().to_vec())
+                }
+            }
+        };
+        // Done once, then a duplicate with the stored result; raw bytes keys.
+        let key = [k("order-9:invoice"), vec![0xff, 0x00, 0x80]].concat();
+        assert_eq!(
+            run_once(&*s, &key, &p, eff("r1")).await,
+            Ok(Outcome::Done(b"r1".to_vec()))
+        );
+        assert_eq!(
+            run_once(&*s, &key, &p, eff("r2")).await,
+            Ok(Outcome::SkippedDuplicate(b"r1".to_vec()))
+        );
+        // A failure releases and never marks done.
+        let f = k("fails");
+        let r = run_once(&*s, &f, &p, || async {
+            Err::<Vec<u8>, _>("boom".to_string())
+        })
+        .await;
+        assert_eq!(r, Err("boom".into()));
+        assert_eq!(s.lookup(&f).await.unwrap(), None);
+        // A dead holder's lease expires; the next attempt runs.
+        let e = k("expired");
+        assert_eq!(
+            s.reserve(&e, 7, Duration::from_millis(200)).await.unwrap(),
+            Reservation::Acquired
+        );
+        assert_eq!(
+            s.reserve(&e, 8, Duration::from_millis(200)).await.unwrap(),
+            Reservation::InFlight
+        );
+        assert_eq!(
+            run_once(&*s, &e, &p, eff("r3")).await,
+            Ok(Outcome::Done(b"r3".to_vec()))
+        );
+        // Twins: one effect, both see its result.
+        let t = k("twin");
+        let (a, b) = tokio::join!(run_once(&*s, &t, &p, eff("t1")), async {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            run_once(&*s, &t, &p, eff("t2")).await
+        });
+        assert_eq!(a, Ok(Outcome::Done(b"t1".to_vec())));
+        assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"t1".to_vec())));
+        assert_eq!(n.load(Ordering::SeqCst), 3);
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn sled_store_keeps_the_protocol() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledStore::open(&dir.path().join("db"), "t").unwrap();
+        rt().block_on(suite(Arc::new(s), ""));
+    }
+
+    #[test]
+    fn redis_store_keeps_the_protocol() {
+        let Ok(url) = std::env::var("ONCEFLOW_REDIS_URL") else {
+            eprintln!("\n*** SKIPPED: ONCEFLOW_REDIS_URL is not set (run scripts/test, or scripts/redis start) ***\n");
+            return;
+        };
+        rt().block_on(async {
+            let s = RedisStore::connect(&url, b"unit:", Duration::from_secs(2))
+                .await
+                .unwrap();
+            let ns = format!("{}-{}:", std::process::id(), rand::random::<u32>());
+            suite(Arc::new(s), &ns).await;
+        });
+    }
+}
