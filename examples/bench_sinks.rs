@@ -121,7 +121,8 @@ fn main() {
         s.concurrency = conc;
         s
     };
-    let mut modes: Vec<(&str, Box<dyn Fn(usize) -> ExternalSinkSpec>)> = vec![
+    type Mode<'a> = (&'a str, Box<dyn Fn(usize) -> ExternalSinkSpec + 'a>);
+    let mut modes: Vec<Mode> = vec![
         ("http, no idempotency", Box::new(|_| http(StoreSpec::None))),
         (
             "http, sled store",

@@ -31,7 +31,7 @@ pub enum StageKind {
     /// Join records with a lookup table.
     Enrich(EnrichSpec),
     /// An effect outside Kafka (HTTP, PostgreSQL, Redis, file) with keyed idempotency.
-    External(crate::sink::ExternalSinkSpec),
+    External(Box<crate::sink::ExternalSinkSpec>),
 }
 
 impl StageKind {
@@ -292,7 +292,7 @@ impl TopologyBuilder {
     ) -> Self {
         self.stages.push(Stage {
             name: name.into(),
-            kind: StageKind::External(spec),
+            kind: StageKind::External(Box::new(spec)),
         });
         self
     }
