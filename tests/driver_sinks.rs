@@ -380,3 +380,28 @@ fn file_sink_appends_one_json_line_per_key() {
         "{\"id\":1}\n{\"id\":2}\n{\"id\":3}\n"
     );
 }
+
+#[test]
+fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
+    let mut h = http("http://127.0.0.1:1/");
+    h.timeout = Duration::from_secs(2);
+    h.retries = 2;
+    h.backoff = Duration::from_millis(100);
+    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::Sled { path: "x".into() });
+    spec.policy.lease = Duration::from_secs(6);
+    let errs = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .external_sink("hook", spec.clone())
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        errs[0].to_string(),
+        "topology error in hook: field `idempotency.lease`: 6s is not longer than the longest the call can take with its retries (6.3s = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries"
+    );
+    spec.policy.lease = Duration::from_secs(7);
+    assert!(TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .external_sink("hook", spec)
+        .build()
+        .is_ok());
+}

@@ -162,6 +162,8 @@ stages:
       name: hook
       url: "{url}"
       concurrency: 8
+      timeout: 1s
+      retries: 1
       idempotency: {{ key: "{{value./id}}", store: redis, url: {{ env: ONCEFLOW_REDIS_URL }}, prefix: "{prefix}:", lease: 5s }}
 "#,
         url = rx.url

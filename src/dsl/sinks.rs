@@ -15,7 +15,7 @@
 //!       key: "{value./order_id}.invoice"  # default: the upstream dedup key, else {topic}-{partition}-{offset}
 //!       store: redis                    # sled (default; postgres sinks: postgres) | redis | postgres | none
 //!       url: { env: ONCEFLOW_REDIS_URL }  # redis store
-//!       lease: 60s
+//!       lease: 5m                       # must outlast the call with its retries (checked)
 //!       ttl: 7d                         # how long completed keys are kept
 //!       in_flight: wait                 # wait | raise
 //!       wait_timeout: 30s

@@ -356,7 +356,19 @@ pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Ve
         errs.push("field `concurrency`: must be positive".into());
     }
     if spec.policy.lease.is_zero() {
-        errs.push("field `lease`: must be positive".into());
+        errs.push("field `idempotency.lease`: must be positive".into());
+    }
+    if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
+        (&spec.effect, &spec.store)
+    {
+        // A lease that ends while its holder is still calling lets a twin call too.
+        let worst = http_worst_case(h);
+        if spec.policy.lease <= worst {
+            errs.push(format!(
+                "field `idempotency.lease`: {:?} is not longer than the longest the call can take with its retries ({:?} = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries",
+                spec.policy.lease, worst
+            ));
+        }
     }
     match &spec.effect {
         EffectSpec::Http(h) => {
@@ -405,6 +417,17 @@ pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Ve
         }
     }
     errs
+}
+
+/// The longest an HTTP effect can take: every try timing out, plus the backoffs between.
+pub fn http_worst_case(h: &HttpSpec) -> Duration {
+    let mut total = h.timeout * (h.retries + 1);
+    let mut pause = h.backoff;
+    for _ in 0..h.retries {
+        total += pause;
+        pause = (pause * 2).min(Duration::from_secs(10));
+    }
+    total
 }
 
 /// Start-up check of a topology's external sinks: every secret given as `{ env: VAR }` is

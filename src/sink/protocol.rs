@@ -43,8 +43,8 @@ pub enum OnStoreError {
 /// Protocol settings of one sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
-    /// How long a reservation holds before another attempt may take the key (default 60 s).
-    /// Make it longer than the effect can take with its retries.
+    /// How long a reservation holds before another attempt may take the key (default 5 min).
+    /// It must outlast the effect with its retries (checked for HTTP sinks at build time).
     pub lease: Duration,
     /// How long a completed record is kept (default 7 days).
     pub completed_ttl: Duration,
@@ -64,11 +64,11 @@ pub struct Policy {
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            lease: Duration::from_secs(60),
+            lease: Duration::from_secs(300),
             completed_ttl: Duration::from_secs(7 * 24 * 3600),
             in_flight: InFlight::Wait(Duration::from_secs(30)),
             raise_backoff: Duration::from_millis(500),
-            in_flight_give_up: Duration::from_secs(120),
+            in_flight_give_up: Duration::from_secs(600),
             on_store_error: OnStoreError::FailClosed,
             store_retry_for: Duration::from_secs(30),
         }
