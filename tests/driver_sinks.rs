@@ -405,3 +405,31 @@ fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
         .build()
         .is_ok());
 }
+
+#[test]
+fn a_template_naming_a_field_the_protobuf_message_lacks_fails_validation() {
+    use onceflow::topology::ProtoFormat;
+    let desc = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/shop.desc");
+    let build = |key: &str| {
+        let spec = ExternalSinkSpec::new(
+            EffectSpec::Http(http("http://127.0.0.1:1/")),
+            StoreSpec::None,
+        )
+        .with_key(key);
+        TopologyBuilder::new("t")
+            .source(
+                "in",
+                Format::Protobuf(ProtoFormat::from_file(desc, "shop.EnrichedOrder").unwrap()),
+            )
+            .external_sink("hook", spec)
+            .build()
+    };
+    assert!(build("{value./order_id}.invoice").is_ok());
+    assert!(build("{value./customer/tier}-{value./order_id}").is_ok());
+    let errs = build("{value./customer/rank}").unwrap_err();
+    assert_eq!(
+        errs[0].to_string(),
+        "topology error in hook: field `key`: template \"{value./customer/rank}\" reads field /customer/rank, but protobuf message shop.Customer has no field \"rank\""
+    );
+    assert!(build("{value./orderId}").is_err());
+}
