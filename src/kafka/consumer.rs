@@ -107,7 +107,8 @@ pub fn create(
 }
 
 /// Create the restore consumer: no group, manual assignment of changelog partitions,
-/// `read_committed`, then the user's `kafka.*` and `kafka.consumer.*` properties (except
+/// `read_committed`, `fetch.wait.max.ms=10` (librdkafka's default 500 ms delays the last
+/// step of every restore), then the user's `kafka.*` and `kafka.consumer.*` properties (except
 /// `group.id`-related ones, which it does not use).
 ///
 /// # Errors
@@ -122,6 +123,9 @@ pub fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
             ("auto.offset.reset", "earliest"),
             ("isolation.level", "read_committed"),
             ("enable.partition.eof", "false"),
+            // A restore reads to a captured end: once caught up, a fetch that waits the
+            // default 500 ms for more data only delays the position reaching that end.
+            ("fetch.wait.max.ms", "10"),
         ],
         &cfg.kafka_consumer,
     )

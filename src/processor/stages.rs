@@ -137,7 +137,7 @@ struct KeyBook {
 
 impl KeyBook {
     fn build(
-        store: &crate::state::StagedStore,
+        store: &mut crate::state::StagedStore,
         with_index: bool,
         gauge: metrics::Gauge,
         evicted: metrics::Counter,
@@ -148,6 +148,17 @@ impl KeyBook {
             gauge,
             evicted,
         };
+        // Without max_keys only the count is needed: a store that knows it (its engine was
+        // empty when opened, e.g. after a restore into a fresh state dir) spares the scan.
+        if !with_index {
+            if let Some(n) = store.known_len() {
+                book.count = n;
+                book.gauge.set(n as f64);
+                return Ok(book);
+            }
+        }
+        // The scan reads the engine: let it hold every committed batch first.
+        store.sync()?;
         let mut after: Option<Vec<u8>> = None;
         loop {
             let chunk = store.engine().scan(after.as_deref(), 10_000)?;
@@ -291,7 +302,6 @@ impl Processor for Dedup {
         };
         let store = ctx.store(&self.store)?;
         if self.book.is_none() {
-            store.sync()?;
             let labels = [
                 ("topology", self.topology.clone()),
                 ("store", self.store.clone()),
@@ -304,7 +314,7 @@ impl Processor for Dedup {
                 metrics::counter!(crate::metrics::EVICTED, &labels),
             )?);
         }
-        let prev = match store.get(&self.key_buf)? {
+        let prev = match store.lookup(&self.key_buf)? {
             None => None,
             Some(bytes) => Some(decode_entry(store, &bytes)?),
         };
@@ -312,7 +322,10 @@ impl Processor for Dedup {
         if let Some(entry) = new {
             let book = self.book.as_mut().expect("built above");
             book.added(&self.key_buf, prev.as_ref(), &entry);
-            store.stage(self.key_buf.clone(), Some(entry.encode_to_vec()));
+            store.stage_bytes(
+                bytes::Bytes::copy_from_slice(&self.key_buf),
+                Some(entry.encode_to_vec().into()),
+            );
             // Bound the keys: evict the oldest first-seen entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {

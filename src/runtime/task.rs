@@ -278,6 +278,8 @@ impl Task {
         })?;
         s.sync()?;
         let r = Restorer::plan(store, partition, s.engine(), low, end)?;
+        // The plan may have cleared the engine (a changelog that was recreated).
+        s.reload();
         if r.is_done() {
             return Ok(None);
         }
@@ -314,8 +316,8 @@ impl Task {
             .expect("restorers exist only for known stores");
         staged.write_restored(self.restorers[i].take(records, position))?;
         if self.restorers[i].is_done() {
-            // Every restored batch is in the engine before the first record is processed.
-            staged.sync()?;
+            // Every restored batch is committed (readable) before the first record is
+            // processed; a write-behind store persists the tail in the background.
             let r = self.restorers.remove(i);
             let p = r.progress();
             tracing::info!(

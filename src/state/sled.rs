@@ -64,6 +64,35 @@ impl KeyValueStore for SledStore {
             .map_err(|e| Error::state(&self.name, e))
     }
 
+    fn write_ops(
+        &self,
+        ops: &[(bytes::Bytes, Option<bytes::Bytes>)],
+        changelog_offset: Option<i64>,
+    ) -> Result<()> {
+        let mut b = ::sled::Batch::default();
+        // Prefix short keys on the stack: sled keeps keys of up to 22 bytes inline.
+        let mut stack = [0u8; 64];
+        for (k, v) in ops {
+            let full: ::sled::IVec = if k.len() < stack.len() {
+                stack[0] = DATA;
+                stack[1..=k.len()].copy_from_slice(k);
+                (&stack[..=k.len()]).into()
+            } else {
+                data_key(k).into()
+            };
+            match v {
+                Some(v) => b.insert(full, &v[..]),
+                None => b.remove(full),
+            }
+        }
+        if let Some(off) = changelog_offset {
+            b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
+        }
+        self.tree
+            .apply_batch(b)
+            .map_err(|e| Error::state(&self.name, e))
+    }
+
     fn clear(&self) -> Result<()> {
         self.tree.clear().map_err(|e| Error::state(&self.name, e))
     }
