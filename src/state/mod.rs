@@ -56,7 +56,10 @@ pub trait KeyValueStore: Send + Sync {
     fn write(&self, batch: WriteBatch) -> Result<()>;
 
     /// As [`KeyValueStore::write`], from shared buffers (puts and deletes in order, a later
-    /// op on a key wins). The default copies them into a [`WriteBatch`].
+    /// op on a key wins), with the number of keys the store holds after them when the
+    /// caller knows it (stored in the same batch by engines that keep it, see
+    /// [`KeyValueStore::key_count`]). The default copies the ops into a [`WriteBatch`] and
+    /// ignores the count.
     ///
     /// # Errors
     /// [`crate::Error::State`] when the engine fails to write; nothing was applied then.
@@ -64,7 +67,9 @@ pub trait KeyValueStore: Send + Sync {
         &self,
         ops: &[(Bytes, Option<Bytes>)],
         changelog_offset: Option<i64>,
+        key_count: Option<u64>,
     ) -> Result<()> {
+        let _ = key_count;
         self.write(WriteBatch {
             ops: ops
                 .iter()
@@ -72,6 +77,16 @@ pub trait KeyValueStore: Send + Sync {
                 .collect(),
             changelog_offset,
         })
+    }
+
+    /// The key count stored by the last [`KeyValueStore::write_ops`] that carried one
+    /// (`None` when never stored, made stale by a write without one, or not kept by this
+    /// engine). The default keeps none.
+    ///
+    /// # Errors
+    /// [`crate::Error::State`] when the engine fails to read.
+    fn key_count(&self) -> Result<Option<u64>> {
+        Ok(None)
     }
 
     /// The changelog offset stored by the last batch that carried one.
@@ -237,6 +252,8 @@ struct Job {
     seq: u64,
     ops: Vec<(Bytes, Option<Bytes>)>,
     changelog_offset: Option<i64>,
+    /// The store's key count before the batch and each op's change to it, when known.
+    count: Option<(u64, Vec<i8>)>,
 }
 
 /// The background thread of a backend that writes committed batches to their engines, in
@@ -307,7 +324,12 @@ fn write_job(job: Job) {
             st.busy = true;
         }
         let offset = if last { job.changelog_offset } else { None };
-        let result = job.engine.write_ops(&job.ops[at..end], offset);
+        // The count after this chunk, stored with it: always consistent with the data.
+        let count = job.count.as_ref().map(|(base, deltas)| {
+            let d: i64 = deltas[..end].iter().map(|d| i64::from(*d)).sum();
+            base.saturating_add_signed(d)
+        });
+        let result = job.engine.write_ops(&job.ops[at..end], offset, count);
         let mut st = job.shared.lock();
         st.busy = false;
         if let Err(e) = result {
@@ -401,7 +423,11 @@ impl Behind {
         self.tracked_keys = 0;
         let empty = matches!(engine.scan(None, 1), Ok(v) if v.is_empty());
         self.filter = empty.then(HashFilter::default);
-        self.known_len = empty.then_some(0);
+        self.known_len = if empty {
+            Some(0)
+        } else {
+            engine.key_count().ok().flatten()
+        };
     }
 
     fn may_be_in_engine(&self, key: &[u8]) -> bool {
@@ -432,20 +458,26 @@ impl Behind {
         self.error(engine.name())?;
         self.seq += 1;
         let seq = self.seq;
+        let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));
         for (k, v) in &ops {
             let old = self.overlay.insert(k.clone(), (v.clone(), seq));
-            if let Some(n) = self.known_len {
+            if let Some((_, deltas)) = &mut count {
+                // Without the filter (an engine not empty at open) this reads the engine.
                 let existed = match old {
                     Some((old, _)) => old.is_some(),
                     None => self.may_be_in_engine(k) && engine.get(k)?.is_some(),
                 };
-                self.known_len = Some(n + u64::from(v.is_some()) - u64::from(existed));
+                deltas.push(i8::from(v.is_some()) - i8::from(existed));
             }
             if v.is_some() {
                 if let Some(f) = &mut self.filter {
                     f.insert(self.filter_hash.hash_one(&k[..]));
                 }
             }
+        }
+        if let Some((base, deltas)) = &count {
+            let d: i64 = deltas.iter().map(|d| i64::from(*d)).sum();
+            self.known_len = Some(base.saturating_add_signed(d));
         }
         self.tracked_keys += keys.len();
         self.batches.push_back(Tracked { seq, keys });
@@ -455,6 +487,7 @@ impl Behind {
             seq,
             ops,
             changelog_offset,
+            count,
         };
         if self.writer.submit(job).is_err() {
             return Err(crate::Error::state(
@@ -650,7 +683,8 @@ impl StagedStore {
     }
 
     /// Number of keys in the committed state, when the store knows it without a scan (a
-    /// write-behind store whose engine was empty when opened or reloaded).
+    /// write-behind store whose engine was empty when opened, or keeps the count with its
+    /// data as sled does).
     pub fn known_len(&self) -> Option<u64> {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
@@ -693,7 +727,7 @@ impl StagedStore {
         let (ops, keys) = staged.into_ops();
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, keys, changelog_offset),
-            None => self.inner.write_ops(&ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
         }
     }
 
@@ -714,7 +748,7 @@ impl StagedStore {
                 let keys = ops.iter().map(|(k, _)| k.clone()).collect();
                 b.submit(&self.inner, ops, keys, batch.changelog_offset)
             }
-            None => self.inner.write_ops(&ops, batch.changelog_offset),
+            None => self.inner.write_ops(&ops, batch.changelog_offset, None),
         }
     }
 
@@ -816,76 +850,122 @@ mod tests {
         ]
     }
 
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
-        /// A write-behind store (tiny memory bounds, so eviction and waiting for the writer
-        /// happen) against a model: reads see staged, then committed writes; aborts drop
-        /// staged ones; restored batches apply in order; the key count it keeps is exact;
-        /// after a sync the engine holds exactly the committed state and the last offset.
-        #[test]
-        fn write_behind_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
-            let backend = MemoryBackend::default();
-            let writer = Writer::spawn();
-            let open = || StagedStore::new(backend.open("s", 0).unwrap(), Some(writer.clone()))
-                .with_limits(3, 4);
-            let mut s = open();
-            let mut committed: std::collections::BTreeMap<u8, u8> = Default::default();
-            let mut staged: std::collections::BTreeMap<u8, Option<u8>> = Default::default();
-            let mut offset = 0i64;
-            for op in ops {
-                match op {
-                    Op::Stage(k, v) => {
-                        s.stage(vec![k], v.map(|v| vec![v]));
-                        staged.insert(k, v);
-                    }
-                    Op::Commit => {
-                        offset += 1;
-                        s.commit(Some(offset)).unwrap();
-                        for (k, v) in std::mem::take(&mut staged) {
-                            match v { Some(v) => { committed.insert(k, v); } None => { committed.remove(&k); } }
+    /// Runs `ops` on a write-behind store over `backend` (tiny memory bounds, so eviction
+    /// and waiting for the writer happen) against a model. `keeps_count`: the engine
+    /// stores the key count, so a reopened store still knows it.
+    fn check_write_behind(
+        backend: &dyn StateBackend,
+        ops: Vec<Op>,
+        keeps_count: bool,
+    ) -> std::result::Result<(), proptest::test_runner::TestCaseError> {
+        let writer = Writer::spawn();
+        let open = || {
+            StagedStore::new(backend.open("s", 0).unwrap(), Some(writer.clone())).with_limits(3, 4)
+        };
+        let mut s = open();
+        let mut committed: std::collections::BTreeMap<u8, u8> = Default::default();
+        let mut staged: std::collections::BTreeMap<u8, Option<u8>> = Default::default();
+        let mut offset = 0i64;
+        for op in ops {
+            match op {
+                Op::Stage(k, v) => {
+                    s.stage(vec![k], v.map(|v| vec![v]));
+                    staged.insert(k, v);
+                }
+                Op::Commit => {
+                    offset += 1;
+                    s.commit(Some(offset)).unwrap();
+                    for (k, v) in std::mem::take(&mut staged) {
+                        match v {
+                            Some(v) => {
+                                committed.insert(k, v);
+                            }
+                            None => {
+                                committed.remove(&k);
+                            }
                         }
-                    }
-                    Op::Abort => {
-                        s.abort();
-                        staged.clear();
-                    }
-                    Op::Restore(batch) => {
-                        offset += 1;
-                        for (k, v) in &batch {
-                            match v { Some(v) => { committed.insert(*k, *v); } None => { committed.remove(k); } }
-                        }
-                        s.write_restored(WriteBatch {
-                            ops: batch.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect(),
-                            changelog_offset: Some(offset),
-                        }).unwrap();
-                    }
-                    Op::SyncAndReopen => {
-                        s.abort();
-                        staged.clear();
-                        s.sync().unwrap();
-                        let engine = backend.open("s", 0).unwrap();
-                        let all: Vec<(Vec<u8>, Vec<u8>)> = engine.scan(None, usize::MAX).unwrap();
-                        let want: Vec<(Vec<u8>, Vec<u8>)> =
-                            committed.iter().map(|(k, v)| (vec![*k], vec![*v])).collect();
-                        proptest::prop_assert_eq!(all, want);
-                        if offset > 0 {
-                            proptest::prop_assert_eq!(engine.changelog_offset().unwrap(), Some(offset));
-                        }
-                        drop(s);
-                        s = open();
                     }
                 }
-                for k in 0u8..24 {
-                    let want = match staged.get(&k) {
-                        Some(v) => *v,
-                        None => committed.get(&k).copied(),
-                    };
-                    proptest::prop_assert_eq!(s.get(&[k]).unwrap(), want.map(|v| vec![v]), "key {}", k);
+                Op::Abort => {
+                    s.abort();
+                    staged.clear();
                 }
-                if let Some(n) = s.known_len() {
-                    proptest::prop_assert_eq!(n, committed.len() as u64);
+                Op::Restore(batch) => {
+                    offset += 1;
+                    for (k, v) in &batch {
+                        match v {
+                            Some(v) => {
+                                committed.insert(*k, *v);
+                            }
+                            None => {
+                                committed.remove(k);
+                            }
+                        }
+                    }
+                    s.write_restored(WriteBatch {
+                        ops: batch
+                            .into_iter()
+                            .map(|(k, v)| (vec![k], v.map(|v| vec![v])))
+                            .collect(),
+                        changelog_offset: Some(offset),
+                    })
+                    .unwrap();
+                }
+                Op::SyncAndReopen => {
+                    s.abort();
+                    staged.clear();
+                    s.sync().unwrap();
+                    let engine = backend.open("s", 0).unwrap();
+                    let all: Vec<(Vec<u8>, Vec<u8>)> = engine.scan(None, usize::MAX).unwrap();
+                    let want: Vec<(Vec<u8>, Vec<u8>)> = committed
+                        .iter()
+                        .map(|(k, v)| (vec![*k], vec![*v]))
+                        .collect();
+                    proptest::prop_assert_eq!(all, want);
+                    if offset > 0 {
+                        proptest::prop_assert_eq!(engine.changelog_offset().unwrap(), Some(offset));
+                    }
+                    drop(s);
+                    s = open();
+                    if keeps_count || committed.is_empty() {
+                        proptest::prop_assert_eq!(s.known_len(), Some(committed.len() as u64));
+                    }
                 }
             }
+            for k in 0u8..24 {
+                let want = match staged.get(&k) {
+                    Some(v) => *v,
+                    None => committed.get(&k).copied(),
+                };
+                proptest::prop_assert_eq!(s.get(&[k]).unwrap(), want.map(|v| vec![v]), "key {}", k);
+            }
+            if let Some(n) = s.known_len() {
+                proptest::prop_assert_eq!(n, committed.len() as u64);
+            }
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// A write-behind store over the memory engine against a model: reads see staged,
+        /// then committed writes; aborts drop staged ones; restored batches apply in order;
+        /// the key count it keeps is exact; after a sync the engine holds exactly the
+        /// committed state and the last offset.
+        #[test]
+        fn write_behind_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
+            check_write_behind(&MemoryBackend::default(), ops, false)?;
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(16))]
+        /// The same over sled, which also keeps the key count across a reopen.
+        #[test]
+        fn write_behind_over_sled_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = SledBackend::open(dir.path()).unwrap();
+            check_write_behind(&backend, ops, true)?;
         }
     }
 

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 const DATA: u8 = b'd';
 const META_CHANGELOG: &[u8] = b"m:changelog";
+const META_KEYS: &[u8] = b"m:keys";
 
 fn data_key(key: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(key.len() + 1);
@@ -59,6 +60,8 @@ impl KeyValueStore for SledStore {
         if let Some(off) = batch.changelog_offset {
             b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
         }
+        // Written without a count: a stored count is stale now.
+        b.remove(META_KEYS);
         self.tree
             .apply_batch(b)
             .map_err(|e| Error::state(&self.name, e))
@@ -68,6 +71,7 @@ impl KeyValueStore for SledStore {
         &self,
         ops: &[(bytes::Bytes, Option<bytes::Bytes>)],
         changelog_offset: Option<i64>,
+        key_count: Option<u64>,
     ) -> Result<()> {
         let mut b = ::sled::Batch::default();
         // Prefix short keys on the stack: sled keeps keys of up to 22 bytes inline.
@@ -88,9 +92,22 @@ impl KeyValueStore for SledStore {
         if let Some(off) = changelog_offset {
             b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
         }
+        match key_count {
+            Some(n) => b.insert(META_KEYS, &n.to_be_bytes()[..]),
+            // A write without a count makes a stored count stale.
+            None => b.remove(META_KEYS),
+        }
         self.tree
             .apply_batch(b)
             .map_err(|e| Error::state(&self.name, e))
+    }
+
+    fn key_count(&self) -> Result<Option<u64>> {
+        let v = self
+            .tree
+            .get(META_KEYS)
+            .map_err(|e| Error::state(&self.name, e))?;
+        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_ref()).ok().map(u64::from_be_bytes)))
     }
 
     fn clear(&self) -> Result<()> {
