@@ -40,7 +40,8 @@
 //! ONCEFLOW_BENCH_RECORDS=100000 scripts/bench-restore   # quick smoke run
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
-//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
+//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn), ONCEFLOW_BENCH_SKIP_APPLY_ALONE
+//! (set: skip (c), e.g. when profiling).
 
 #[path = "bench_support/mod.rs"]
 mod support;
@@ -736,6 +737,9 @@ fn run(s: &Settings, log: &RestoreLog, created: &mut Created) -> Res<Results> {
         res.tail.push(r.tail_seconds);
         last_state = Some(state);
 
+        if std::env::var_os("ONCEFLOW_BENCH_SKIP_APPLY_ALONE").is_some() {
+            continue;
+        }
         let dir = tempfile::tempdir()?;
         let sled = SledBackend::open(dir.path())?;
         let secs = engine_alone(&records, &sled)?;

@@ -113,6 +113,7 @@ pub struct Dedup {
     store: String,
     spec: DedupSpec,
     key_buf: Vec<u8>,
+    value_buf: Vec<u8>,
     metrics: StageMetrics,
     sweep_after: Option<Vec<u8>>,
     swept: metrics::Counter,
@@ -218,6 +219,7 @@ impl Dedup {
             store: store.to_string(),
             spec,
             key_buf: Vec::with_capacity(64),
+            value_buf: Vec::with_capacity(64),
             metrics: StageMetrics::new(topology, name),
             sweep_after: None,
             top_times: [i64::MIN; 2],
@@ -322,10 +324,11 @@ impl Processor for Dedup {
         if let Some(entry) = new {
             let book = self.book.as_mut().expect("built above");
             book.added(&self.key_buf, prev.as_ref(), &entry);
-            store.stage_bytes(
-                bytes::Bytes::copy_from_slice(&self.key_buf),
-                Some(entry.encode_to_vec().into()),
-            );
+            self.value_buf.clear();
+            entry
+                .encode(&mut self.value_buf)
+                .expect("a Vec grows to fit any entry");
+            store.stage_copy(&self.key_buf, Some(&self.value_buf));
             // Bound the keys: evict the oldest first-seen entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {

@@ -35,14 +35,14 @@ use crate::kafka::consumer::{self, RebalanceListener, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
 use crate::runtime::{failpoint, Task};
-use crate::state::restore::{changelog_topic, ChangelogRecord};
+use crate::state::restore::changelog_topic;
 use crate::state::{SledBackend, StateBackend, StateDirLock};
 use crate::topology::{StageKind, Topology};
 use bytes::Bytes;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -549,7 +549,9 @@ impl Engine {
         if !self.tasks.values().any(|t| t.is_restoring()) {
             return Ok(());
         }
-        let mut batches: HashMap<(String, i32), Vec<ChangelogRecord>> = HashMap::new();
+        // Records go straight into their store's restore step (copied into the store's
+        // buffers: no allocation per record); (partition, store) pairs that got some.
+        let mut touched: Vec<(i32, &str)> = Vec::new();
         let mut n = 0;
         let mut wait = timeout;
         while n < RESTORE_BATCH {
@@ -563,14 +565,26 @@ impl Engine {
                     break;
                 }
                 Some(Ok(m)) => {
-                    batches
-                        .entry((m.topic().to_string(), m.partition()))
-                        .or_default()
-                        .push(ChangelogRecord {
-                            key: m.key().unwrap_or_default().to_vec(),
-                            value: m.payload().map(<[u8]>::to_vec),
-                            offset: m.offset(),
-                        });
+                    let (topic, p) = (m.topic(), m.partition());
+                    let store = self
+                        .changelogs
+                        .iter()
+                        .find(|(_, t)| t.as_str() == topic)
+                        .map(|(s, _)| s.as_str());
+                    if let (Some(store), Some(task)) = (store, self.tasks.get_mut(&p)) {
+                        let taken = task.restore_record(
+                            store,
+                            m.key().unwrap_or_default(),
+                            m.payload(),
+                            m.offset(),
+                        );
+                        if taken {
+                            self.restored += 1;
+                            if !touched.contains(&(p, store)) {
+                                touched.push((p, store));
+                            }
+                        }
+                    }
                     n += 1;
                 }
             }
@@ -597,10 +611,8 @@ impl Engine {
                     Some(Offset::Offset(o)) => o,
                     _ => continue,
                 };
-                let recs = batches.remove(&(topic.clone(), *p)).unwrap_or_default();
-                self.restored += recs.len() as u64;
-                let applied = !recs.is_empty();
-                let done = task.apply_restore(&store, recs, pos)?;
+                let applied = touched.contains(&(*p, store.as_str()));
+                let done = task.finish_restore_step(&store, pos)?;
                 if applied {
                     failpoint::hit("restore.during");
                 }

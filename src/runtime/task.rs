@@ -280,6 +280,7 @@ impl Task {
         let r = Restorer::plan(store, partition, s.engine(), low, end)?;
         // The plan may have cleared the engine (a changelog that was recreated).
         s.reload();
+        s.reserve(usize::try_from(end - r.start_offset()).unwrap_or(0));
         if r.is_done() {
             return Ok(None);
         }
@@ -307,6 +308,46 @@ impl Task {
         records: Vec<ChangelogRecord>,
         position: i64,
     ) -> Result<bool> {
+        for r in &records {
+            self.restore_record(store, &r.key, r.value.as_deref(), r.offset);
+        }
+        self.finish_restore_step(store, position)
+    }
+
+    /// Add one changelog record of `store` (in log order) to the restore step in progress;
+    /// the key and value are copied. Records outside the restore's range (before its
+    /// position or at or beyond its captured end) and records of a store not restoring are
+    /// ignored. [`Task::finish_restore_step`] applies the step. Returns whether the record
+    /// was taken.
+    pub fn restore_record(
+        &mut self,
+        store: &str,
+        key: &[u8],
+        value: Option<&[u8]>,
+        offset: i64,
+    ) -> bool {
+        let Some(r) = self.restorers.iter().find(|r| r.store() == store) else {
+            return false;
+        };
+        if !r.accepts(offset) {
+            return false;
+        }
+        match self.stores.get_mut(store) {
+            Some(s) => {
+                s.push_restored(key, value);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Apply the records added by [`Task::restore_record`] for `store` as one batch, the
+    /// restore consumer's position now being `position`. Returns true when that store's
+    /// restore just finished.
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn finish_restore_step(&mut self, store: &str, position: i64) -> Result<bool> {
         let Some(i) = self.restorers.iter().position(|r| r.store() == store) else {
             return Ok(false);
         };
@@ -314,7 +355,9 @@ impl Task {
             .stores
             .get_mut(store)
             .expect("restorers exist only for known stores");
-        staged.write_restored(self.restorers[i].take(records, position))?;
+        let applied = staged.restored_len() as u64;
+        let position = self.restorers[i].step(applied, position);
+        staged.flush_restored(Some(position))?;
         if self.restorers[i].is_done() {
             // Every restored batch is committed (readable) before the first record is
             // processed; a write-behind store persists the tail in the background.

@@ -208,13 +208,15 @@ impl Staged {
     }
 
     /// The ops in first-write order, each key with its last value.
-    fn into_ops(self) -> (Vec<(Bytes, Option<Bytes>)>, Vec<Bytes>) {
+    fn into_ops(self) -> Vec<(Bytes, Option<Bytes>)> {
         let Staged { mut map, order } = self;
-        let ops = order
-            .iter()
-            .map(|k| (k.clone(), map.remove(k).unwrap_or(None)))
-            .collect();
-        (ops, order)
+        order
+            .into_iter()
+            .map(|k| {
+                let v = map.remove(&k).unwrap_or(None);
+                (k, v)
+            })
+            .collect()
     }
 }
 
@@ -250,7 +252,7 @@ struct Job {
     engine: Arc<dyn KeyValueStore>,
     shared: Arc<Shared>,
     seq: u64,
-    ops: Vec<(Bytes, Option<Bytes>)>,
+    ops: Ops,
     changelog_offset: Option<i64>,
     /// The store's key count before the batch and each op's change to it, when known.
     count: Option<(u64, Vec<i8>)>,
@@ -366,10 +368,13 @@ impl std::hash::Hasher for IdHasher {
 
 type HashFilter = std::collections::HashSet<u64, std::hash::BuildHasherDefault<IdHasher>>;
 
-/// A committed batch still tracked in memory: its keys, for eviction once persisted.
+/// The ops of one committed batch, shared by the writer and the eviction bookkeeping.
+type Ops = Arc<Vec<(Bytes, Option<Bytes>)>>;
+
+/// A committed batch still tracked in memory: its ops, for eviction once persisted.
 struct Tracked {
     seq: u64,
-    keys: Vec<Bytes>,
+    ops: Ops,
 }
 
 /// The write-behind side of a store: committed writes readable in memory until the writer
@@ -381,7 +386,7 @@ struct Behind {
     overlay: HashMap<Bytes, (Option<Bytes>, u64), ahash::RandomState>,
     /// Committed batches in order, oldest first, until evicted.
     batches: VecDeque<Tracked>,
-    /// Keys held by `batches`.
+    /// Ops held by `batches`.
     tracked_keys: usize,
     /// Sequence number of the last batch handed to the writer.
     seq: u64,
@@ -452,7 +457,6 @@ impl Behind {
         &mut self,
         engine: &Arc<dyn KeyValueStore>,
         ops: Vec<(Bytes, Option<Bytes>)>,
-        keys: Vec<Bytes>,
         changelog_offset: Option<i64>,
     ) -> Result<()> {
         self.error(engine.name())?;
@@ -460,7 +464,19 @@ impl Behind {
         let seq = self.seq;
         let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));
         for (k, v) in &ops {
-            let old = self.overlay.insert(k.clone(), (v.clone(), seq));
+            // An overwritten key takes this batch's key buffer too, so a hot key never
+            // keeps an old arena block alive.
+            let old = match self.overlay.entry(k.clone()) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert((v.clone(), seq));
+                    None
+                }
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    let (_, old) = e.remove_entry();
+                    self.overlay.insert(k.clone(), (v.clone(), seq));
+                    Some(old)
+                }
+            };
             if let Some((_, deltas)) = &mut count {
                 // Without the filter (an engine not empty at open) this reads the engine.
                 let existed = match old {
@@ -479,8 +495,12 @@ impl Behind {
             let d: i64 = deltas.iter().map(|d| i64::from(*d)).sum();
             self.known_len = Some(base.saturating_add_signed(d));
         }
-        self.tracked_keys += keys.len();
-        self.batches.push_back(Tracked { seq, keys });
+        let ops = Arc::new(ops);
+        self.tracked_keys += ops.len();
+        self.batches.push_back(Tracked {
+            seq,
+            ops: ops.clone(),
+        });
         let job = Job {
             engine: engine.clone(),
             shared: self.shared.clone(),
@@ -520,8 +540,8 @@ impl Behind {
                     _ => break,
                 }
                 let b = self.batches.pop_front().expect("checked above");
-                self.tracked_keys -= b.keys.len();
-                for k in &b.keys {
+                self.tracked_keys -= b.ops.len();
+                for (k, _) in b.ops.iter() {
                     if matches!(self.overlay.get(k), Some((_, s)) if *s == b.seq) {
                         self.overlay.remove(k);
                     }
@@ -532,7 +552,7 @@ impl Behind {
                 .iter()
                 .rev()
                 .take_while(|b| b.seq > persisted)
-                .map(|b| b.keys.len())
+                .map(|b| b.ops.len())
                 .sum();
             if unpersisted <= self.unpersisted_max {
                 return Ok(());
@@ -604,6 +624,35 @@ pub struct StagedStore {
     inner: Arc<dyn KeyValueStore>,
     pending: Staged,
     behind: Option<Behind>,
+    arena: Arena,
+    /// Changelog records of the restore step in progress.
+    restored: Vec<(Bytes, Option<Bytes>)>,
+}
+
+/// Keys and values copied into shared blocks: one allocation per block instead of one per
+/// buffer, and clones (pending map, in-memory state, writer) are reference counts. A block
+/// lives while any buffer cut from it does.
+struct Arena {
+    block: bytes::BytesMut,
+}
+
+/// Size of an arena block.
+const ARENA_BLOCK: usize = 64 * 1024;
+
+impl Arena {
+    fn new() -> Arena {
+        Arena {
+            block: bytes::BytesMut::new(),
+        }
+    }
+
+    fn copy(&mut self, data: &[u8]) -> Bytes {
+        if self.block.capacity() - self.block.len() < data.len() {
+            self.block = bytes::BytesMut::with_capacity(ARENA_BLOCK.max(data.len()));
+        }
+        self.block.extend_from_slice(data);
+        self.block.split().freeze()
+    }
 }
 
 impl StagedStore {
@@ -615,6 +664,8 @@ impl StagedStore {
             inner,
             pending: Staged::with_capacity(4096),
             behind,
+            arena: Arena::new(),
+            restored: Vec::new(),
         }
     }
 
@@ -661,7 +712,19 @@ impl StagedStore {
 
     /// Stage a put (`Some`) or delete (`None`) of `key`.
     pub fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
-        self.stage_bytes(Bytes::from(key), value.map(Bytes::from));
+        self.stage_copy(&key, value.as_deref());
+    }
+
+    /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
+    pub fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
+        let value = value.map(|v| self.arena.copy(v));
+        if let Some(v) = self.pending.map.get_mut(key) {
+            *v = value;
+            return;
+        }
+        let key = self.arena.copy(key);
+        self.pending.order.push(key.clone());
+        self.pending.map.insert(key, value);
     }
 
     /// As [`StagedStore::stage`], with shared buffers.
@@ -724,9 +787,9 @@ impl StagedStore {
                 None => Ok(()),
             };
         }
-        let (ops, keys) = staged.into_ops();
+        let ops = staged.into_ops();
         match &mut self.behind {
-            Some(b) => b.submit(&self.inner, ops, keys, changelog_offset),
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
             None => self.inner.write_ops(&ops, changelog_offset, None),
         }
     }
@@ -738,17 +801,49 @@ impl StagedStore {
     /// # Errors
     /// The engine's write error (for this batch or, written behind, an earlier one).
     pub fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
-        let ops: Vec<(Bytes, Option<Bytes>)> = batch
-            .ops
-            .into_iter()
-            .map(|(k, v)| (Bytes::from(k), v.map(Bytes::from)))
-            .collect();
+        for (k, v) in &batch.ops {
+            self.push_restored(k, v.as_deref());
+        }
+        self.flush_restored(batch.changelog_offset)
+    }
+
+    /// Add one changelog record (in log order) to the restored batch being built; copied.
+    /// Nothing must be staged meanwhile.
+    pub fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
+        if self.restored.capacity() == 0 {
+            self.restored.reserve(4096);
+        }
+        let k = self.arena.copy(key);
+        let v = value.map(|v| self.arena.copy(v));
+        self.restored.push((k, v));
+    }
+
+    /// Number of records added by [`StagedStore::push_restored`] since the last flush.
+    pub fn restored_len(&self) -> usize {
+        self.restored.len()
+    }
+
+    /// Write the records added by [`StagedStore::push_restored`] as one restored batch
+    /// with `changelog_offset` (the position reached): see [`StagedStore::write_restored`].
+    ///
+    /// # Errors
+    /// As [`StagedStore::write_restored`].
+    pub fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+        let ops = std::mem::take(&mut self.restored);
         match &mut self.behind {
-            Some(b) => {
-                let keys = ops.iter().map(|(k, _)| k.clone()).collect();
-                b.submit(&self.inner, ops, keys, batch.changelog_offset)
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
+        }
+    }
+
+    /// Make room in memory for `n` more committed keys (a restore about to write them).
+    pub fn reserve(&mut self, n: usize) {
+        if let Some(b) = &mut self.behind {
+            let n = n.min(b.resident_max);
+            b.overlay.reserve(n);
+            if let Some(f) = &mut b.filter {
+                f.reserve(n);
             }
-            None => self.inner.write_ops(&ops, batch.changelog_offset, None),
         }
     }
 

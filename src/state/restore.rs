@@ -138,14 +138,30 @@ impl Restorer {
     /// background writer, so reading the next batch overlaps writing this one). The caller
     /// must write every batch, in order.
     pub fn take(&mut self, records: Vec<ChangelogRecord>, position: i64) -> WriteBatch {
-        let (from, end) = (self.position, self.end);
         let ops: Vec<_> = records
             .into_iter()
-            .filter(|r| r.offset >= from && r.offset < end)
+            .filter(|r| self.accepts(r.offset))
             .map(|r| (r.key, r.value))
             .collect();
+        let position = self.step(ops.len() as u64, position);
+        WriteBatch {
+            ops,
+            changelog_offset: Some(position),
+        }
+    }
+
+    /// Whether the record at changelog `offset` belongs to this restore (at or after the
+    /// position reached, before the captured end).
+    pub fn accepts(&self, offset: i64) -> bool {
+        offset >= self.position && offset < self.end
+    }
+
+    /// Record a step: `applied` accepted records were written (in log order, see
+    /// [`Restorer::accepts`]) and the reader's position is now `position`. Returns the
+    /// position to store with them (clamped to the captured end).
+    pub fn step(&mut self, applied: u64, position: i64) -> i64 {
         let position = position.min(self.end).max(self.position);
-        let n = ops.len() as u64;
+        let n = applied;
         self.applied += n;
         self.position = position;
         metrics::counter!(crate::metrics::RESTORE_RECORDS,
@@ -154,10 +170,7 @@ impl Restorer {
         metrics::gauge!(crate::metrics::RESTORE_REMAINING,
             "store" => self.store.clone(), "partition" => self.partition.to_string())
         .set((self.end - self.position).max(0) as f64);
-        WriteBatch {
-            ops,
-            changelog_offset: Some(position),
-        }
+        position
     }
 
     /// Records done / total, rate and ETA.
