@@ -18,8 +18,9 @@ pub struct DeliveryTracker {
     failures: AtomicU64,
     first_failure: Mutex<Option<String>>,
     changelog_topics: std::collections::HashSet<String>,
-    /// Highest delivered offset per changelog (topic, partition).
-    changelog_offsets: Mutex<std::collections::HashMap<(String, i32), i64>>,
+    /// Highest delivered offset per changelog topic and partition.
+    changelog_offsets:
+        Mutex<std::collections::HashMap<String, std::collections::HashMap<i32, i64>>>,
 }
 
 impl ClientContext for DeliveryTracker {}
@@ -35,9 +36,12 @@ impl ProducerContext for DeliveryTracker {
                     .changelog_offsets
                     .lock()
                     .expect("delivery tracker lock");
-                let e = m
-                    .entry((msg.topic().to_string(), msg.partition()))
-                    .or_insert(-1);
+                // No allocation per delivery: the topic's map exists after its first.
+                let per_topic = match m.get_mut(msg.topic()) {
+                    Some(t) => t,
+                    None => m.entry(msg.topic().to_string()).or_default(),
+                };
+                let e = per_topic.entry(msg.partition()).or_insert(-1);
                 *e = (*e).max(msg.offset());
             }
         }
@@ -126,6 +130,33 @@ impl OutputProducer {
         if let Some(h) = headers {
             record = record.headers(h);
         }
+        self.send_record(record)
+    }
+
+    /// Queue one changelog record (`value` `None`: a tombstone) for `partition` of `topic`,
+    /// stamped `timestamp_ms`, from borrowed bytes; as [`OutputProducer::send`].
+    ///
+    /// # Errors
+    /// As [`OutputProducer::send`].
+    pub fn send_changelog(
+        &self,
+        topic: &str,
+        partition: i32,
+        key: &[u8],
+        value: Option<&[u8]>,
+        timestamp_ms: i64,
+    ) -> Result<()> {
+        let mut record: BaseRecord<'_, [u8], [u8], ()> = BaseRecord::to(topic)
+            .key(key)
+            .partition(partition)
+            .timestamp(timestamp_ms);
+        if let Some(v) = value {
+            record = record.payload(v);
+        }
+        self.send_record(record)
+    }
+
+    fn send_record(&self, mut record: BaseRecord<'_, [u8], [u8], ()>) -> Result<()> {
         loop {
             match self.producer.send(record) {
                 Ok(()) => return Ok(()),
@@ -178,7 +209,8 @@ impl OutputProducer {
             .changelog_offsets
             .lock()
             .expect("delivery tracker lock")
-            .get(&(topic.to_string(), partition))
+            .get(topic)
+            .and_then(|t| t.get(&partition))
             .map(|o| o + 1)
     }
 

@@ -233,25 +233,25 @@ impl Engine {
         }
     }
 
-    /// Run the sweep, then turn every staged write into a changelog record stamped `now`.
-    fn changelog_records(&mut self, now: i64) -> Result<Vec<OutRecord>> {
+    /// Run the sweep, then send every staged write as a changelog record stamped `now`
+    /// (straight from the staged buffers). Returns the number of records sent.
+    fn send_changelog(&mut self, now: i64) -> Result<usize> {
         for t in self.tasks.values_mut() {
             t.punctuate(now)?;
         }
-        let mut out = Vec::new();
+        let mut sent = 0;
+        let mut result = Ok(());
         for (p, t) in &self.tasks {
             t.for_each_staged_write(|store, k, v| {
-                out.push(OutRecord {
-                    topic: self.changelogs[store].clone(),
-                    partition: Some(*p),
-                    key: Some(Bytes::copy_from_slice(k)),
-                    value: v.map(Bytes::copy_from_slice),
-                    headers: Vec::new(),
-                    timestamp: Some(now),
-                });
+                if result.is_ok() {
+                    result = self
+                        .producer
+                        .send_changelog(&self.changelogs[store], *p, k, v, now);
+                    sent += 1;
+                }
             });
         }
-        Ok(out)
+        result.map(|()| sent)
     }
 
     /// Apply every task's staged writes with the changelog offsets they reached; return the
@@ -302,11 +302,7 @@ impl Engine {
         failpoint::hit("commit.after_flush");
         // 3-4. Sweep, then the changelog records of every staged write, durable. Only now:
         // a changelog record is state, and state may not run ahead of its outputs.
-        let changelog_out = self.changelog_records(now)?;
-        if !changelog_out.is_empty() {
-            for r in &changelog_out {
-                self.producer.send(r)?;
-            }
+        if self.send_changelog(now)? > 0 {
             self.producer.flush(Duration::from_secs(600))?;
         }
         failpoint::hit("commit.after_changelog");
@@ -336,10 +332,7 @@ impl Engine {
         self.ensure_txn()?;
         failpoint::hit("eos.after_produce");
         let attempt = (|| -> Result<()> {
-            let changelog_out = self.changelog_records(wall_clock_ms())?;
-            for r in &changelog_out {
-                self.producer.send(r)?;
-            }
+            self.send_changelog(wall_clock_ms())?;
             failpoint::hit("eos.after_changelog");
             let offsets = self.processed_offsets()?;
             if offsets.count() > 0 {

@@ -191,32 +191,44 @@ pub const RESIDENT_ENTRIES: usize = 262_144;
 /// bounds a sustained run while bursts up to this size run at memory speed.
 pub const UNPERSISTED_OPS: usize = 262_144;
 
-/// The writes of one commit: last value per key, and the keys in first-write order.
+/// The writes of one commit: the ops in first-write order, each key once with its last
+/// value, and an index from key to op. Iterating and committing walk the ops in order
+/// without a lookup per key.
 #[derive(Debug, Default)]
 struct Staged {
     // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
-    map: HashMap<Bytes, Option<Bytes>, ahash::RandomState>,
-    order: Vec<Bytes>,
+    index: HashMap<Bytes, usize, ahash::RandomState>,
+    ops: Vec<(Bytes, Option<Bytes>)>,
 }
 
 impl Staged {
     fn with_capacity(n: usize) -> Staged {
         Staged {
-            map: HashMap::with_capacity_and_hasher(n, ahash::RandomState::new()),
-            order: Vec::with_capacity(n),
+            index: HashMap::with_capacity_and_hasher(n, ahash::RandomState::new()),
+            ops: Vec::with_capacity(n),
         }
     }
 
-    /// The ops in first-write order, each key with its last value.
-    fn into_ops(self) -> Vec<(Bytes, Option<Bytes>)> {
-        let Staged { mut map, order } = self;
-        order
-            .into_iter()
-            .map(|k| {
-                let v = map.remove(&k).unwrap_or(None);
-                (k, v)
-            })
-            .collect()
+    fn get(&self, key: &[u8]) -> Option<&Option<Bytes>> {
+        self.index.get(key).map(|i| &self.ops[*i].1)
+    }
+
+    fn get_mut(&mut self, key: &[u8]) -> Option<&mut Option<Bytes>> {
+        self.index.get(key).map(|i| &mut self.ops[*i].1)
+    }
+
+    fn insert_new(&mut self, key: Bytes, value: Option<Bytes>) {
+        self.index.insert(key.clone(), self.ops.len());
+        self.ops.push((key, value));
+    }
+
+    fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    fn clear(&mut self) {
+        self.index.clear();
+        self.ops.clear();
     }
 }
 
@@ -696,7 +708,7 @@ impl StagedStore {
     /// # Errors
     /// As [`KeyValueStore::get`].
     pub fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        if let Some(v) = self.pending.map.get(key) {
+        if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
         if let Some(b) = &self.behind {
@@ -718,31 +730,25 @@ impl StagedStore {
     /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
     pub fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
         let value = value.map(|v| self.arena.copy(v));
-        if let Some(v) = self.pending.map.get_mut(key) {
+        if let Some(v) = self.pending.get_mut(key) {
             *v = value;
             return;
         }
         let key = self.arena.copy(key);
-        self.pending.order.push(key.clone());
-        self.pending.map.insert(key, value);
+        self.pending.insert_new(key, value);
     }
 
     /// As [`StagedStore::stage`], with shared buffers.
     pub fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
-        match self.pending.map.entry(key) {
-            std::collections::hash_map::Entry::Occupied(mut e) => {
-                e.insert(value);
-            }
-            std::collections::hash_map::Entry::Vacant(e) => {
-                self.pending.order.push(e.key().clone());
-                e.insert(value);
-            }
+        match self.pending.get_mut(&key) {
+            Some(v) => *v = value,
+            None => self.pending.insert_new(key, value),
         }
     }
 
     /// Number of staged keys.
     pub fn pending_len(&self) -> usize {
-        self.pending.map.len()
+        self.pending.len()
     }
 
     /// Number of keys in the committed state, when the store knows it without a scan (a
@@ -754,10 +760,7 @@ impl StagedStore {
 
     /// The staged writes in first-write order, without removing them.
     pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
-        self.pending.order.iter().map(move |k| {
-            let v = self.pending.map.get(k).and_then(|v| v.as_deref());
-            (&k[..], v)
-        })
+        self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
     }
 
     /// Wait until every committed batch is written to the engine (so
@@ -779,15 +782,15 @@ impl StagedStore {
     /// staged writes are dropped either way, since the runtime stops or rewinds on any
     /// failure.
     pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
-        let cap = self.pending.order.len().clamp(4096, 1 << 20);
+        let cap = self.pending.len().clamp(4096, 1 << 20);
         let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
-        if staged.order.is_empty() && changelog_offset.is_none() {
+        if staged.ops.is_empty() && changelog_offset.is_none() {
             return match &self.behind {
                 Some(b) => b.error(self.inner.name()),
                 None => Ok(()),
             };
         }
-        let ops = staged.into_ops();
+        let ops = staged.ops;
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, changelog_offset),
             None => self.inner.write_ops(&ops, changelog_offset, None),
@@ -849,8 +852,7 @@ impl StagedStore {
 
     /// Drop the staged writes (the commit failed or was aborted).
     pub fn abort(&mut self) {
-        self.pending.map.clear();
-        self.pending.order.clear();
+        self.pending.clear();
     }
 
     /// Forget what is held in memory of the committed state and look at the engine again;
