@@ -82,6 +82,33 @@ impl Walk<'_, '_> {
     }
 }
 
+/// An object key, borrowed from the input unless it holds escapes (serde's own
+/// `Cow<str>` always allocates).
+struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(KeySeed)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v))
+    }
+}
+
 impl<'de> Visitor<'de> for Walk<'_, '_> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -117,7 +144,7 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
     fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
         self.set(Scalar::Other("an object"));
         let mut sub: Vec<(usize, &[String])> = Vec::new();
-        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+        while let Some(key) = map.next_key_seed(KeySeed)? {
             sub.clear();
             for (i, rest) in self.paths {
                 if let Some((first, tail)) = rest.split_first() {
@@ -193,6 +220,7 @@ mod tests {
             r#"[1,2,3]"#,
             r#""just a string""#,
             r#"{"id":{"deep":[true]}}"#,
+            r#"{"i\u0064":"escaped key","actor":{"\u0069d":7}}"#,
         ];
         let pointers = [
             "/id",
