@@ -158,23 +158,18 @@ impl KeyBook {
                 return Ok(book);
             }
         }
-        // The scan reads the engine: let it hold every committed batch first.
-        store.sync()?;
-        let mut after: Option<Vec<u8>> = None;
-        loop {
-            let chunk = store.engine().scan(after.as_deref(), 10_000)?;
-            for (k, v) in &chunk {
-                book.count += 1;
-                if let Some(idx) = &mut book.by_age {
-                    let e = decode_entry(store, v)?;
-                    idx.insert((e.first_seen_ms, k.clone()));
-                }
+        // One pass over the committed state (no wait for writes still going to the engine).
+        let name = store.name().to_string();
+        store.for_each_committed(|k, v| {
+            book.count += 1;
+            if let Some(idx) = &mut book.by_age {
+                let e = DedupEntry::decode(v).map_err(|e| {
+                    crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
+                })?;
+                idx.insert((e.first_seen_ms, k.to_vec()));
             }
-            if chunk.len() < 10_000 {
-                break;
-            }
-            after = chunk.last().map(|(k, _)| k.clone());
-        }
+            Ok(())
+        })?;
         book.gauge.set(book.count as f64);
         Ok(book)
     }
