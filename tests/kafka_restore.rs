@@ -220,6 +220,26 @@ fn a_wiped_state_dir_is_restored_from_the_changelog_and_reported() {
     );
 }
 
+/// The state is written to sled behind processing; a graceful stop waits for that writer,
+/// so the next start resumes from the stored changelog offsets and restores nothing.
+#[test]
+fn a_graceful_stop_persists_the_state_and_a_restart_restores_nothing() {
+    let names = gharchive_names(4);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    onceflow::testing::gharchive::publish(&p, &names.input, 0, 13).unwrap();
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
+    let rep = onceflow::testing::gharchive::publish(&p, &names.input, 0, 14).unwrap();
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "restored"), Some(0.0), "{out}");
+    assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
+    assert_eq!(
+        summary_field(&out, "duplicates"),
+        Some(rep.published as f64),
+        "{out}"
+    );
+}
+
 #[test]
 fn a_changelog_with_another_partition_count_stops_start_up() {
     let names = names_for(BY_ID, 2);

@@ -904,6 +904,17 @@ impl App {
         for t in e.tasks.values() {
             counts.add(t.counts());
         }
+        if result.is_ok() {
+            // Graceful stop: let the background writer finish, so a restart resumes from
+            // the last committed changelog offset instead of restoring it again.
+            let mut synced = Ok(());
+            for t in e.tasks.values_mut() {
+                synced = synced.and(t.sync_stores());
+            }
+            if let Err(err) = synced {
+                tracing::warn!(error = %err, "state not fully persisted at stop: the next start restores the rest from the changelog");
+            }
+        }
         e.tasks.clear();
         e.backend.flush()?;
         let seconds = e

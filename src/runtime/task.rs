@@ -399,6 +399,18 @@ impl Task {
         self.position = committed;
     }
 
+    /// Wait until every committed write of this task's stores is in the engine (sled), so
+    /// that a restart resumes from the latest changelog offset instead of restoring again.
+    ///
+    /// # Errors
+    /// The engine's write error.
+    pub fn sync_stores(&mut self) -> Result<()> {
+        for s in self.stores.values_mut() {
+            s.sync()?;
+        }
+        Ok(())
+    }
+
     /// Number of staged (uncommitted) store writes.
     pub fn pending_writes(&self) -> usize {
         self.stores.values().map(|s| s.pending_len()).sum()

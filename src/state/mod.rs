@@ -176,10 +176,12 @@ impl StateDirLock {
     }
 }
 
-/// Ops per engine write of the background writer. sled's `apply_batch` holds a lock that
-/// every sled read of the process waits on, so a long batch goes in chunks of this size;
-/// only the last chunk carries the batch's changelog offset (see [`Writer`]).
-const WRITE_CHUNK: usize = 1_000;
+/// Ops per engine write of the background writer: unbounded, so that the writes of one
+/// commit go into one sled batch together with the changelog offset they reached (issue 3).
+/// sled's `apply_batch` holds a lock that sled reads wait on, but lookups of committed
+/// entries are answered from memory first (see [`RESIDENT_ENTRIES`]). A smaller value
+/// splits a batch into chunks, only the last one carrying the offset (see [`Writer`]).
+const WRITE_CHUNK: usize = usize::MAX;
 
 /// Committed entries a write-behind store keeps readable in memory (per store partition)
 /// once they are persisted; beyond it the oldest persisted batches leave memory and are
@@ -274,11 +276,11 @@ struct Job {
 /// commit order per store, so neither processing nor restore waits on the engine's write
 /// cost (sled: several microseconds a key here).
 ///
-/// Durability: a batch is written in chunks of [`WRITE_CHUNK`] ops and only the last chunk
-/// stores the batch's changelog offset, so the stored offset never runs ahead of the data
-/// it stands for. A crash (or a closed store, whose remaining batches are skipped) leaves
-/// the engine with a prefix of the ops and an older offset; the restore replays the
-/// changelog from that offset in log order, which rewrites the partial batch exactly.
+/// Durability: a batch is written as one engine batch (chunks of [`WRITE_CHUNK`] ops, only
+/// the last chunk storing the batch's changelog offset), so the stored offset never runs
+/// ahead of the data it stands for. A crash (or a closed store, whose remaining batches are
+/// skipped) leaves the engine with a prefix of the batches and an older offset; the
+/// restore replays the changelog from that offset in log order.
 /// The thread runs at a lower CPU priority (nice 10) than processing and restore.
 pub struct Writer {
     tx: Mutex<std::sync::mpsc::Sender<Job>>,
@@ -326,9 +328,9 @@ fn lower_thread_priority() {}
 
 fn write_job(job: Job) {
     let n = job.ops.len();
-    let mut at = 0;
+    let mut at: usize = 0;
     loop {
-        let end = (at + WRITE_CHUNK).min(n);
+        let end = at.saturating_add(WRITE_CHUNK).min(n);
         let last = end == n;
         {
             let mut st = job.shared.lock();
