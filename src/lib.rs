@@ -1,9 +1,9 @@
 //! onceflow: a stream processor for Kafka, in the style of Kafka Streams, whose promise is
 //! that every effect happens once however often the message behind it is delivered.
 //!
-//! A [`topology::Topology`] (from a YAML file via [`dsl`] or built with
-//! [`topology::TopologyBuilder`]) wires a source topic through stages (dedup, sinks) to
-//! output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
+//! A [`topology::Topology`] (from a YAML or TOML file via [`dsl`], or built with
+//! [`topology::TopologyBuilder`]) wires a source topic through stages (filter, map, dedup,
+//! route, sinks; CEL expressions in files, closures in Rust) to output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
 //! protocol; [`testing::TestDriver`] runs it without a broker.
 
 pub mod config;

@@ -35,15 +35,22 @@ enum Command {
         #[arg(long)]
         stop_at_end: bool,
     },
-    /// Check a topology file; prints every error and exits 1 if there is any.
+    /// Check a topology file (YAML, or TOML when named *.toml) without connecting to
+    /// anything; prints every error (file:line:column, stage, field) and exits 1 if there is any.
     Validate {
-        /// The topology file (YAML).
+        /// The topology file.
         topology: PathBuf,
     },
-    /// Print a topology: source, stages, stores.
+    /// Print a topology: source, stages, topics written, stores and their changelog topics.
     Describe {
-        /// The topology file (YAML).
+        /// The topology file (YAML, or TOML when named *.toml).
         topology: PathBuf,
+        /// Output format: text, mermaid or dot.
+        #[arg(long, default_value = "text")]
+        format: onceflow::topology::DescribeFormat,
+        /// The application.id that prefixes changelog topic names.
+        #[arg(long, default_value = "onceflow")]
+        application_id: String,
     },
 }
 
@@ -104,9 +111,13 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Describe { topology } => match onceflow::dsl::load(&topology) {
+        Command::Describe {
+            topology,
+            format,
+            application_id,
+        } => match onceflow::dsl::load(&topology) {
             Ok(t) => {
-                print!("{}", t.describe());
+                print!("{}", t.describe_as(format, &application_id));
                 ExitCode::SUCCESS
             }
             Err(e) => {

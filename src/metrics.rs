@@ -1,7 +1,8 @@
 //! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; exported
 //! in Prometheus format when `metrics.address` is set.
 
-/// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error.
+/// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
+/// `filtered` for records a filter drops or no route takes.
 pub const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
 /// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage),
 /// sampled one decision in 64.

@@ -273,7 +273,7 @@ fn describe_shows_tables_enrich_and_formats() {
         .unwrap();
     assert_eq!(
         t.describe(),
-        "Topology: orders\n  Source: topic orders (format json)\n  Table: customers topic=customers (format json) store=table-customers\n  Enrich: join table=customers key=json pointer /customer_id into=\"/customer\" on_missing=dead_letter\n  Sink: out topic=orders.enriched (format json)\n"
+        "Topology: orders\n  Source: topic orders (format json)\n  Table: customers topic=customers (format json) store=table-customers\n  Enrich: join table=customers key=json pointer /customer_id into=\"/customer\" on_missing=dead_letter\n  Sink: out topics=orders.enriched\n  Topics written: orders.enriched (json)\n"
     );
 }
 
@@ -336,7 +336,7 @@ stages:
     let t = onceflow::dsl::load(&file).unwrap();
     assert_eq!(
         t.describe(),
-        "Topology: t\n  Source: topic orders (format protobuf shop.Order)\n  Table: customers topic=customers (format protobuf shop.Customer) store=table-customers\n  Enrich: enrich-customers table=customers key=json pointer /customer_id into=\"/customers\" on_missing=pass\n  Sink: sink-out topic=out (format protobuf shop.EnrichedOrder)\n"
+        "Topology: t\n  Source: topic orders (format protobuf shop.Order)\n  Table: customers topic=customers (format protobuf shop.Customer) store=table-customers\n  Enrich: enrich-customers table=customers key=json pointer /customer_id into=\"/customers\" on_missing=pass\n  Sink: sink-out topics=out\n  Topics written: out (protobuf shop.EnrichedOrder)\n"
     );
     std::fs::write(
         &file,
@@ -349,7 +349,7 @@ stages:
     let d = dir.path().join("shop.desc").display().to_string();
     assert_eq!(
         err,
-        format!("{f}: tables[0] (`customers`): field `format`: config error: {d}: no message type \"shop.Nope\" in the descriptor set (it has: shop.Customer, shop.EnrichedOrder, shop.Order)\n\
-{f}: stage `enrich-custs`: field `table`: no table named \"custs\" (declared: none)")
+        format!("{f}:4:62: table `customers`, field `format`: config error: {d}: no message type \"shop.Nope\" in the descriptor set (it has: shop.Customer, shop.EnrichedOrder, shop.Order)\n\
+{f}:6:22: stage `enrich-custs` (enrich), field `table`: no table named \"custs\" (declared: none)")
     );
 }

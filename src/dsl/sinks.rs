@@ -394,7 +394,7 @@ stages:
   - redis: { url: "redis://x", command: [SET, "{nope}"], idempotency: { store: redisx } }
 "#;
         let e = crate::dsl::parse("t.yaml", text).unwrap_err().to_string();
-        assert!(e.contains("stage `http`: field `key`: template \"{value./order_id}\" reads field /order_id, but the source format is bytes"), "{e}");
+        assert!(e.contains("t.yaml:5:5: stage `http` (http), field `key`: template \"{value./order_id}\" reads field /order_id, but the source format is bytes"), "{e}");
         assert!(e.contains("unknown placeholder {nope}"), "{e}");
         assert!(
             e.contains("\"redisx\"; use sled, redis, postgres or none"),

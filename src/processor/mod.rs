@@ -8,10 +8,13 @@
 pub mod codec;
 pub mod dedup;
 pub mod enrich;
+pub mod expr;
 pub mod json_scan;
 pub mod key;
 pub mod record;
+pub mod route;
 pub mod stages;
+pub mod transform;
 
 pub use record::{OutRecord, Record, SourceMeta};
 

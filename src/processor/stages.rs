@@ -1,6 +1,8 @@
-//! Built-in stages: dedup and topic sink.
+//! Built-in stages: dedup (with an optional duplicate topic) and topic sink (one or more
+//! topics, key and headers settable).
 
 use super::dedup::{decide, Decision, DedupEntry, Observation, Policy};
+use super::expr::{plan, Bindings, BytesFn};
 use super::key::KeySource;
 use super::{Context, OutRecord, Processor, Record, StageError};
 use crate::error::RecordError;
@@ -48,6 +50,10 @@ pub struct DedupSpec {
     pub grace_ms: i64,
     /// Keys kept per partition at most (default unlimited); the oldest are evicted.
     pub max_keys: Option<u64>,
+    /// Topic that receives duplicates (key, value, headers and timestamp as read, plus
+    /// the `onceflow.duplicate.of.*` headers naming the first occurrence); default none:
+    /// duplicates are dropped.
+    pub duplicates_to: Option<String>,
 }
 
 impl DedupSpec {
@@ -61,7 +67,14 @@ impl DedupSpec {
             on_conflict: ConflictPolicy::Drop,
             grace_ms: 3600 * 1000,
             max_keys: None,
+            duplicates_to: None,
         }
+    }
+
+    /// Send duplicates to `topic` instead of dropping them.
+    pub fn with_duplicates_to(mut self, topic: impl Into<String>) -> Self {
+        self.duplicates_to = Some(topic.into());
+        self
     }
 
     /// Limit the keys kept per partition (default none); past it, the entries with the
@@ -350,6 +363,28 @@ impl Processor for Dedup {
             Decision::Duplicate => {
                 self.metrics.duplicate.increment(1);
                 ctx.counts().duplicates += 1;
+                if let Some(side) = &self.spec.duplicates_to {
+                    let mut headers = record.headers;
+                    if let Some(first) = &prev {
+                        let h = |s: String| Some(bytes::Bytes::from(s.into_bytes()));
+                        headers.push((
+                            DUPLICATE_OF_PARTITION.into(),
+                            h(first.source_partition.to_string()),
+                        ));
+                        headers.push((
+                            DUPLICATE_OF_OFFSET.into(),
+                            h(first.source_offset.to_string()),
+                        ));
+                    }
+                    ctx.emit(OutRecord {
+                        topic: side.clone(),
+                        partition: None,
+                        key: record.key,
+                        value: record.value,
+                        headers,
+                        timestamp: record.timestamp,
+                    });
+                }
             }
             Decision::Conflict => {
                 self.metrics.conflict.increment(1);
@@ -371,66 +406,188 @@ impl Processor for Dedup {
     }
 }
 
-/// Settings of a topic sink.
+/// Header of a record on a dedup stage's duplicate topic: the source partition of the
+/// first occurrence (decimal text).
+pub const DUPLICATE_OF_PARTITION: &str = "onceflow.duplicate.of.partition";
+/// Header of a record on a dedup stage's duplicate topic: the source offset of the first
+/// occurrence (decimal text).
+pub const DUPLICATE_OF_OFFSET: &str = "onceflow.duplicate.of.offset";
+
+/// Settings of a topic sink: one or more topics, and optionally a computed key and headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SinkSpec {
-    /// Destination topic.
-    pub topic: String,
+    /// Destination topics (at least one); each gets the same record.
+    pub topics: Vec<String>,
+    /// The output key; default: the record's key unchanged. A `null` result writes a null
+    /// key.
+    pub key: Option<BytesFn>,
+    /// Headers to set, in order: each replaces the record's headers of that name; a `null`
+    /// result removes them.
+    pub headers: Vec<(String, BytesFn)>,
 }
 
-/// Writes each record to a topic with its key, value, headers and timestamp, and forwards
-/// it, so several sinks in a row write one record to several topics.
-pub struct TopicSink {
-    topic: String,
-    forward: bool,
-    codec: Option<(super::codec::Format, super::codec::Format)>,
-}
-
-impl TopicSink {
-    /// A sink to `spec.topic`; `forward` is false for the last stage, which then moves the
-    /// record out instead of copying it.
-    pub fn new(spec: &SinkSpec, forward: bool) -> Self {
-        TopicSink {
-            topic: spec.topic.clone(),
-            forward,
-            codec: None,
+impl SinkSpec {
+    /// A sink to `topic` writing records as they are.
+    pub fn to(topic: impl Into<String>) -> Self {
+        SinkSpec {
+            topics: vec![topic.into()],
+            key: None,
+            headers: Vec::new(),
         }
     }
 
-    /// Write values in the `sink` format, the source being in `source` format (see
-    /// [`super::codec::encode_for_sink`]); without this the value bytes pass as they are.
-    /// A record whose view does not encode goes to the dead-letter topic.
-    pub fn with_codec(mut self, source: super::codec::Format, sink: super::codec::Format) -> Self {
-        self.codec = Some((source, sink));
+    /// Also write to `topic`.
+    pub fn also(mut self, topic: impl Into<String>) -> Self {
+        self.topics.push(topic.into());
+        self
+    }
+
+    /// Compute the output key from the record (`None`: a null key).
+    pub fn key(
+        mut self,
+        f: impl Fn(&Record) -> Result<Option<bytes::Bytes>, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.key = Some(BytesFn::native(f));
+        self
+    }
+
+    /// Set header `name` to what `f` computes (`None` removes it).
+    pub fn header(
+        mut self,
+        name: impl Into<String>,
+        f: impl Fn(&Record) -> Result<Option<bytes::Bytes>, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.headers.push((name.into(), BytesFn::native(f)));
         self
     }
 }
 
+type Headers = Vec<(String, Option<bytes::Bytes>)>;
+
+/// Writes each record to its topics with its key, value, headers and timestamp (key and
+/// headers possibly computed), and forwards it when a later stage exists. A key or header
+/// that cannot be computed sends the record to the dead-letter topic, and nothing is
+/// written for it.
+pub struct TopicSink {
+    name: String,
+    spec: SinkSpec,
+    proj: Option<std::sync::Arc<[String]>>,
+    /// Decode the whole JSON tree before evaluating (see `expr::plan`).
+    json: bool,
+    forward: bool,
+    /// Source format and each topic's format (see [`super::codec::encode_for_sink`]).
+    codecs: Option<(super::codec::Format, Vec<super::codec::Format>)>,
+}
+
+impl TopicSink {
+    /// A sink stage; `json`: the source is JSON (decoded for key and header expressions);
+    /// `forward` is false for the last stage, which then moves the record out instead of
+    /// copying it.
+    pub fn new(name: &str, spec: &SinkSpec, json: bool, forward: bool) -> Self {
+        let (proj, tree) = plan(
+            json,
+            spec.key.iter().chain(spec.headers.iter().map(|(_, f)| f)),
+        );
+        TopicSink {
+            name: name.to_string(),
+            proj,
+            spec: spec.clone(),
+            json: tree,
+            forward,
+            codecs: None,
+        }
+    }
+
+    /// Write values in each topic's format (`sinks`, one per topic of the spec), the source
+    /// being in `source` format (see [`super::codec::encode_for_sink`]); without this the
+    /// value bytes pass as they are. A record whose view does not encode goes to the
+    /// dead-letter topic, and nothing is written for it.
+    pub fn with_codecs(
+        mut self,
+        source: super::codec::Format,
+        sinks: Vec<super::codec::Format>,
+    ) -> Self {
+        self.codecs = Some((source, sinks));
+        self
+    }
+
+    /// The value bytes for each topic.
+    fn values(&self, record: &Record) -> Result<Vec<Option<bytes::Bytes>>, RecordError> {
+        match &self.codecs {
+            None => Ok(vec![record.value.clone(); self.spec.topics.len()]),
+            Some((source, sinks)) => sinks
+                .iter()
+                .map(|sink| {
+                    super::codec::encode_for_sink(record, source, sink)
+                        .map_err(|e| RecordError::new(&self.name, e))
+                })
+                .collect(),
+        }
+    }
+
+    fn computed(&self, record: &Record) -> Result<(Option<bytes::Bytes>, Headers), String> {
+        let b = Bindings::projected(record, self.proj.clone());
+        let key = match &self.spec.key {
+            Some(f) => f.eval(&b).map_err(|e| format!("key: {e}"))?,
+            None => record.key.clone(),
+        };
+        let mut headers = record.headers.clone();
+        for (name, f) in &self.spec.headers {
+            let v = f.eval(&b).map_err(|e| format!("header {name}: {e}"))?;
+            headers.retain(|(k, _)| k != name);
+            if v.is_some() {
+                headers.push((name.clone(), v));
+            }
+        }
+        Ok((key, headers))
+    }
+}
+
 impl Processor for TopicSink {
-    fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
+    fn process(&mut self, mut record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
         let timestamp = record.timestamp;
-        let encoded = match &self.codec {
-            None => None,
-            Some((source, sink)) => Some(
-                super::codec::encode_for_sink(&record, source, sink)
-                    .map_err(|e| RecordError::new(format!("sink-{}", self.topic), e))?,
-            ),
-        };
-        let out = |key, value, headers| OutRecord {
-            topic: self.topic.clone(),
-            partition: None,
-            key,
-            value,
-            headers,
-            timestamp,
-        };
-        if self.forward {
-            let value = encoded.unwrap_or_else(|| record.value.clone());
-            ctx.emit(out(record.key.clone(), value, record.headers.clone()));
-            ctx.forward(record);
+        let n = self.spec.topics.len();
+        let plain = self.spec.key.is_none() && self.spec.headers.is_empty();
+        if plain && n == 1 && !self.forward {
+            // The common last stage: move the record out, no copies.
+            let value = match &self.codecs {
+                None => record.value,
+                Some(_) => self.values(&record)?.pop().flatten(),
+            };
+            ctx.emit(OutRecord {
+                topic: self.spec.topics[0].clone(),
+                partition: None,
+                key: record.key,
+                value,
+                headers: record.headers,
+                timestamp,
+            });
+            return Ok(());
+        }
+        let (key, headers) = if plain {
+            (None, None)
         } else {
-            let value = encoded.unwrap_or(record.value);
-            ctx.emit(out(record.key, value, record.headers));
+            crate::processor::transform::prepare(&self.name, &mut record, self.json)?;
+            let (k, h) = self
+                .computed(&record)
+                .map_err(|e| RecordError::new(&self.name, e))?;
+            (Some(k), Some(h))
+        };
+        let key = key.unwrap_or_else(|| record.key.clone());
+        let headers = headers.unwrap_or_else(|| record.headers.clone());
+        let values = self.values(&record)?;
+        for (topic, value) in self.spec.topics.iter().zip(values) {
+            ctx.emit(OutRecord {
+                topic: topic.clone(),
+                partition: None,
+                key: key.clone(),
+                value,
+                headers: headers.clone(),
+                timestamp,
+            });
+        }
+        if self.forward {
+            ctx.forward(record);
         }
         Ok(())
     }

@@ -184,7 +184,11 @@ impl Task {
         }
         self.cur.clear();
         self.cur.push(record);
-        for (_, node) in self.nodes.iter_mut() {
+        // All or nothing per source record: if a stage refuses it, the outputs earlier
+        // stages emitted for it (a route or sink before the failing stage) are withdrawn,
+        // and its dead letter is its only output.
+        let mark = out.len();
+        'stages: for (_, node) in self.nodes.iter_mut() {
             self.next.clear();
             for rec in self.cur.drain(..) {
                 let mut ctx = Context {
@@ -199,8 +203,15 @@ impl Task {
                 match node.process(rec, &mut ctx) {
                     Ok(()) => {}
                     Err(StageError::Record(e)) => {
+                        let withdrawn = out.len() - mark;
+                        out.truncate(mark);
+                        self.counts.records_out -= withdrawn as u64;
                         self.dlq_counter.increment(1);
                         dead(e, out, &mut self.counts);
+                        // Leaving the loop drops the drain, and with it any other record
+                        // of this source record.
+                        self.next.clear();
+                        break 'stages;
                     }
                     Err(StageError::Fatal(e)) => return Err(e),
                 }

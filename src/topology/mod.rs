@@ -4,10 +4,16 @@
 //! [`TopologyBuilder::build`] validates and returns a [`Topology`] or every error found,
 //! each naming the stage and the field. [`Topology::describe`] prints it.
 
+mod describe;
+
+pub use describe::DescribeFormat;
+
 use crate::error::Error;
+use crate::processor::route::{Route, RouteSpec};
 use crate::processor::stages::{Dedup, DedupSpec, SinkSpec, TopicSink};
+use crate::processor::transform::{Filter, FilterSpec, MapFields, MapSpec};
 use crate::processor::Processor;
-use std::fmt::Write as _;
+use crate::processor::Record;
 
 pub use crate::processor::codec::{Format, ProtoFormat};
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
@@ -26,8 +32,14 @@ pub struct Source {
 pub enum StageKind {
     /// Drop repeated records by key within a TTL.
     Dedup(DedupSpec),
-    /// Write records to a topic.
+    /// Write records to one or more topics.
     Sink(SinkSpec),
+    /// Keep records a predicate accepts.
+    Filter(FilterSpec),
+    /// Set, rename and drop fields.
+    Map(MapSpec),
+    /// Send records to topics by predicate.
+    Route(RouteSpec),
     /// Join records with a lookup table.
     Enrich(EnrichSpec),
     /// An effect outside Kafka (HTTP, PostgreSQL, Redis, file) with keyed idempotency.
@@ -35,12 +47,29 @@ pub enum StageKind {
 }
 
 impl StageKind {
-    fn kind_name(&self) -> &'static str {
+    /// The kind as written in topology files (`dedup`, `sink`, ...).
+    pub fn kind_name(&self) -> &'static str {
         match self {
             StageKind::Dedup(_) => "dedup",
             StageKind::Sink(_) => "sink",
+            StageKind::Filter(_) => "filter",
+            StageKind::Map(_) => "map",
+            StageKind::Route(_) => "route",
             StageKind::Enrich(_) => "enrich",
             StageKind::External(_) => "external sink",
+        }
+    }
+
+    /// Topics this stage writes (sinks, routes, a dedup's duplicate topic), in order.
+    pub fn output_topics(&self) -> Vec<String> {
+        match self {
+            StageKind::Sink(k) => k.topics.clone(),
+            StageKind::Route(r) => r.topics(),
+            StageKind::Dedup(d) => d.duplicates_to.iter().cloned().collect(),
+            StageKind::Filter(_)
+            | StageKind::Map(_)
+            | StageKind::Enrich(_)
+            | StageKind::External(_) => Vec::new(),
         }
     }
 }
@@ -104,20 +133,21 @@ impl Topology {
                         out.push(e.into.clone());
                     }
                 }
-                StageKind::Sink(_) => {}
                 StageKind::External(e) => e.json_pointers(&mut out),
+                _ => {}
             }
         }
         out
     }
 
-    /// Topics written by sinks, in order, without repeats.
+    /// Topics the stages write (sinks, routes, duplicate topics), in order, without
+    /// repeats; the runtime creates the missing ones before the run.
     pub fn sink_topics(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         for s in &self.stages {
-            if let StageKind::Sink(k) = &s.kind {
-                if !out.contains(&k.topic) {
-                    out.push(k.topic.clone());
+            for t in s.kind.output_topics() {
+                if !out.contains(&t) {
+                    out.push(t);
                 }
             }
         }
@@ -127,96 +157,51 @@ impl Topology {
     /// New processor instances for one task (one source partition), in stage order.
     pub fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
         let last = self.stages.len().saturating_sub(1);
+        let json = self.source.format == Format::Json;
+        let t = self.name.as_str();
         self.stages
             .iter()
             .enumerate()
             .map(|(i, s)| {
+                let n = s.name.as_str();
                 let p: Box<dyn Processor> = match &s.kind {
-                    StageKind::Dedup(spec) => {
-                        Box::new(Dedup::new(&self.name, &s.name, &s.name, spec.clone()))
+                    StageKind::Dedup(spec) => Box::new(Dedup::new(t, n, n, spec.clone())),
+                    StageKind::Sink(spec) => {
+                        Box::new(TopicSink::new(n, spec, json, i != last).with_codecs(
+                            self.source.format.clone(),
+                            spec.topics.iter().map(|t| self.topic_format(t)).collect(),
+                        ))
                     }
-                    StageKind::Sink(spec) => Box::new(
-                        TopicSink::new(spec, i != last)
-                            .with_codec(self.source.format.clone(), self.topic_format(&spec.topic)),
+                    StageKind::Enrich(spec) => {
+                        Box::new(crate::processor::enrich::Enrich::new(t, n, spec.clone()))
+                    }
+                    StageKind::External(spec) => {
+                        Box::new(crate::sink::stage::ExternalSink::new(t, n, spec, i != last))
+                    }
+                    StageKind::Filter(spec) => Box::new(Filter::new(t, n, spec.clone(), json)),
+                    StageKind::Map(spec) => Box::new(MapFields::new(t, n, spec.clone())),
+                    StageKind::Route(spec) => Box::new(
+                        Route::new(t, n, spec.clone(), json, i != last).with_codecs(
+                            self.source.format.clone(),
+                            spec.topics()
+                                .into_iter()
+                                .map(|x| {
+                                    let f = self.topic_format(&x);
+                                    (x, f)
+                                })
+                                .collect(),
+                        ),
                     ),
-                    StageKind::Enrich(spec) => Box::new(crate::processor::enrich::Enrich::new(
-                        &self.name,
-                        &s.name,
-                        spec.clone(),
-                    )),
-                    StageKind::External(spec) => Box::new(crate::sink::stage::ExternalSink::new(
-                        &self.name,
-                        &s.name,
-                        spec,
-                        i != last,
-                    )),
                 };
                 (s.name.clone(), p)
             })
             .collect()
     }
 
-    /// A text description: source, stages with their settings, stores.
+    /// A text description: source, stages with their settings, topics written, stores and
+    /// their changelog topics (for the default `application.id`, `onceflow`).
     pub fn describe(&self) -> String {
-        let mut s = String::new();
-        let _ = writeln!(s, "Topology: {}", self.name);
-        let _ = writeln!(
-            s,
-            "  Source: topic {} (format {})",
-            self.source.topic,
-            self.source.format.describe()
-        );
-        for t in &self.tables {
-            let _ = writeln!(
-                s,
-                "  Table: {} topic={} (format {}) store=table-{}",
-                t.name,
-                t.topic,
-                t.format.describe(),
-                t.name
-            );
-        }
-        for st in &self.stages {
-            match &st.kind {
-                StageKind::Dedup(d) => {
-                    let _ = writeln!(
-                        s,
-                        "  Dedup: {} key={} ttl={} time={:?} store={}",
-                        st.name,
-                        d.key.describe(),
-                        humantime::format_duration(std::time::Duration::from_millis(
-                            d.ttl_ms as u64
-                        )),
-                        d.time,
-                        st.name
-                    );
-                }
-                StageKind::Sink(k) => {
-                    let _ = writeln!(
-                        s,
-                        "  Sink: {} topic={} (format {})",
-                        st.name,
-                        k.topic,
-                        self.topic_format(&k.topic).describe()
-                    );
-                }
-                StageKind::Enrich(e) => {
-                    let _ = writeln!(
-                        s,
-                        "  Enrich: {} table={} key={} into={:?} on_missing={}",
-                        st.name,
-                        e.table,
-                        e.key.describe(),
-                        e.into,
-                        e.on_missing.name()
-                    );
-                }
-                StageKind::External(e) => {
-                    let _ = writeln!(s, "{}", e.describe(&st.name));
-                }
-            }
-        }
-        s
+        self.describe_as(DescribeFormat::Text, "onceflow")
     }
 }
 
@@ -269,15 +254,39 @@ impl TopologyBuilder {
         self
     }
 
-    /// Add a sink stage writing to `topic`.
-    pub fn sink(mut self, name: impl Into<String>, topic: impl Into<String>) -> Self {
-        self.stages.push(Stage {
-            name: name.into(),
-            kind: StageKind::Sink(SinkSpec {
-                topic: topic.into(),
+    /// Add a sink stage writing records as they are to `topic`.
+    pub fn sink(self, name: impl Into<String>, topic: impl Into<String>) -> Self {
+        self.sink_with(name, SinkSpec::to(topic))
+    }
+
+    /// Add a sink stage: one or more topics, key and headers possibly computed.
+    pub fn sink_with(self, name: impl Into<String>, spec: SinkSpec) -> Self {
+        self.stage(name, StageKind::Sink(spec))
+    }
+
+    /// Add a filter stage: records for which `predicate` returns true go on; an `Err`
+    /// sends the record to the dead-letter topic with that reason.
+    pub fn filter(
+        self,
+        name: impl Into<String>,
+        predicate: impl Fn(&Record) -> Result<bool, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.stage(
+            name,
+            StageKind::Filter(FilterSpec {
+                predicate: crate::processor::expr::Predicate::native(predicate),
             }),
-        });
-        self
+        )
+    }
+
+    /// Add a map stage (set, rename, drop fields of a JSON object value).
+    pub fn map(self, name: impl Into<String>, spec: MapSpec) -> Self {
+        self.stage(name, StageKind::Map(spec))
+    }
+
+    /// Add a route stage (records to topics by predicate, with a default).
+    pub fn route(self, name: impl Into<String>, spec: RouteSpec) -> Self {
+        self.stage(name, StageKind::Route(spec))
     }
 
     // ---- External sinks (issue 6: effects outside Kafka with keyed idempotency) ----
@@ -299,107 +308,220 @@ impl TopologyBuilder {
 
     // ---- end of external sinks ----
 
+    /// Add a stage of any kind (what topology files compile to).
+    pub fn stage(mut self, name: impl Into<String>, kind: StageKind) -> Self {
+        self.stages.push(Stage {
+            name: name.into(),
+            kind,
+        });
+        self
+    }
+
     /// Validate and build.
     ///
     /// # Errors
-    /// Every problem found, each an [`Error::Topology`] naming the stage and field: no
-    /// source, an empty or invalid topic name, duplicate stage names, a TTL that is not
-    /// positive, a JSON-pointer key on a non-JSON source, no sink.
-    pub fn build(mut self) -> Result<Topology, Vec<Error>> {
+    /// Every problem found, each an [`Error::Topology`] naming the stage and field (see
+    /// [`Self::build_detailed`]).
+    pub fn build(self) -> Result<Topology, Vec<Error>> {
+        self.build_detailed()
+            .map_err(|es| es.into_iter().map(BuildError::into_error).collect())
+    }
+
+    /// Validate and build, with errors that keep the stage index and the field apart (for
+    /// topology files, which map them to a line and column).
+    ///
+    /// # Errors
+    /// Every problem found: no source, an empty or invalid topic name, an invalid or
+    /// duplicate stage name, a TTL that is not positive, a JSON-pointer key or a map stage
+    /// on a non-JSON source, a bad field pointer, a sink without topics, a route without
+    /// branches, no sink or route at all.
+    pub fn build_detailed(mut self) -> Result<Topology, Vec<BuildError>> {
         let mut errors = Vec::new();
-        let err = |node: &str, reason: String| Error::Topology {
-            node: node.to_string(),
+        let top = |field: Option<&'static str>, reason: String| BuildError {
+            stage: None,
+            node: if field == Some("name") {
+                "topology"
+            } else {
+                "source"
+            }
+            .into(),
+            field: field.map(str::to_string),
             reason,
         };
-        if self.name.trim().is_empty() {
-            errors.push(err("topology", "field `name`: must not be empty".into()));
-        }
+        // External sinks resolve and check their templates (and the key an upstream dedup
+        // gives them).
         let fmt = self.source.as_ref().map(|s| s.format.clone());
         for i in 0..self.stages.len() {
             for r in crate::sink::validate(&mut self.stages, i, fmt.as_ref()) {
-                errors.push(err(&self.stages[i].name, r));
+                let (field, reason) = split_field(&r);
+                errors.push(BuildError {
+                    stage: Some(i),
+                    node: self.stages[i].name.clone(),
+                    field,
+                    reason,
+                });
             }
+        }
+        if self.name.trim().is_empty() {
+            errors.push(top(Some("name"), "must not be empty".into()));
         }
         let source = match self.source.clone() {
             Some(s) => {
                 if let Err(r) = check_topic_name(&s.topic) {
-                    errors.push(err("source", format!("field `topic`: {r}")));
+                    errors.push(top(Some("topic"), r));
                 }
                 Some(s)
             }
             None => {
-                errors.push(err(
-                    "source",
-                    "missing: a topology needs a source topic".into(),
-                ));
+                errors.push(top(None, "missing: a topology needs a source topic".into()));
                 None
             }
         };
+        let has_view = source.as_ref().map(|s| s.format.has_view());
         let mut seen = std::collections::HashSet::new();
-        for st in &self.stages {
+        for (i, st) in self.stages.iter().enumerate() {
+            let node = if st.name.is_empty() {
+                st.kind.kind_name().to_string()
+            } else {
+                st.name.clone()
+            };
+            // Problems of the stage as a whole, not of one field.
+            let mut whole: Vec<String> = Vec::new();
+            let mut err = |field: &'static str, reason: String| {
+                errors.push(BuildError {
+                    stage: Some(i),
+                    node: node.clone(),
+                    field: Some(field.to_string()),
+                    reason,
+                })
+            };
             if st.name.is_empty() {
-                errors.push(err(
-                    st.kind.kind_name(),
-                    "field `name`: must not be empty".into(),
-                ));
+                err("name", "must not be empty".into());
             } else if !st
                 .name
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
             {
-                errors.push(err(
-                    &st.name,
-                    "field `name`: use only ASCII letters, digits, '-', '_' and '.' (it names a store and its changelog topic)"
+                err(
+                    "name",
+                    "use only ASCII letters, digits, '-', '_' and '.' (it names a store and its changelog topic)"
                         .into(),
-                ));
+                );
             }
             if !seen.insert(st.name.clone()) {
-                errors.push(err(&st.name, "field `name`: duplicate stage name".into()));
+                err("name", "duplicate stage name".into());
             }
             match &st.kind {
                 StageKind::Dedup(d) => {
                     if d.ttl_ms <= 0 {
-                        errors.push(err(&st.name, "field `ttl`: must be positive".into()));
+                        err("ttl", "must be positive".into());
                     }
-                    if let Some(src) = &source {
-                        if d.key.needs_json()
-                            && matches!(src.format, Format::Bytes | Format::String)
-                        {
-                            errors.push(err(
-                                &st.name,
-                                format!(
-                                    "field `key`: {} needs a json source, but the source format is {}",
-                                    d.key.describe(),
-                                    src.format.name()
-                                ),
-                            ));
-                        }
+                    if d.key.needs_json()
+                        && source
+                            .as_ref()
+                            .is_some_and(|s| matches!(s.format, Format::Bytes | Format::String))
+                    {
+                        let format = source.as_ref().map_or("?", |s| s.format.name());
+                        err(
+                            "key",
+                            format!(
+                                "{} needs a json source, but the source format is {format}",
+                                d.key.describe()
+                            ),
+                        );
                     }
                     if let crate::processor::key::KeySource::JsonPointer(p) = &d.key {
                         if !p.is_empty() && !p.starts_with('/') {
-                            errors.push(err(
-                                &st.name,
-                                format!("field `key`: JSON pointer {p:?} must start with '/'"),
-                            ));
+                            err("key", format!("JSON pointer {p:?} must start with '/'"));
+                        }
+                    }
+                    if let Some(t) = &d.duplicates_to {
+                        if let Err(r) = check_topic_name(t) {
+                            err("duplicates_to", r);
                         }
                     }
                 }
                 StageKind::Sink(k) => {
-                    if let Err(r) = check_topic_name(&k.topic) {
-                        errors.push(err(&st.name, format!("field `topic`: {r}")));
+                    if k.topics.is_empty() {
+                        err("topic", "a sink needs at least one topic".into());
+                    }
+                    for t in &k.topics {
+                        if let Err(r) = check_topic_name(t) {
+                            err("topic", r);
+                        }
+                    }
+                    for (h, _) in &k.headers {
+                        if h.is_empty() {
+                            err("headers", "a header name must not be empty".into());
+                        }
                     }
                 }
-                StageKind::Enrich(_) => {}
-                StageKind::External(_) => {}
+                StageKind::Filter(_) | StageKind::Enrich(_) | StageKind::External(_) => {}
+                StageKind::Map(m) => {
+                    if has_view == Some(false) {
+                        let format = source.as_ref().map_or("?", |s| s.format.name());
+                        whole.push(format!(
+                            "a map stage needs a source with a record view (json, string or protobuf), but the source format is {format}"
+                        ));
+                    }
+                    for (field, p) in m.pointers() {
+                        if let Err(r) = crate::processor::transform::check_field_pointer(p) {
+                            err(field, r);
+                        }
+                    }
+                }
+                StageKind::Route(r) => {
+                    if r.branches.is_empty() {
+                        err("routes", "a route needs at least one branch".into());
+                    }
+                    for b in &r.branches {
+                        if let Err(why) = check_topic_name(&b.topic) {
+                            err("routes", why);
+                        }
+                    }
+                    if let Some(t) = &r.default {
+                        if let Err(why) = check_topic_name(t) {
+                            err("default", why);
+                        }
+                    }
+                }
+            }
+            for reason in whole {
+                errors.push(BuildError {
+                    stage: Some(i),
+                    node: node.clone(),
+                    field: None,
+                    reason,
+                });
             }
         }
-        self.validate_tables(source.as_ref(), &mut errors);
-        if !self
-            .stages
-            .iter()
-            .any(|s| matches!(s.kind, StageKind::Sink(_) | StageKind::External(_)))
-        {
-            errors.push(err("stages", "a topology needs at least one sink".into()));
+        // Tables, enrich stages and topic codecs; their errors name a stage (by name), a
+        // table or a topic, and the field in the reason.
+        let mut table_errors = Vec::new();
+        self.validate_tables(source.as_ref(), &mut table_errors);
+        for e in table_errors {
+            if let Error::Topology { node, reason } = e {
+                let (field, reason) = split_field(&reason);
+                errors.push(BuildError {
+                    stage: self.stages.iter().position(|s| s.name == node),
+                    node,
+                    field,
+                    reason,
+                });
+            }
+        }
+        if !self.stages.iter().any(|s| {
+            matches!(
+                s.kind,
+                StageKind::Sink(_) | StageKind::Route(_) | StageKind::External(_)
+            )
+        }) {
+            errors.push(BuildError {
+                stage: None,
+                node: "stages".into(),
+                field: None,
+                reason: "a topology needs at least one sink, route or external sink".into(),
+            });
         }
         match (errors.is_empty(), source) {
             (true, Some(source)) => Ok(Topology {
@@ -410,6 +532,42 @@ impl TopologyBuilder {
                 topic_formats: self.topic_formats,
             }),
             _ => Err(errors),
+        }
+    }
+}
+
+/// Split `field `x`: reason` into the field and the reason.
+fn split_field(reason: &str) -> (Option<String>, String) {
+    if let Some(rest) = reason.strip_prefix("field `") {
+        if let Some((f, r)) = rest.split_once("`: ") {
+            return (Some(f.to_string()), r.to_string());
+        }
+    }
+    (None, reason.to_string())
+}
+
+/// One validation error of [`TopologyBuilder::build_detailed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildError {
+    /// Index of the stage, `None` for the topology itself (name, source, sinks).
+    pub stage: Option<usize>,
+    /// Stage name (its kind when unnamed), or `topology`, `source`, `stages`.
+    pub node: String,
+    /// The field at fault, if one is.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl BuildError {
+    /// As an [`Error::Topology`]: `node`, and `field `x`: reason`.
+    pub fn into_error(self) -> Error {
+        Error::Topology {
+            node: self.node,
+            reason: match &self.field {
+                Some(f) => format!("field `{f}`: {}", self.reason),
+                None => self.reason,
+            },
         }
     }
 }
@@ -542,7 +700,7 @@ impl TopologyBuilder {
             let written = self
                 .stages
                 .iter()
-                .any(|s| matches!(&s.kind, StageKind::Sink(k) if &k.topic == topic));
+                .any(|s| matches!(&s.kind, StageKind::Sink(k) if k.topics.contains(topic)));
             if !written {
                 errors.push(err(
                     &format!("topic {topic}"),
@@ -603,6 +761,9 @@ pub fn check_topic_name(t: &str) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::processor::key::KeySource;
+    use crate::processor::route::RouteSpec;
+    use crate::processor::stages::SinkSpec;
+    use crate::processor::transform::MapSpec;
 
     #[test]
     fn build_reports_every_error() {
@@ -621,8 +782,83 @@ mod tests {
             "topology error in d: field `key`: json pointer id needs a json source, but the source format is bytes",
             "topology error in d: field `key`: JSON pointer \"id\" must start with '/'",
             "topology error in d: field `name`: duplicate stage name",
-            "topology error in stages: a topology needs at least one sink",
+            "topology error in stages: a topology needs at least one sink, route or external sink",
         ];
         assert_eq!(text, want);
+    }
+
+    #[test]
+    fn build_checks_the_language_stages() {
+        let errs = TopologyBuilder::new("t")
+            .source("in", Format::Bytes)
+            .map("m", MapSpec::new().rename("a", "/b").drop_field("/"))
+            .route("r", RouteSpec::new())
+            .route(
+                "r2",
+                RouteSpec::new().when(|_| Ok(true), "x y").default_topic(""),
+            )
+            .sink_with(
+                "s",
+                SinkSpec {
+                    topics: vec![],
+                    key: None,
+                    headers: vec![],
+                },
+            )
+            .dedup(
+                "d",
+                DedupSpec::new(KeySource::KafkaKey).with_duplicates_to("a/b"),
+            )
+            .build_detailed()
+            .unwrap_err();
+        let got: Vec<(Option<usize>, Option<&str>, String)> = errs
+            .iter()
+            .map(|e| (e.stage, e.field.as_deref(), e.reason.clone()))
+            .collect();
+        let want = vec![
+            (
+                Some(0),
+                Some("rename"),
+                "field path \"a\" must be a JSON pointer such as /name or /a/b".to_string(),
+            ),
+            (
+                Some(0),
+                Some("drop"),
+                "field path \"/\" must be a JSON pointer such as /name or /a/b".into(),
+            ),
+            (
+                Some(0),
+                None,
+                "a map stage needs a source with a record view (json, string or protobuf), but the source format is bytes".into(),
+            ),
+            (
+                Some(1),
+                Some("routes"),
+                "a route needs at least one branch".into(),
+            ),
+            (
+                Some(2),
+                Some("routes"),
+                "topic name \"x y\" holds ' '; use only ASCII letters, digits, '.', '_' and '-'"
+                    .into(),
+            ),
+            (
+                Some(2),
+                Some("default"),
+                "topic name must not be empty".into(),
+            ),
+            (
+                Some(3),
+                Some("topic"),
+                "a sink needs at least one topic".into(),
+            ),
+            (
+                Some(4),
+                Some("duplicates_to"),
+                "topic name \"a/b\" holds '/'; use only ASCII letters, digits, '.', '_' and '-'"
+                    .into(),
+            ),
+        ];
+        assert_eq!(got, want);
     }
 }
