@@ -12,15 +12,7 @@ use std::path::Path;
 #[test]
 fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
     let bs = common::bootstrap();
-    let seed = std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_secs()
-        });
+    let seed = seed();
     let mut opts =
         harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 3);
     // Cargo's binary does not change during the test.
@@ -37,15 +29,7 @@ fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
 #[test]
 fn exactly_once_v2_survives_zombies_stopped_inside_their_transaction() {
     let bs = common::bootstrap();
-    let seed = std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_secs()
-        });
+    let seed = seed();
     let mut opts =
         harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 2);
     opts.copy_binary = false;
@@ -59,6 +43,19 @@ fn exactly_once_v2_survives_zombies_stopped_inside_their_transaction() {
         "every stop must land inside a transaction: {}",
         report.summary_line()
     );
+}
+
+/// `ONCEFLOW_TEST_HARNESS_SEED`, else the clock (the harness prints it either way).
+fn seed() -> u64 {
+    std::env::var("ONCEFLOW_TEST_HARNESS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+        })
 }
 
 /// Run the harness and require every run clean: no duplicate, no loss, no failed run.

@@ -366,14 +366,7 @@ impl Engine {
     /// Abort the open transaction, drop every staged write, and seek every partition back
     /// to its committed offset: the records are processed again in a new transaction.
     fn abort_and_rewind(&mut self, consumer: &SourceConsumer) -> Result<()> {
-        if self.txn_open {
-            self.producer
-                .abort_transaction()
-                .map_err(|e| self.fenced_or(e))?;
-            self.txn_open = false;
-        }
-        metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
-        self.producer.reset_failures();
+        self.abort_open_transaction()?;
         let mut tpl = TopicPartitionList::new();
         for p in self.tasks.keys() {
             tpl.add_partition(&self.source_topic, *p);
@@ -515,9 +508,9 @@ impl Engine {
         consumer.resume(&tpl).map_err(Error::kafka("resume"))
     }
 
-    /// exactly_once_v2, partitions lost: abort the open transaction and drop every staged
-    /// write, so that the following commit finds nothing to commit.
-    fn abort_lost(&mut self) -> Result<()> {
+    /// Abort the open transaction, if any (counted), and forget the producer's failed
+    /// deliveries, which belonged to it.
+    fn abort_open_transaction(&mut self) -> Result<()> {
         if self.txn_open {
             self.producer
                 .abort_transaction()
@@ -526,6 +519,13 @@ impl Engine {
             metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
         }
         self.producer.reset_failures();
+        Ok(())
+    }
+
+    /// exactly_once_v2, partitions lost: abort the open transaction and drop every staged
+    /// write, so that the following commit finds nothing to commit.
+    fn abort_lost(&mut self) -> Result<()> {
+        self.abort_open_transaction()?;
         for t in self.tasks.values_mut() {
             t.abort(None);
         }
