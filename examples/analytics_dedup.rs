@@ -1,19 +1,24 @@
 //! Delivery guarantee: exactly_once_v2 recommended (`--set
-//! processing.guarantee=exactly_once_v2`): outputs, dedup marks (changelog) and offsets
-//! commit in one transaction, so each distinct event reaches the output once. Under the
-//! default at_least_once an event may be written twice after a crash, but a dedup mark
-//! never stands for an output that was lost.
+//! processing.guarantee=exactly_once_v2`): outputs, duplicates, dedup marks (changelog)
+//! and offsets commit in one transaction, so each event reaches exactly one of the two
+//! output topics, once. Under the default at_least_once an event may be written twice
+//! after a crash, but a dedup mark never stands for an output that was lost.
 //!
 //! Scenario: analytics events (JSON, topic `analytics.events`) arrive with duplicates from
-//! client retries and relays; repeats of an `event_id` within 24 hours (event time) are
-//! dropped, first occurrences go to `analytics.unique`.
-//!
-//! Not here yet: the duplicate side topic (dedup `duplicates_to`) lives on the branch that
-//! adds the topology language stages; once merged, this example sends duplicates there.
+//! client retries and relays. First occurrences of an `event_id` within 24 hours (event
+//! time) go to `analytics.unique`; every repeat goes to the side topic
+//! `analytics.duplicates` as it was read (key, value, headers, timestamp) plus the headers
+//! `onceflow.duplicate.of.partition` / `onceflow.duplicate.of.offset` naming the first
+//! occurrence, so duplicate rates can be measured per client. An event without an
+//! `event_id` goes to the dead-letter topic with the reason.
 //!
 //! ```text
 //! cargo run --release --example analytics_dedup -- --set dlq.topic=analytics.dlq
 //! ```
+//!
+//! Topic names can be changed with ONCEFLOW_EXAMPLE_INPUT, ONCEFLOW_EXAMPLE_OUTPUT and
+//! ONCEFLOW_EXAMPLE_DUPLICATES. The same idea as a file (which also sets the output key
+//! and a header): topologies/analytics-dedup.yaml.
 
 #[path = "deploy_support/mod.rs"]
 mod deploy;
@@ -22,13 +27,15 @@ use onceflow::processor::key::KeySource;
 use onceflow::processor::stages::DedupSpec;
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 
-/// Events of `input` deduplicated by `/event_id` over 24 h, written to `output`.
-pub fn topology(input: &str, output: &str) -> Topology {
+/// Events of `input` deduplicated by `/event_id` over 24 h of event time: first
+/// occurrences written to `output`, repeats to `duplicates`.
+pub fn topology(input: &str, output: &str, duplicates: &str) -> Topology {
     TopologyBuilder::new("analytics-dedup")
         .source(input, Format::Json)
         .dedup(
             "dedup-events",
-            DedupSpec::new(KeySource::JsonPointer("/event_id".into())),
+            DedupSpec::new(KeySource::JsonPointer("/event_id".into()))
+                .with_duplicates_to(duplicates),
         )
         .sink("unique", output)
         .build()
@@ -45,26 +52,44 @@ fn main() -> std::process::ExitCode {
     deploy::main(topology(
         &var("ONCEFLOW_EXAMPLE_INPUT", "analytics.events"),
         &var("ONCEFLOW_EXAMPLE_OUTPUT", "analytics.unique"),
+        &var("ONCEFLOW_EXAMPLE_DUPLICATES", "analytics.duplicates"),
     ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use onceflow::processor::stages::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    use onceflow::runtime::task::dlq_headers;
     use onceflow::testing::{TestDriver, TestRecord};
 
+    /// A header's value as text (`None` when absent or null).
+    fn header<'a>(h: &'a [(String, Option<bytes::Bytes>)], name: &str) -> Option<&'a str> {
+        h.iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_deref())
+            .map(|b| std::str::from_utf8(b).unwrap())
+    }
+
     #[test]
-    fn repeats_within_a_day_are_dropped() {
-        let mut d = TestDriver::new(topology("analytics.events", "analytics.unique"));
+    fn repeats_within_a_day_go_to_the_duplicate_topic() {
+        let mut d = TestDriver::new(topology(
+            "analytics.events",
+            "analytics.unique",
+            "analytics.duplicates",
+        ));
         let hour = 3_600_000;
         let ev = |id: &str, t: i64| {
             TestRecord::json(format!(r#"{{"event_id":"{id}","t":{t}}}"#)).timestamp(t)
         };
-        d.pipe(ev("a", 0)).unwrap();
-        d.pipe(ev("b", hour)).unwrap();
-        d.pipe(ev("a", 2 * hour)).unwrap(); // retry: dropped
-        d.pipe(ev("a", 25 * hour)).unwrap(); // a day later: a new occurrence
-        d.pipe(TestRecord::json(r#"{"t":1}"#)).unwrap(); // no key: dead letter
+        d.pipe(ev("a", 0)).unwrap(); // offset 0
+        d.pipe(ev("b", hour)).unwrap(); // offset 1
+        d.pipe(ev("a", 2 * hour).key("client-7").header("relay", "r2"))
+            .unwrap(); // offset 2: a retry of offset 0
+        d.pipe(ev("a", 25 * hour)).unwrap(); // offset 3: a day later, a new occurrence
+        d.pipe(ev("b", 3 * hour)).unwrap(); // offset 4: a repeat of offset 1
+        d.pipe(ev("a", 26 * hour)).unwrap(); // offset 5: a repeat of offset 3
+        d.pipe(TestRecord::json(r#"{"t":1}"#)).unwrap(); // offset 6: no key, dead letter
         assert_eq!(
             d.output_values("analytics.unique"),
             vec![
@@ -73,7 +98,70 @@ mod tests {
                 r#"{"event_id":"a","t":90000000}"#,
             ]
         );
-        assert_eq!(d.counts().duplicates, 1);
-        assert_eq!(d.dead_letters().len(), 1);
+        // Each duplicate exactly as read, plus the position of its first occurrence.
+        type Side = (Option<String>, String, Option<i64>, Vec<(String, String)>);
+        let side: Vec<Side> = d
+            .output("analytics.duplicates")
+            .iter()
+            .map(|r| {
+                (
+                    r.key
+                        .as_deref()
+                        .map(|k| String::from_utf8(k.to_vec()).unwrap()),
+                    String::from_utf8(r.value.as_deref().unwrap().to_vec()).unwrap(),
+                    r.timestamp,
+                    r.headers
+                        .iter()
+                        .map(|(k, v)| {
+                            let v = std::str::from_utf8(v.as_deref().unwrap()).unwrap();
+                            (k.clone(), v.to_string())
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
+        let of = |partition: &str, offset: &str| {
+            vec![
+                (DUPLICATE_OF_PARTITION.to_string(), partition.to_string()),
+                (DUPLICATE_OF_OFFSET.to_string(), offset.to_string()),
+            ]
+        };
+        let mut first = vec![("relay".to_string(), "r2".to_string())];
+        first.extend(of("0", "0"));
+        assert_eq!(
+            side,
+            vec![
+                (
+                    Some("client-7".to_string()),
+                    r#"{"event_id":"a","t":7200000}"#.to_string(),
+                    Some(2 * hour),
+                    first,
+                ),
+                (
+                    None,
+                    r#"{"event_id":"b","t":10800000}"#.to_string(),
+                    Some(3 * hour),
+                    of("0", "1"),
+                ),
+                (
+                    None,
+                    r#"{"event_id":"a","t":93600000}"#.to_string(),
+                    Some(26 * hour),
+                    of("0", "3"),
+                ),
+            ]
+        );
+        assert_eq!(d.counts().duplicates, 3);
+        let dl = d.dead_letters();
+        assert_eq!(dl.len(), 1);
+        assert_eq!(dl[0].value.as_deref(), Some(&br#"{"t":1}"#[..]));
+        assert_eq!(
+            header(&dl[0].headers, dlq_headers::REASON),
+            Some("key field /event_id is missing")
+        );
+        assert_eq!(
+            header(&dl[0].headers, dlq_headers::STAGE),
+            Some("dedup-events")
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! Shared by the deployable examples (`enrich_orders`, `analytics_dedup`): turn a topology
-//! built in Rust into a program that runs it like `onceflow run` does.
+//! Shared by the deployable examples (`enrich_orders`, `analytics_dedup`, `route_events`):
+//! turn a topology built in Rust into a program that runs it like `onceflow run` does.
 //!
 //! Usage of every such binary:
 //!
