@@ -496,3 +496,35 @@ fn preflight_rejects_unusable_http_secrets_without_showing_them() {
     );
     assert!(!e.contains("s3cr3t"), "secret in the error: {e}");
 }
+
+/// A `redis` sink whose Redis cannot be reached gives up on the record after its retry
+/// window (`store_retry_for`) and dead-letters it, with a reason that does not show the URL's
+/// password. (redis-rs's default reconnect backoff kept one record, and so its partition,
+/// waiting about eight minutes.)
+#[test]
+fn an_unreachable_redis_sink_dead_letters_within_its_retry_window() {
+    let url = "redis://:s3cr3t@127.0.0.1:1/";
+    let mut spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(url.into()),
+            command: vec!["SET".into(), "k:{value./id}".into(), "{value}".into()],
+        }),
+        StoreSpec::None,
+    )
+    .with_key("{value./id}");
+    spec.policy.store_retry_for = Duration::from_millis(500);
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    let t0 = std::time::Instant::now();
+    d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    d.commit().unwrap();
+    let took = t0.elapsed();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.starts_with("redis: "), "{reason}");
+    assert!(!reason.contains("s3cr3t"), "{reason}");
+    assert!(
+        took < Duration::from_secs(20),
+        "one record held its partition for {took:?} with a 500 ms retry window"
+    );
+}

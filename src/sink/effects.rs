@@ -248,7 +248,25 @@ impl Effector {
                                 let client = redis::Client::open(url.as_str()).map_err(|e| {
                                     redis::RedisError::from((e.kind(), "invalid redis URL"))
                                 })?;
-                                redis::aio::ConnectionManager::new(client).await
+                                // redis-rs's default reconnect backoff (6 tries from 1 s,
+                                // factor 100, up to a minute each) held one record for
+                                // minutes; the retry window is ours (`retry_for`).
+                                let cfg = redis::aio::ConnectionManagerConfig::new()
+                                    .set_connection_timeout(REDIS_CONNECT_TIMEOUT)
+                                    .set_number_of_retries(1)
+                                    .set_max_delay(500);
+                                match tokio::time::timeout(
+                                    REDIS_CONNECT_TIMEOUT * 2,
+                                    redis::aio::ConnectionManager::new_with_config(client, cfg),
+                                )
+                                .await
+                                {
+                                    Ok(r) => r,
+                                    Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+                                        std::io::ErrorKind::TimedOut,
+                                        "connect timed out",
+                                    ))),
+                                }
                             })
                             .await?;
                         let mut c = c.clone();
@@ -373,6 +391,9 @@ impl Effector {
         }
     }
 }
+
+/// How long one connection attempt of a `redis` sink may take.
+const REDIS_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The stored result of a Redis command: a status or string reply as its bytes, an integer as
 /// decimal text, anything else in its debug form.
