@@ -433,3 +433,98 @@ fn a_template_naming_a_field_the_protobuf_message_lacks_fails_validation() {
     );
     assert!(build("{value./orderId}").is_err());
 }
+
+fn file_sink_topology(topology: &str, dir: &tempfile::TempDir, out: &str) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::sink::FileSpec {
+            path: dir.path().join(out),
+            line: "{value}".into(),
+        }),
+        sled(dir),
+    )
+    .with_key("{value./id}");
+    TopologyBuilder::new(topology)
+        .source("in", Format::Json)
+        .external_sink("file", spec)
+        .build()
+        .unwrap()
+}
+
+/// Two topologies whose sinks share a name and a store (the default sled directory, or one
+/// Redis) must not see each other's keys: the second one's effects would be skipped as
+/// "duplicates" of effects it never made.
+#[test]
+fn idempotency_keys_are_scoped_by_topology_not_only_by_sink_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = TestDriver::new(file_sink_topology("orders-a", &dir, "a.jsonl"));
+    a.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    let mut b = TestDriver::new(file_sink_topology("invoices-b", &dir, "b.jsonl"));
+    b.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("a.jsonl")).unwrap(),
+        "{\"id\":1}\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("b.jsonl")).unwrap_or_default(),
+        "{\"id\":1}\n",
+        "topology invoices-b's effect was skipped as a duplicate of orders-a's"
+    );
+}
+
+/// A secret that is set but unusable (an HTTP URL that does not parse, a header value with a
+/// newline) is a configuration error at start-up, not a dead letter for every record; and
+/// the error never shows the value.
+#[test]
+fn preflight_rejects_unusable_http_secrets_without_showing_them() {
+    std::env::set_var("REVIEW_BAD_URL", "not a url s3cr3t");
+    std::env::set_var("REVIEW_BAD_TOKEN", "Bearer s3cr3t\nX-Evil: 1");
+    let mut h = HttpSpec::new(Secret::Env("REVIEW_BAD_URL".into()));
+    h.headers.push((
+        "Authorization".into(),
+        Secret::Env("REVIEW_BAD_TOKEN".into()),
+    ));
+    let t = topology(
+        ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::None),
+        Format::Json,
+    );
+    let e = onceflow::sink::preflight(&t).unwrap_err().to_string();
+    assert!(e.contains("stage `hook`: field `url`"), "{e}");
+    assert!(e.contains("REVIEW_BAD_URL"), "{e}");
+    assert!(
+        e.contains("stage `hook`: field `headers.Authorization`"),
+        "{e}"
+    );
+    assert!(!e.contains("s3cr3t"), "secret in the error: {e}");
+}
+
+/// A `redis` sink whose Redis cannot be reached gives up on the record after its retry
+/// window (`store_retry_for`) and dead-letters it, with a reason that does not show the URL's
+/// password. (redis-rs's default reconnect backoff kept one record, and so its partition,
+/// waiting about eight minutes.)
+#[test]
+fn an_unreachable_redis_sink_dead_letters_within_its_retry_window() {
+    let url = "redis://:s3cr3t@127.0.0.1:1/";
+    let mut spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(url.into()),
+            command: vec!["SET".into(), "k:{value./id}".into(), "{value}".into()],
+        }),
+        StoreSpec::None,
+    )
+    .with_key("{value./id}");
+    spec.policy.store_retry_for = Duration::from_millis(500);
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    let t0 = std::time::Instant::now();
+    d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+    d.commit().unwrap();
+    let took = t0.elapsed();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.starts_with("redis: "), "{reason}");
+    assert!(!reason.contains("s3cr3t"), "{reason}");
+    assert!(
+        took < Duration::from_secs(20),
+        "one record held its partition for {took:?} with a 500 ms retry window"
+    );
+}

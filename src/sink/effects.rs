@@ -248,7 +248,25 @@ impl Effector {
                                 let client = redis::Client::open(url.as_str()).map_err(|e| {
                                     redis::RedisError::from((e.kind(), "invalid redis URL"))
                                 })?;
-                                redis::aio::ConnectionManager::new(client).await
+                                // redis-rs's default reconnect backoff (6 tries from 1 s,
+                                // factor 100, up to a minute each) held one record for
+                                // minutes; the retry window is ours (`retry_for`).
+                                let cfg = redis::aio::ConnectionManagerConfig::new()
+                                    .set_connection_timeout(REDIS_CONNECT_TIMEOUT)
+                                    .set_number_of_retries(1)
+                                    .set_max_delay(500);
+                                match tokio::time::timeout(
+                                    REDIS_CONNECT_TIMEOUT * 2,
+                                    redis::aio::ConnectionManager::new_with_config(client, cfg),
+                                )
+                                .await
+                                {
+                                    Ok(r) => r,
+                                    Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+                                        std::io::ErrorKind::TimedOut,
+                                        "connect timed out",
+                                    ))),
+                                }
                             })
                             .await?;
                         let mut c = c.clone();
@@ -289,25 +307,32 @@ impl Effector {
         }
     }
 
-    /// Run the PostgreSQL statement with its inbox row `(sink, key)` in `table`, in one
+    /// Run the PostgreSQL statement with its inbox row `(scope, key)` in `table`, in one
     /// transaction: if the row exists the transaction is rolled back and the effect is a
-    /// duplicate. Exactly once for the database.
+    /// duplicate. Exactly once for the database. `scope` (the stage passes
+    /// `<topology>/<sink>`) keeps the keys of different sinks and topologies sharing one
+    /// inbox table apart.
     ///
     /// # Errors
     /// As [`Effector::run`].
     pub async fn run_with_inbox(
         &self,
         table: &str,
+        scope: &str,
         key: &[u8],
         prep: &Prepared,
     ) -> Result<Outcome, String> {
         match prep {
-            Prepared::Sql(params) => self.pg(Some((table, key)), params).await,
+            Prepared::Sql(params) => self.pg(Some((table, scope, key)), params).await,
             _ => Err("internal error: inbox for a non-SQL effect".into()),
         }
     }
 
-    async fn pg(&self, inbox: Option<(&str, &[u8])>, params: &[String]) -> Result<Outcome, String> {
+    async fn pg(
+        &self,
+        inbox: Option<(&str, &str, &[u8])>,
+        params: &[String],
+    ) -> Result<Outcome, String> {
         let Kind::Postgres {
             url,
             sql,
@@ -331,12 +356,12 @@ impl Effector {
             };
             let r = match client {
                 Ok(mut c) => {
-                    if let Some((table, _)) = inbox {
+                    if let Some((table, _, _)) = inbox {
                         if let Err(e) = ready.get_or_try_init(|| create_inbox(&c, table)).await {
                             return Err(format!("postgres inbox table {table}: {e}"));
                         }
                     }
-                    let r = pg_once(&mut c, &self.sink, inbox, sql, params).await;
+                    let r = pg_once(&mut c, inbox, sql, params).await;
                     if !c.is_closed() {
                         pool.lock().await.push(c);
                     }
@@ -366,6 +391,9 @@ impl Effector {
         }
     }
 }
+
+/// How long one connection attempt of a `redis` sink may take.
+const REDIS_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The stored result of a Redis command: a status or string reply as its bytes, an integer as
 /// decimal text, anything else in its debug form.
@@ -417,8 +445,7 @@ async fn create_inbox(c: &tokio_postgres::Client, table: &str) -> Result<(), Str
 
 async fn pg_once(
     c: &mut tokio_postgres::Client,
-    sink: &str,
-    inbox: Option<(&str, &[u8])>,
+    inbox: Option<(&str, &str, &[u8])>,
     sql: &str,
     params: &[String],
 ) -> Result<Outcome, tokio_postgres::Error> {
@@ -431,7 +458,7 @@ async fn pg_once(
             let n = c.execute(&stmt, &args).await?;
             Ok(Outcome::Done(format!("{n} rows").into_bytes()))
         }
-        Some((table, key)) => {
+        Some((table, sink, key)) => {
             let tx = c.transaction().await?;
             let ins =
                 format!("INSERT INTO {table} (sink, key) VALUES ($1, $2) ON CONFLICT DO NOTHING");

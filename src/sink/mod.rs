@@ -6,7 +6,7 @@
 //! (default: the key of the nearest dedup stage upstream, else `{topic}-{partition}-{offset}`),
 //! and records it:
 //!
-//! - `store: postgres` (PostgreSQL sinks only): an inbox row `(sink, key)` is inserted in the
+//! - `store: postgres` (PostgreSQL sinks only): an inbox row `(<topology>/<sink>, key)` is inserted in the
 //!   same database transaction as the sink's own SQL; a second insert of the key finds the
 //!   row and the transaction is rolled back. Exactly once for the database.
 //! - `store: sled` / `store: redis`: the reservation protocol of [`protocol`]: reserve (in
@@ -169,7 +169,7 @@ impl EffectSpec {
 pub enum StoreSpec {
     /// No protection: effects are at-least-once.
     None,
-    /// Local sled database at `path` (one tree per sink).
+    /// Local sled database at `path` (one tree per topology and sink).
     Sled {
         /// Database directory.
         path: PathBuf,
@@ -178,10 +178,11 @@ pub enum StoreSpec {
     Redis {
         /// Connection URL.
         url: Secret,
-        /// Prefix of the Redis keys (default `onceflow:<sink>:`).
+        /// Prefix of the Redis keys (default `onceflow:<topology>/<sink>:`).
         prefix: Option<String>,
     },
-    /// PostgreSQL inbox table in the sink's own database and transaction (postgres sinks only).
+    /// PostgreSQL inbox table in the sink's own database and transaction (postgres sinks
+    /// only); its rows are `(<topology>/<sink>, key)`.
     Postgres {
         /// Inbox table name (default `onceflow_inbox`), created if missing.
         table: String,
@@ -431,7 +432,7 @@ pub fn http_worst_case(h: &HttpSpec) -> Duration {
 }
 
 /// Start-up check of a topology's external sinks: every secret given as `{ env: VAR }` is
-/// set. Called before processing starts, so a missing variable stops start-up instead of
+/// set, and an HTTP sink's URL and header values are usable. Called before processing starts, so a missing variable stops start-up instead of
 /// dead-lettering every record.
 ///
 /// # Errors
@@ -443,6 +444,7 @@ pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::erro
         let StageKind::External(spec) = &st.kind else {
             continue;
         };
+        let mut http_errs: Vec<String> = Vec::new();
         let mut check = |field: &str, s: &Secret| {
             if let Err(e) = s.resolve() {
                 errs.push(format!("stage `{}`: field `{field}`: {e}", st.name));
@@ -450,10 +452,40 @@ pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::erro
         };
         match &spec.effect {
             EffectSpec::Http(h) => {
-                check("url", &h.url);
+                // Set is not enough: a value the client cannot use would dead-letter every
+                // record. The messages name the source of the value, never the value.
+                let usable =
+                    |field: &str, s: &Secret, ok: &dyn Fn(&str) -> bool, what: &str| match s
+                        .resolve()
+                    {
+                        Err(e) => Some(format!("stage `{}`: field `{field}`: {e}", st.name)),
+                        Ok(v) if !ok(&v) => Some(format!(
+                            "stage `{}`: field `{field}`: the value of {} is not {what}",
+                            st.name,
+                            s.describe()
+                        )),
+                        Ok(_) => None,
+                    };
+                let mut found = Vec::new();
+                found.extend(usable(
+                    "url",
+                    &h.url,
+                    &|v| {
+                        reqwest::Url::parse(v)
+                            .map(|u| matches!(u.scheme(), "http" | "https"))
+                            .unwrap_or(false)
+                    },
+                    "an http:// or https:// URL",
+                ));
                 for (k, v) in &h.headers {
-                    check(&format!("headers.{k}"), v);
+                    found.extend(usable(
+                        &format!("headers.{k}"),
+                        v,
+                        &|v| reqwest::header::HeaderValue::from_str(v).is_ok(),
+                        "a valid header value (no control characters)",
+                    ));
                 }
+                http_errs = found;
             }
             EffectSpec::Postgres(p) => check("url", &p.url),
             EffectSpec::Redis(r) => check("url", &r.url),
@@ -462,6 +494,7 @@ pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::erro
         if let StoreSpec::Redis { url, .. } = &spec.store {
             check("idempotency.url", url);
         }
+        errs.extend(http_errs);
     }
     if errs.is_empty() {
         Ok(())

@@ -29,6 +29,10 @@ pub const RESULT_HEADER: &str = "onceflow.effect.result";
 
 struct Shared {
     name: String,
+    /// `<topology>/<sink>`: the namespace of this sink's keys in its store (sled tree, Redis
+    /// prefix, inbox rows), so sinks of the same name in other topologies sharing the store
+    /// never see each other's keys.
+    scope: String,
     spec: ExternalSinkSpec,
     effector: Result<Effector, String>,
     store: OnceCell<Option<Arc<dyn IdempotencyStore>>>,
@@ -42,14 +46,14 @@ impl Shared {
                 Ok::<_, String>(match &self.spec.store {
                     StoreSpec::None | StoreSpec::Postgres { .. } => None,
                     StoreSpec::Sled { path } => Some(Arc::new(
-                        SledStore::open(path, &self.name).map_err(|e| e.0)?,
+                        SledStore::open(path, &self.scope).map_err(|e| e.0)?,
                     )
                         as Arc<dyn IdempotencyStore>),
                     StoreSpec::Redis { url, prefix } => {
                         let url = url.resolve().map_err(|e| format!("idempotency.url: {e}"))?;
                         let prefix = prefix
                             .clone()
-                            .unwrap_or_else(|| format!("onceflow:{}:", self.name));
+                            .unwrap_or_else(|| format!("onceflow:{}:", self.scope));
                         Some(Arc::new(
                             RedisStore::connect(
                                 &url,
@@ -70,7 +74,7 @@ impl Shared {
         let eff = self.effector.as_ref().map_err(|e| e.clone())?;
         let policy = &self.spec.policy;
         if let StoreSpec::Postgres { table } = &self.spec.store {
-            return eff.run_with_inbox(table, &key, &prep).await;
+            return eff.run_with_inbox(table, &self.scope, &key, &prep).await;
         }
         if matches!(self.spec.store, StoreSpec::None) {
             return eff.run(Some(&key), &prep).await.map(Outcome::Done);
@@ -138,6 +142,7 @@ impl ExternalSink {
         ExternalSink {
             shared: Arc::new(Shared {
                 name: name.to_string(),
+                scope: format!("{topology}/{name}"),
                 spec: spec.clone(),
                 effector,
                 store: OnceCell::new(),
