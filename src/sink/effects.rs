@@ -411,7 +411,11 @@ fn redis_result(v: &redis::Value) -> Vec<u8> {
 fn pg_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(d) => format!("{} ({})", d.message(), d.code().code()),
-        None => e.to_string(),
+        // The cause (e.g. "connection refused") is in the source; it holds no secret.
+        None => match std::error::Error::source(e) {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        },
     }
 }
 

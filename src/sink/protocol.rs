@@ -473,6 +473,11 @@ mod real_store_tests {
             s.reserve(&e, 8, Duration::from_millis(200)).await.unwrap(),
             Reservation::InFlight
         );
+        // A retry of the holder's own call (its first reply lost) finds the key its own.
+        assert_eq!(
+            s.reserve(&e, 7, Duration::from_millis(200)).await.unwrap(),
+            Reservation::Acquired
+        );
         assert_eq!(
             run_once(&*s, &e, &p, eff("r3")).await,
             Ok(Outcome::Done(b"r3".to_vec()))

@@ -174,8 +174,13 @@ impl IdempotencyStore for MemoryStore {
         Box::pin(async move {
             self.with(|m| {
                 let now = now_ms();
-                if let Some((r, _)) = m.get(key).and_then(|v| decode(v, now)) {
-                    return r;
+                match m.get(key).and_then(|v| decode(v, now)) {
+                    // Our own reservation (a retried call): still ours.
+                    Some((Reservation::InFlight, Some(t))) if t == token => {
+                        return Reservation::Acquired
+                    }
+                    Some((r, _)) => return r,
+                    None => {}
                 }
                 m.insert(
                     key.to_vec(),
@@ -282,8 +287,13 @@ impl IdempotencyStore for SledStore {
             loop {
                 let now = now_ms();
                 let cur = self.tree.get(key).map_err(Self::err)?;
-                if let Some((r, _)) = cur.as_deref().and_then(|v| decode(v, now)) {
-                    return Ok(r);
+                match cur.as_deref().and_then(|v| decode(v, now)) {
+                    // Our own reservation (a retried call whose reply was lost): still ours.
+                    Some((Reservation::InFlight, Some(t))) if t == token => {
+                        return Ok(Reservation::Acquired)
+                    }
+                    Some((r, _)) => return Ok(r),
+                    None => {}
                 }
                 let new = encode_in_flight(token, now + lease.as_millis() as u64);
                 match self
@@ -451,7 +461,13 @@ impl IdempotencyStore for RedisStore {
                 }
                 let mut g = redis::cmd("GET");
                 g.arg(&k);
-                if let Some(r) = Self::parse(self.q(g).await?) {
+                let held: Option<Vec<u8>> = self.q(g).await?;
+                if held.as_deref() == Some(val.as_slice()) {
+                    // Our own reservation: an earlier try of this call set it, and its
+                    // reply was lost (a timeout), so the retry finds it.
+                    return Ok(Reservation::Acquired);
+                }
+                if let Some(r) = Self::parse(held) {
                     return Ok(r);
                 }
                 // Expired or released between SET and GET: try again.
