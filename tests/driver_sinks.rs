@@ -260,6 +260,14 @@ fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
         "{counted:?}"
     );
     assert_eq!(counted.values().sum::<u64>(), 100, "{counted:?}");
+    // The run summary counts the same outcomes.
+    let c = d.counts();
+    assert_eq!(c.effects_unprotected, unprotected as u64);
+    assert_eq!(
+        c.effects_done + c.effects_skipped + c.effects_unprotected + c.dead_lettered,
+        100,
+        "{c:?}"
+    );
     eprintln!(
         "fail_open: {unprotected} effects unprotected, {} calls for 50 ids",
         rx.calls().len()
@@ -463,7 +471,8 @@ fn redis_command_sink(redis: &OwnRedis, command: &[&str]) -> Topology {
 /// processed and then lost by a crash before its commit, all three redelivered (the broker
 /// hands back everything after the committed offset, and a consumer that lost its offsets
 /// starts over), then all three again to a fresh instance (a new process on the same input).
-/// Returns the outcome headers of every forwarded record, in order, and the result headers.
+/// Returns the outcome headers of every forwarded record, in order, and the result headers;
+/// checks the effects counted for the run summary.
 fn deliver_twice_with_a_crash(top: impl Fn() -> Topology) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut outcomes = Vec::new();
     let mut results = Vec::new();
@@ -487,12 +496,24 @@ fn deliver_twice_with_a_crash(top: impl Fn() -> Topology) -> (Vec<String>, Vec<V
     }
     d.commit().unwrap();
     collect(&d);
+    // Counted when an effect's record is forwarded: 3's effect ran before the crash, its
+    // record was lost with it, so the first instance counts 2 done and 3 skipped.
+    let c = d.counts();
+    assert_eq!(
+        (c.effects_done, c.effects_skipped, c.effects_unprotected),
+        (2, 3, 0)
+    );
     drop(d);
     let mut again = TestDriver::new(top());
     for (id, c, a) in ORDERS {
         again.pipe(order(id, c, a)).unwrap();
     }
     collect(&again);
+    let c = again.counts();
+    assert_eq!(
+        (c.effects_done, c.effects_skipped, c.effects_unprotected),
+        (0, 3, 0)
+    );
     (outcomes, results)
 }
 
