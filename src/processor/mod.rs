@@ -60,7 +60,8 @@ pub struct Counts {
     /// Records written to sink topics.
     pub records_out: u64,
     /// External effects (http, postgres, redis, file sinks) run and marked done under their
-    /// idempotency key.
+    /// idempotency key. Counted when the effect's record moves on: an effect that finished
+    /// while its batch was aborted (a crash, a rewind) is counted as skipped on the replay.
     pub effects_done: u64,
     /// External effects skipped because their idempotency key was already done.
     pub effects_skipped: u64,
