@@ -260,6 +260,14 @@ fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
         "{counted:?}"
     );
     assert_eq!(counted.values().sum::<u64>(), 100, "{counted:?}");
+    // The run summary counts the same outcomes.
+    let c = d.counts();
+    assert_eq!(c.effects_unprotected, unprotected as u64);
+    assert_eq!(
+        c.effects_done + c.effects_skipped + c.effects_unprotected + c.dead_lettered,
+        100,
+        "{c:?}"
+    );
     eprintln!(
         "fail_open: {unprotected} effects unprotected, {} calls for 50 ids",
         rx.calls().len()
@@ -527,4 +535,197 @@ fn an_unreachable_redis_sink_dead_letters_within_its_retry_window() {
         took < Duration::from_secs(20),
         "one record held its partition for {took:?} with a 500 ms retry window"
     );
+}
+
+/// Three orders for the `redis` sink with key `order-{value./id}`.
+const ORDERS: [(u32, &str, u32); 3] = [(1, "c:9", 5), (2, "c:7", 7), (3, "c:9", 1)];
+
+fn order(id: u32, customer: &str, amount: u32) -> TestRecord {
+    TestRecord::json(format!(
+        r#"{{"id":{id},"customer":"{customer}","amount":{amount}}}"#
+    ))
+}
+
+/// A `redis` sink running `command`, idempotent per order id in a Redis store on `redis`.
+fn redis_command_sink(redis: &OwnRedis, command: &[&str]) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(redis.url()),
+            command: command.iter().map(|s| s.to_string()).collect(),
+        }),
+        StoreSpec::Redis {
+            url: Secret::Inline(redis.url()),
+            prefix: Some("idem:".into()),
+        },
+    )
+    .with_key("order-{value./id}");
+    topology(spec, Format::Json)
+}
+
+/// Deliver the orders as a crash and a restart would: the first two committed, the third
+/// processed and then lost by a crash before its commit, all three redelivered (the broker
+/// hands back everything after the committed offset, and a consumer that lost its offsets
+/// starts over), then all three again to a fresh instance (a new process on the same input).
+/// Returns the outcome headers of every forwarded record, in order, and the result headers;
+/// checks the effects counted for the run summary.
+fn deliver_twice_with_a_crash(top: impl Fn() -> Topology) -> (Vec<String>, Vec<Vec<u8>>) {
+    let mut outcomes = Vec::new();
+    let mut results = Vec::new();
+    let mut collect = |d: &TestDriver| {
+        for r in d.output("out") {
+            outcomes.push(String::from_utf8(header(r, OUTCOME_HEADER).unwrap().to_vec()).unwrap());
+            results.push(header(r, RESULT_HEADER).unwrap().to_vec());
+        }
+    };
+    let mut d = TestDriver::new(top()).auto_commit(false);
+    for (id, c, a) in &ORDERS[..2] {
+        d.pipe(order(*id, c, *a)).unwrap();
+    }
+    d.commit().unwrap();
+    let (id, c, a) = ORDERS[2];
+    d.pipe(order(id, c, a)).unwrap();
+    // Its effect has started; the crash loses the output and the offset, not the effect.
+    d.crash();
+    for (id, c, a) in ORDERS {
+        d.pipe(order(id, c, a)).unwrap();
+    }
+    d.commit().unwrap();
+    collect(&d);
+    // Counted when an effect's record is forwarded: 3's effect ran before the crash, its
+    // record was lost with it, so the first instance counts 2 done and 3 skipped.
+    let c = d.counts();
+    assert_eq!(
+        (c.effects_done, c.effects_skipped, c.effects_unprotected),
+        (2, 3, 0)
+    );
+    drop(d);
+    let mut again = TestDriver::new(top());
+    for (id, c, a) in ORDERS {
+        again.pipe(order(id, c, a)).unwrap();
+    }
+    collect(&again);
+    let c = again.counts();
+    assert_eq!(
+        (c.effects_done, c.effects_skipped, c.effects_unprotected),
+        (0, 3, 0)
+    );
+    (outcomes, results)
+}
+
+fn redis_conn(redis: &OwnRedis) -> redis::Connection {
+    redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+#[test]
+fn redis_hset_runs_once_per_key_across_a_crash_and_a_replay() {
+    let redis = OwnRedis::start();
+    // `seen_at` records the offset of the delivery that ran the effect: a replayed record
+    // that ran HSET again would overwrite it with its later offset.
+    let command = [
+        "HSET",
+        "order:{value./id}",
+        "customer",
+        "{value./customer}",
+        "amount",
+        "{value./amount}",
+        "seen_at",
+        "{offset}",
+    ];
+    let (outcomes, results) = deliver_twice_with_a_crash(|| redis_command_sink(&redis, &command));
+    // Forwarded: 1, 2 done; after the crash (which lost the output of 3, not its effect)
+    // 1, 2, 3 redelivered, then 1, 2, 3 on the fresh instance: all skipped.
+    assert_eq!(
+        outcomes,
+        ["done", "done"]
+            .into_iter()
+            .chain(["skipped_duplicate"; 6])
+            .collect::<Vec<_>>()
+    );
+    // HSET's reply (fields added, 3) is stored and given back to every duplicate.
+    assert!(results.iter().all(|r| r == b"3"), "{results:?}");
+    let mut c = redis_conn(&redis);
+    for (id, customer, amount, seen_at) in [(1, "c:9", 5, 0), (2, "c:7", 7, 1), (3, "c:9", 1, 2)] {
+        let h: std::collections::BTreeMap<String, String> = redis::cmd("HGETALL")
+            .arg(format!("order:{id}"))
+            .query(&mut c)
+            .unwrap();
+        let want: std::collections::BTreeMap<String, String> = [
+            ("customer", customer.to_string()),
+            ("amount", amount.to_string()),
+            ("seen_at", seen_at.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!(h, want, "order:{id}");
+    }
+    let keys: Vec<String> = redis::cmd("KEYS").arg("order:*").query(&mut c).unwrap();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+}
+
+#[test]
+fn redis_xadd_runs_once_per_key_across_a_crash_and_a_replay() {
+    let redis = OwnRedis::start();
+    let command = [
+        "XADD",
+        "orders",
+        "*",
+        "id",
+        "{value./id}",
+        "amount",
+        "{value./amount}",
+        "offset",
+        "{offset}",
+    ];
+    let (outcomes, results) = deliver_twice_with_a_crash(|| redis_command_sink(&redis, &command));
+    assert_eq!(
+        outcomes,
+        ["done", "done"]
+            .into_iter()
+            .chain(["skipped_duplicate"; 6])
+            .collect::<Vec<_>>()
+    );
+    let mut c = redis_conn(&redis);
+    // XADD is not idempotent: every extra run would add an entry.
+    let len: usize = redis::cmd("XLEN").arg("orders").query(&mut c).unwrap();
+    assert_eq!(len, 3);
+    type Entry = (String, Vec<(String, String)>);
+    let entries: Vec<Entry> = redis::cmd("XRANGE")
+        .arg("orders")
+        .arg("-")
+        .arg("+")
+        .query(&mut c)
+        .unwrap();
+    // Effects of different keys overlap (only same-key effects keep their order), so the
+    // entries are compared by order id.
+    let mut by_id: std::collections::BTreeMap<String, Entry> = std::collections::BTreeMap::new();
+    for e in &entries {
+        let id = e.1.iter().find(|(k, _)| k == "id").unwrap().1.clone();
+        assert!(
+            by_id.insert(id.clone(), e.clone()).is_none(),
+            "order {id} added twice"
+        );
+    }
+    let fields: Vec<Vec<(String, String)>> = by_id.values().map(|(_, f)| f.clone()).collect();
+    let want: Vec<Vec<(String, String)>> = [(1, 5, 0), (2, 7, 1), (3, 1, 2)]
+        .iter()
+        .map(|(id, amount, offset)| {
+            vec![
+                ("id".to_string(), id.to_string()),
+                ("amount".to_string(), amount.to_string()),
+                ("offset".to_string(), offset.to_string()),
+            ]
+        })
+        .collect();
+    assert_eq!(fields, want);
+    // The stored result of each effect is its entry ID, given back to its duplicates.
+    // Forwarded: 1, 2; after the crash 1, 2, 3; on the fresh instance 1, 2, 3.
+    let want_results: Vec<Vec<u8>> = ["1", "2", "1", "2", "3", "1", "2", "3"]
+        .iter()
+        .map(|id| by_id[*id].0.clone().into_bytes())
+        .collect();
+    assert_eq!(results, want_results);
 }

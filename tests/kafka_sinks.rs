@@ -101,6 +101,15 @@ fn gh_data_into_postgres_gives_one_row_per_id() {
     assert!(st.success(), "{out}");
     assert_eq!(summary_field(&out, "dead_lettered"), Some(0.0), "{out}");
     assert_eq!(pg_counts(&rt, &c, &table), (15_129, 15_129));
+    // The summary counts the effects: one done per id, every repeat skipped, none written
+    // to a topic.
+    assert_eq!(summary_field(&out, "effects_done"), Some(15_129.0), "{out}");
+    assert_eq!(
+        summary_field(&out, "effects_skipped"),
+        summary_field(&out, "records_in").map(|n| n - 15_129.0),
+        "{out}"
+    );
+    assert_eq!(summary_field(&out, "records_out"), Some(0.0), "{out}");
     eprintln!(
         "postgres sink: 15,129 rows in {:.1}s; {}",
         t0.elapsed().as_secs_f64(),

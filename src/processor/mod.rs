@@ -59,6 +59,15 @@ pub struct Counts {
     pub dead_lettered: u64,
     /// Records written to sink topics.
     pub records_out: u64,
+    /// External effects (http, postgres, redis, file sinks) run and marked done under their
+    /// idempotency key. Counted when the effect's record moves on: an effect that finished
+    /// while its batch was aborted (a crash, a rewind) is counted as skipped on the replay.
+    pub effects_done: u64,
+    /// External effects skipped because their idempotency key was already done.
+    pub effects_skipped: u64,
+    /// External effects run without protection (store unreachable, `on_store_error:
+    /// fail_open`). Failed effects are counted in `dead_lettered`.
+    pub effects_unprotected: u64,
 }
 
 impl Counts {
@@ -70,6 +79,9 @@ impl Counts {
         self.conflicts += o.conflicts;
         self.dead_lettered += o.dead_lettered;
         self.records_out += o.records_out;
+        self.effects_done += o.effects_done;
+        self.effects_skipped += o.effects_skipped;
+        self.effects_unprotected += o.effects_unprotected;
     }
 }
 

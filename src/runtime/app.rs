@@ -84,8 +84,9 @@ impl RunSummary {
     pub fn line(&self) -> String {
         let c = &self.counts;
         format!(
-            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} restored={} commits={} seconds={:.3} records_per_second={:.0}",
+            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} effects_done={} effects_skipped={} effects_unprotected={} restored={} commits={} seconds={:.3} records_per_second={:.0}",
             c.records_in, c.passed, c.duplicates, c.conflicts, c.dead_lettered, c.records_out,
+            c.effects_done, c.effects_skipped, c.effects_unprotected,
             self.restored, self.commits, self.seconds, self.records_per_second()
         )
     }
@@ -979,6 +980,41 @@ impl App {
             if e.commit_due() {
                 e.commit(consumer, CommitMode::Async)?;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_line_reports_external_effects() {
+        let s = RunSummary {
+            counts: Counts {
+                records_in: 10,
+                passed: 8,
+                duplicates: 2,
+                dead_lettered: 1,
+                effects_done: 6,
+                effects_skipped: 3,
+                effects_unprotected: 1,
+                ..Counts::default()
+            },
+            seconds: 2.0,
+            commits: 4,
+            restored: 0,
+        };
+        let line = s.line();
+        for kv in [
+            "records_in=10",
+            "records_out=0",
+            "effects_done=6",
+            "effects_skipped=3",
+            "effects_unprotected=1",
+            "records_per_second=5",
+        ] {
+            assert!(line.split_whitespace().any(|w| w == kv), "{kv} in {line}");
         }
     }
 }

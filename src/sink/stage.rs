@@ -201,6 +201,12 @@ impl ExternalSink {
                     }
                 };
                 s.counters[idx].increment(1);
+                let c = ctx.counts();
+                match o {
+                    Outcome::Done(_) => c.effects_done += 1,
+                    Outcome::SkippedDuplicate(_) => c.effects_skipped += 1,
+                    Outcome::Unprotected(_) => c.effects_unprotected += 1,
+                }
                 if self.forward {
                     let mut rec = p.record;
                     rec.headers.push((
