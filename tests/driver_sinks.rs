@@ -389,6 +389,31 @@ fn file_sink_appends_one_json_line_per_key() {
     );
 }
 
+/// One record, one line: a field rendered with a line break is dead-lettered, not split.
+#[test]
+fn a_file_sink_line_with_a_line_break_is_dead_lettered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out.txt");
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::sink::FileSpec {
+            path: path.clone(),
+            line: "{value./a}".into(),
+        }),
+        sled(&dir),
+    )
+    .with_key("{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    d.pipe(TestRecord::json(r#"{"id":1,"a":"x\ny"}"#)).unwrap();
+    d.pipe(TestRecord::json(r#"{"id":2,"a":"ok"}"#)).unwrap();
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "ok\n");
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    assert_eq!(
+        header(dl[0], dlq_headers::REASON),
+        Some(&b"line: the rendered line contains a line break; a file sink writes one line per record ({value} renders JSON on one line)"[..])
+    );
+}
+
 #[test]
 fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
     let mut h = http("http://127.0.0.1:1/");

@@ -162,7 +162,16 @@ impl Effector {
                     .collect::<Result<_, _>>()?,
             ),
             Kind::File { line, .. } => {
-                Prepared::Line(line.render(record).map_err(|e| format!("line: {e}"))?)
+                let l = line.render(record).map_err(|e| format!("line: {e}"))?;
+                // One record, one line: a rendered line break would split it.
+                if l.iter().any(|b| matches!(b, b'\n' | b'\r')) {
+                    return Err(
+                        "line: the rendered line contains a line break; a file sink \
+                                writes one line per record ({value} renders JSON on one line)"
+                            .to_string(),
+                    );
+                }
+                Prepared::Line(l)
             }
         })
     }
