@@ -283,6 +283,16 @@ impl Compiler {
         });
     }
 
+    /// Report a value of the wrong type: "expected `what`, found <its type>".
+    fn wrong_type(&mut self, pos: Pos, place: &str, field: Option<&str>, what: &str, found: &Val) {
+        self.err(
+            pos,
+            place,
+            field,
+            format!("expected {what}, found {}", found.type_name()),
+        );
+    }
+
     /// `node` as a map with only `allowed` fields (unknown ones are reported).
     fn fields<'a>(
         &mut self,
@@ -292,12 +302,7 @@ impl Compiler {
         allowed: &[&str],
     ) -> Option<Fields<'a>> {
         let Val::Map(entries) = &node.val else {
-            self.err(
-                node.pos,
-                place,
-                field,
-                format!("expected a map, found {}", node.val.type_name()),
-            );
+            self.wrong_type(node.pos, place, field, "a map", &node.val);
             return None;
         };
         let mut out = Fields {
@@ -331,12 +336,7 @@ impl Compiler {
         match &n.val {
             Val::Str(s) => Some(s.clone()),
             other => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!("expected a string, found {}", other.type_name()),
-                );
+                self.wrong_type(n.pos, place, Some(field), "a string", other);
                 None
             }
         }
@@ -346,12 +346,7 @@ impl Compiler {
         match &n.val {
             Val::Bool(b) => Some(*b),
             other => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!("expected true or false, found {}", other.type_name()),
-                );
+                self.wrong_type(n.pos, place, Some(field), "true or false", other);
                 None
             }
         }
@@ -359,14 +354,12 @@ impl Compiler {
 
     fn duration_ms(&mut self, n: &Node, place: &str, field: &str) -> Option<i64> {
         let Val::Str(s) = &n.val else {
-            self.err(
+            self.wrong_type(
                 n.pos,
                 place,
                 Some(field),
-                format!(
-                    "expected a duration such as 24h or 90s, found {}",
-                    n.val.type_name()
-                ),
+                "a duration such as 24h or 90s",
+                &n.val,
             );
             return None;
         };
@@ -407,15 +400,7 @@ impl Compiler {
             Val::Int(i) => Some(i.to_string()),
             Val::Float(f) => Some(f.to_string()),
             other => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!(
-                        "expected an expression (a string), found {}",
-                        other.type_name()
-                    ),
-                );
+                self.wrong_type(n.pos, place, Some(field), "an expression (a string)", other);
                 None
             }
         }
@@ -1024,14 +1009,12 @@ impl Compiler {
                 }
                 other => {
                     ok = false;
-                    self.err(
+                    self.wrong_type(
                         n.pos,
                         place,
                         Some("set"),
-                        format!(
-                            "expected a map of field to expression, found {}",
-                            other.type_name()
-                        ),
+                        "a map of field to expression",
+                        other,
                     );
                 }
             }
@@ -1052,14 +1035,12 @@ impl Compiler {
                 }
                 other => {
                     ok = false;
-                    self.err(
+                    self.wrong_type(
                         n.pos,
                         place,
                         Some("rename"),
-                        format!(
-                            "expected a map of old name to new name, found {}",
-                            other.type_name()
-                        ),
+                        "a map of old name to new name",
+                        other,
                     );
                 }
             }
@@ -1079,15 +1060,7 @@ impl Compiler {
                 }
                 other => {
                     ok = false;
-                    self.err(
-                        n.pos,
-                        place,
-                        Some("drop"),
-                        format!(
-                            "expected a list of field names, found {}",
-                            other.type_name()
-                        ),
-                    );
+                    self.wrong_type(n.pos, place, Some("drop"), "a list of field names", other);
                 }
             }
         }
@@ -1185,12 +1158,7 @@ impl Compiler {
                 }
                 other => {
                     ok = false;
-                    self.err(
-                        n.pos,
-                        place,
-                        Some("topics"),
-                        format!("expected a list of topics, found {}", other.type_name()),
-                    );
+                    self.wrong_type(n.pos, place, Some("topics"), "a list of topics", other);
                 }
             },
         }
@@ -1219,14 +1187,12 @@ impl Compiler {
                 }
                 other => {
                     ok = false;
-                    self.err(
+                    self.wrong_type(
                         n.pos,
                         place,
                         Some("headers"),
-                        format!(
-                            "expected a map of header name to expression, found {}",
-                            other.type_name()
-                        ),
+                        "a map of header name to expression",
+                        other,
                     );
                 }
             }
