@@ -106,6 +106,16 @@ fn encode_completed(result: &[u8], expires: u64) -> Vec<u8> {
 }
 
 /// Decode a stored entry as seen at time `now`: `None` when free (absent, expired, or not ours).
+/// What a reserve with `token` finds in a stored entry: `None` when the key is free
+/// (absent or expired), `Acquired` when the reservation is this token's own (a retried call
+/// whose first reply was lost), else the entry's state.
+fn held(v: &[u8], now: u64, token: u64) -> Option<Reservation> {
+    match decode(v, now)? {
+        (Reservation::InFlight, Some(t)) if t == token => Some(Reservation::Acquired),
+        (r, _) => Some(r),
+    }
+}
+
 fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
     let u = |b: &[u8]| u64::from_be_bytes(b.try_into().unwrap_or([0; 8]));
     match v.first() {
@@ -174,13 +184,8 @@ impl IdempotencyStore for MemoryStore {
         Box::pin(async move {
             self.with(|m| {
                 let now = now_ms();
-                match m.get(key).and_then(|v| decode(v, now)) {
-                    // Our own reservation (a retried call): still ours.
-                    Some((Reservation::InFlight, Some(t))) if t == token => {
-                        return Reservation::Acquired
-                    }
-                    Some((r, _)) => return r,
-                    None => {}
+                if let Some(r) = m.get(key).and_then(|v| held(v, now, token)) {
+                    return r;
                 }
                 m.insert(
                     key.to_vec(),
@@ -287,13 +292,8 @@ impl IdempotencyStore for SledStore {
             loop {
                 let now = now_ms();
                 let cur = self.tree.get(key).map_err(Self::err)?;
-                match cur.as_deref().and_then(|v| decode(v, now)) {
-                    // Our own reservation (a retried call whose reply was lost): still ours.
-                    Some((Reservation::InFlight, Some(t))) if t == token => {
-                        return Ok(Reservation::Acquired)
-                    }
-                    Some((r, _)) => return Ok(r),
-                    None => {}
+                if let Some(r) = cur.as_deref().and_then(|v| held(v, now, token)) {
+                    return Ok(r);
                 }
                 let new = encode_in_flight(token, now + lease.as_millis() as u64);
                 match self
