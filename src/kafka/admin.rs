@@ -7,6 +7,9 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 use std::time::Duration;
 
+/// A topic to create: name, partition count, topic configs (`cleanup.policy`, ...).
+pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
+
 /// A blocking admin client.
 pub struct Admin {
     client: AdminClient<DefaultClientContext>,
@@ -87,6 +90,41 @@ impl Admin {
             Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
             Some(Err((t, code))) => Err(Error::Broker(format!("cannot create topic {t}: {code}"))),
         }
+    }
+
+    /// Create every topic of `topics` (name, partitions, topic configs) that does not exist,
+    /// in one CreateTopics request. Returns the names created.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] when the broker refuses a creation for any reason other than the
+    /// topic already existing.
+    pub fn ensure_topics(&self, topics: &[TopicSpec<'_>]) -> Result<Vec<String>> {
+        if topics.is_empty() {
+            return Ok(Vec::new());
+        }
+        let new: Vec<NewTopic<'_>> = topics
+            .iter()
+            .map(|(t, n, configs)| {
+                configs.iter().fold(
+                    NewTopic::new(t, *n as i32, TopicReplication::Fixed(-1)),
+                    |nt, (k, v)| nt.set(k, v),
+                )
+            })
+            .collect();
+        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+        let res = futures::executor::block_on(self.client.create_topics(&new, &opts))
+            .map_err(Error::kafka("create topics"))?;
+        let mut created = Vec::new();
+        for r in res {
+            match r {
+                Ok(t) => created.push(t),
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((t, code)) => {
+                    return Err(Error::Broker(format!("cannot create topic {t}: {code}")))
+                }
+            }
+        }
+        Ok(created)
     }
 
     /// Delete `topics` (missing ones are fine). For tests and demos.

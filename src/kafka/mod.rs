@@ -5,6 +5,7 @@
 //! passed through as `kafka.*` (both clients), `kafka.consumer.*` or `kafka.producer.*`.
 
 pub mod admin;
+pub mod batch;
 pub mod consumer;
 pub mod producer;
 

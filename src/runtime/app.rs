@@ -31,6 +31,7 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kafka::admin::Admin;
+use crate::kafka::batch::consume_batch;
 use crate::kafka::consumer::{self, RebalanceListener, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
@@ -101,6 +102,56 @@ pub struct App {
 /// Restore records taken per loop turn, so a restore never stalls the other partitions.
 const RESTORE_BATCH: usize = 20_000;
 
+/// A changelog record of a restore step: key, value (`None`: tombstone), offset; borrowed
+/// from the batch it was read in.
+type StepRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
+
+/// One task's share of a restore step.
+struct StepWork<'r, 't> {
+    partition: i32,
+    /// Per store, its records in log order.
+    records: Vec<(&'r str, Vec<StepRecord<'r>>)>,
+    /// Per store being restored, the restore consumer's position after the step.
+    ends: Vec<(String, i64)>,
+    task: &'t mut Task,
+}
+
+/// What a task's restore step did.
+struct StepOutcome {
+    partition: i32,
+    /// Records applied.
+    restored: u64,
+    /// Per store: whether it got records, whether its restore is now complete.
+    stores: Vec<(String, bool, bool)>,
+}
+
+impl StepWork<'_, '_> {
+    fn apply(&mut self) -> Result<StepOutcome> {
+        let mut restored = 0u64;
+        for (store, recs) in &self.records {
+            for (key, value, offset) in recs {
+                if self.task.restore_record(store, key, *value, *offset) {
+                    restored += 1;
+                }
+            }
+        }
+        let mut stores = Vec::with_capacity(self.ends.len());
+        for (store, end) in &self.ends {
+            let applied = self
+                .records
+                .iter()
+                .any(|(s, v)| s == store && !v.is_empty());
+            let done = self.task.finish_restore_step(store, *end)?;
+            stores.push((store.clone(), applied, done));
+        }
+        Ok(StepOutcome {
+            partition: self.partition,
+            restored,
+            stores,
+        })
+    }
+}
+
 struct Engine {
     /// processing.guarantee is exactly_once_v2.
     eos: bool,
@@ -142,9 +193,28 @@ struct Engine {
     first_record: Option<Instant>,
     /// Lookup tables, loaded before the consumer subscribes (runtime/table.rs).
     tables: crate::state::table::Tables,
+    /// Held while any partition is restoring: the state writer then writes only what a
+    /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
+    writer_hold: Option<crate::state::WriterHold>,
 }
 
 impl Engine {
+    fn tpl_of(topic: &str, partitions: &[i32], at: Option<Offset>) -> Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            match at {
+                Some(o) => {
+                    tpl.add_partition_offset(topic, *p, o)
+                        .map_err(Error::kafka("partition list"))?;
+                }
+                None => {
+                    tpl.add_partition(topic, *p);
+                }
+            }
+        }
+        Ok(tpl)
+    }
+
     fn tpl_one(topic: &str, p: i32, offset: Option<i64>) -> Result<TopicPartitionList> {
         let mut tpl = TopicPartitionList::new();
         match offset {
@@ -431,69 +501,148 @@ impl Engine {
             return Ok(());
         }
         self.last_plan = None;
-        let partitions: Vec<i32> = std::mem::take(&mut self.unplanned).into_iter().collect();
-        'partitions: for p in partitions {
-            if !self.tasks.contains_key(&p) {
-                continue;
-            }
-            if !self.changelogs.is_empty() {
-                let stable = consumer.committed_offsets(
-                    Self::tpl_one(&self.source_topic, p, None)?,
-                    Duration::from_millis(300),
-                );
-                if let Err(err) = stable {
-                    if self.open_txn_waits.insert(p) {
-                        tracing::info!(
-                            partition = p,
-                            error = %err,
-                            "committed offset not stable (the previous owner's transaction is open): waiting for it to end before restoring"
-                        );
+        let partitions: Vec<i32> = std::mem::take(&mut self.unplanned)
+            .into_iter()
+            .filter(|p| self.tasks.contains_key(p))
+            .collect();
+        if partitions.is_empty() {
+            return Ok(());
+        }
+        // 1. Committed source offsets stable: one request for all partitions; when it
+        //    fails (some partition's offsets are held back), one per partition.
+        let mut ready = Vec::with_capacity(partitions.len());
+        if self.changelogs.is_empty() {
+            ready = partitions;
+        } else {
+            let all = Self::tpl_of(&self.source_topic, &partitions, None)?;
+            if consumer
+                .committed_offsets(all, Duration::from_millis(300))
+                .is_ok()
+            {
+                ready = partitions;
+            } else {
+                for p in partitions {
+                    let stable = consumer.committed_offsets(
+                        Self::tpl_one(&self.source_topic, p, None)?,
+                        Duration::from_millis(300),
+                    );
+                    match stable {
+                        Ok(_) => ready.push(p),
+                        Err(err) => {
+                            if self.open_txn_waits.insert(p) {
+                                tracing::info!(
+                                    partition = p,
+                                    error = %err,
+                                    "committed offset not stable (the previous owner's transaction is open): waiting for it to end before restoring"
+                                );
+                            }
+                            self.unplanned.insert(p);
+                            self.last_plan = Some(Instant::now());
+                        }
                     }
-                    self.unplanned.insert(p);
-                    self.last_plan = Some(Instant::now());
-                    continue 'partitions;
                 }
             }
-            let mut ends = Vec::with_capacity(self.changelogs.len());
-            for (store, topic) in &self.changelogs {
-                let (low, stable) = self
-                    .restore_consumer
-                    .fetch_watermarks(topic, p, Duration::from_secs(30))
-                    .map_err(Error::kafka("changelog end offsets"))?;
-                let (_, high) = self
-                    .watermarks
-                    .fetch_watermarks(topic, p, Duration::from_secs(30))
-                    .map_err(Error::kafka("changelog high watermark"))?;
+        }
+        if ready.is_empty() {
+            return Ok(());
+        }
+        // 2. Per changelog: log start, last stable offset (the restore consumer is
+        //    read_committed) and high watermark (read_uncommitted) of every ready partition,
+        //    one ListOffsets request each.
+        let mut ends: BTreeMap<i32, Vec<(String, String, i64, i64)>> = BTreeMap::new();
+        let mut waiting: BTreeSet<i32> = BTreeSet::new();
+        for (store, topic) in &self.changelogs {
+            let lows =
+                Self::list_offsets(&self.restore_consumer, topic, &ready, Offset::Beginning)?;
+            let stables = Self::list_offsets(&self.restore_consumer, topic, &ready, Offset::End)?;
+            let highs = Self::list_offsets(&self.watermarks, topic, &ready, Offset::End)?;
+            for (i, p) in ready.iter().enumerate() {
+                let (low, stable, high) = (lows[i], stables[i], highs[i]);
                 if stable < high {
-                    if self.open_txn_waits.insert(p) {
+                    if self.open_txn_waits.insert(*p) {
                         tracing::info!(
-                            store,
-                            partition = p,
+                            store = store.as_str(),
+                            partition = *p,
                             stable,
                             high,
                             "changelog holds an open transaction of the previous owner: waiting for it to end before restoring"
                         );
                     }
-                    self.unplanned.insert(p);
-                    self.last_plan = Some(Instant::now());
-                    continue 'partitions;
+                    waiting.insert(*p);
                 }
-                ends.push((store.clone(), topic.clone(), low, stable));
+                ends.entry(*p)
+                    .or_default()
+                    .push((store.clone(), topic.clone(), low, stable));
+            }
+        }
+        let mut assign = TopicPartitionList::new();
+        let mut resume = Vec::new();
+        for p in ready {
+            if waiting.contains(&p) {
+                self.unplanned.insert(p);
+                self.last_plan = Some(Instant::now());
+                continue;
             }
             self.open_txn_waits.remove(&p);
-            let task = self.tasks.get_mut(&p).expect("checked above");
-            for (store, topic, low, end) in ends {
+            let task = self.tasks.get_mut(&p).expect("filtered above");
+            for (store, topic, low, end) in ends.remove(&p).unwrap_or_default() {
                 if let Some(start) = task.plan_restore(&store, low, end)? {
-                    self.restore_consumer
-                        .incremental_assign(&Self::tpl_one(&topic, p, Some(start))?)
-                        .map_err(Error::kafka("assign changelog"))?;
+                    assign
+                        .add_partition_offset(&topic, p, Offset::Offset(start))
+                        .map_err(Error::kafka("partition list"))?;
                 }
             }
             if !task.is_restoring() {
-                self.resume(consumer, p)?;
+                resume.push(p);
             }
         }
+        if assign.count() > 0 {
+            self.restore_consumer
+                .incremental_assign(&assign)
+                .map_err(Error::kafka("assign changelog"))?;
+        }
+        for p in resume {
+            self.resume(consumer, p)?;
+        }
         Ok(())
+    }
+
+    /// The offsets of `partitions` of `topic` at `at` (`Offset::Beginning`: log start;
+    /// `Offset::End`: the end as `client`'s isolation.level sees it, the last stable offset
+    /// when read_committed, the high watermark when read_uncommitted), in one ListOffsets
+    /// request; a partition the answer leaves out is asked on its own.
+    fn list_offsets(
+        client: &BaseConsumer,
+        topic: &str,
+        partitions: &[i32],
+        at: Offset,
+    ) -> Result<Vec<i64>> {
+        let timeout = Duration::from_secs(30);
+        let answer = client
+            .offsets_for_times(Self::tpl_of(topic, partitions, Some(at))?, timeout)
+            .ok();
+        partitions
+            .iter()
+            .map(|p| {
+                let found = answer
+                    .as_ref()
+                    .and_then(|a| a.find_partition(topic, *p))
+                    .filter(|e| e.error().is_ok())
+                    .and_then(|e| match e.offset() {
+                        Offset::Offset(o) if o >= 0 => Some(o),
+                        _ => None,
+                    });
+                match found {
+                    Some(o) => Ok(o),
+                    None => {
+                        let (low, high) = client
+                            .fetch_watermarks(topic, *p, timeout)
+                            .map_err(Error::kafka("changelog offsets"))?;
+                        Ok(if at == Offset::Beginning { low } else { high })
+                    }
+                }
+            })
+            .collect()
     }
 
     fn resume(&mut self, consumer: &SourceConsumer, p: i32) -> Result<()> {
@@ -538,90 +687,168 @@ impl Engine {
         !self.unplanned.is_empty() || self.tasks.values().any(|t| t.is_restoring())
     }
 
-    /// One bounded step of every restore in progress.
+    /// One bounded step of every restore in progress: read up to [`RESTORE_BATCH`]
+    /// changelog records (what is queued; when nothing is, wait up to `timeout` for one),
+    /// apply each partition's share, then record the positions reached. Partitions are
+    /// applied in parallel, on up to `available_parallelism` threads (scoped: all are done
+    /// before the step ends); one partition's records stay on one thread, in log order.
     fn restore_step(&mut self, consumer: &SourceConsumer, timeout: Duration) -> Result<()> {
         if !self.tasks.values().any(|t| t.is_restoring()) {
             return Ok(());
         }
-        // Records go straight into their store's restore step (copied into the store's
-        // buffers: no allocation per record); (partition, store) pairs that got some.
-        let mut touched: Vec<(i32, &str)> = Vec::new();
+        let mut batches = Vec::new();
         let mut n = 0;
-        let mut wait = timeout;
+        let mut waited = false;
         while n < RESTORE_BATCH {
-            match self.restore_consumer.poll(wait) {
-                None => break,
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => {}
-                Some(Err(e)) => {
-                    // Consumer errors are reports (a leader moved, a fetch failed); librdkafka
-                    // retries by itself. The restore waits for its position either way.
-                    tracing::warn!(error = %e, "restore consumer error");
-                    break;
-                }
-                Some(Ok(m)) => {
-                    let (topic, p) = (m.topic(), m.partition());
-                    let store = self
-                        .changelogs
-                        .iter()
-                        .find(|(_, t)| t.as_str() == topic)
-                        .map(|(s, _)| s.as_str());
-                    if let (Some(store), Some(task)) = (store, self.tasks.get_mut(&p)) {
-                        let taken = task.restore_record(
-                            store,
-                            m.key().unwrap_or_default(),
-                            m.payload(),
-                            m.offset(),
-                        );
-                        if taken {
-                            self.restored += 1;
-                            if !touched.contains(&(p, store)) {
-                                touched.push((p, store));
-                            }
-                        }
-                    }
-                    n += 1;
-                }
+            let mut b = consume_batch(&self.restore_consumer, Duration::ZERO, RESTORE_BATCH - n)
+                .map_err(Error::kafka("restore read"))?;
+            if b.is_empty() && n == 0 && !waited {
+                waited = true;
+                b = consume_batch(&self.restore_consumer, timeout, 1)
+                    .map_err(Error::kafka("restore read"))?;
             }
-            wait = Duration::ZERO;
+            if b.is_empty() {
+                break;
+            }
+            n += b.len();
+            batches.push(b);
         }
+        // The positions after what was read: each restore's step ends there.
         let positions = self
             .restore_consumer
             .position()
             .map_err(Error::kafka("restore position"))?;
+        let mut step_ends: BTreeMap<i32, Vec<(String, i64)>> = BTreeMap::new();
+        for (p, task) in &self.tasks {
+            for r in task.restorers() {
+                let topic = &self.changelogs[r.store()];
+                if let Some(Offset::Offset(o)) =
+                    positions.find_partition(topic, *p).map(|e| e.offset())
+                {
+                    step_ends
+                        .entry(*p)
+                        .or_default()
+                        .push((r.store().to_string(), o));
+                }
+            }
+        }
+        // The records of each (partition, store), in log order, borrowed from the batches.
+        let single = match self.changelogs.len() {
+            1 => self.changelogs.keys().next().map(String::as_str),
+            _ => None,
+        };
+        let mut records: BTreeMap<i32, Vec<(&str, Vec<StepRecord<'_>>)>> = BTreeMap::new();
+        for b in &batches {
+            for r in b.records() {
+                let m = match r {
+                    Ok(m) => m,
+                    Err(rdkafka::error::KafkaError::PartitionEOF(_)) => continue,
+                    Err(e) => {
+                        // Consumer errors are reports (a leader moved, a fetch failed);
+                        // librdkafka retries by itself. The restore waits for its position
+                        // either way.
+                        tracing::warn!(error = %e, "restore consumer error");
+                        continue;
+                    }
+                };
+                // One store (the usual case): every changelog record is its own, no topic
+                // name to read and compare per record.
+                let store = match single {
+                    Some(s) => Some(s),
+                    None => m.topic().and_then(|topic| {
+                        self.changelogs
+                            .iter()
+                            .find(|(_, t)| t.as_str() == topic)
+                            .map(|(s, _)| s.as_str())
+                    }),
+                };
+                let Some(store) = store else { continue };
+                let per = records.entry(m.partition()).or_default();
+                let rec = (m.key().unwrap_or_default(), m.payload(), m.offset());
+                match per.iter_mut().find(|(s, _)| *s == store) {
+                    Some((_, v)) => v.push(rec),
+                    None => per.push((store, vec![rec])),
+                }
+            }
+        }
+        // Apply: each restoring task gets its records and step ends.
+        let mut work: Vec<StepWork<'_, '_>> = self
+            .tasks
+            .iter_mut()
+            .filter(|(_, t)| t.is_restoring())
+            .map(|(p, task)| StepWork {
+                partition: *p,
+                records: records.remove(p).unwrap_or_default(),
+                ends: step_ends.remove(p).unwrap_or_default(),
+                task,
+            })
+            .collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(work.iter().filter(|w| !w.records.is_empty()).count())
+            .max(1);
+        let outcomes: Vec<Result<StepOutcome>> = if threads == 1 || n < 2 * 1024 {
+            work.iter_mut().map(StepWork::apply).collect()
+        } else {
+            // Spread the partitions with records over the threads, largest first.
+            work.sort_by_key(|w| {
+                std::cmp::Reverse(w.records.iter().map(|(_, v)| v.len()).sum::<usize>())
+            });
+            let mut shares: Vec<Vec<StepWork<'_, '_>>> = (0..threads).map(|_| Vec::new()).collect();
+            for (i, w) in work.into_iter().enumerate() {
+                shares[i % threads].push(w);
+            }
+            let mut own = shares.remove(0);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = shares
+                    .into_iter()
+                    .map(|mut share| {
+                        scope.spawn(move || {
+                            share.iter_mut().map(StepWork::apply).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                let mut all: Vec<Result<StepOutcome>> =
+                    own.iter_mut().map(StepWork::apply).collect();
+                for h in handles {
+                    match h.join() {
+                        Ok(v) => all.extend(v),
+                        Err(panic) => std::panic::resume_unwind(panic),
+                    }
+                }
+                all
+            })
+        };
+        drop(records);
+        drop(batches);
         let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
         let mut finished = Vec::new();
-        for (p, task) in self.tasks.iter_mut() {
-            let stores: Vec<String> = task
-                .restorers()
-                .iter()
-                .map(|r| r.store().to_string())
-                .collect();
-            if stores.is_empty() {
-                continue;
-            }
-            for store in stores {
-                let topic = &self.changelogs[&store];
-                let pos = match positions.find_partition(topic, *p).map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => o,
-                    _ => continue,
-                };
-                let applied = touched.contains(&(*p, store.as_str()));
-                let done = task.finish_restore_step(&store, pos)?;
-                if applied {
+        for outcome in outcomes {
+            let o = outcome?;
+            self.restored += o.restored;
+            for (store, applied, done) in &o.stores {
+                if *applied {
                     failpoint::hit("restore.during");
                 }
-                if done {
+                let topic = &self.changelogs[store];
+                if *done {
                     self.restore_consumer
-                        .incremental_unassign(&Self::tpl_one(topic, *p, None)?)
+                        .incremental_unassign(&Self::tpl_one(topic, o.partition, None)?)
                         .map_err(Error::kafka("unassign changelog"))?;
                 } else if log_now {
-                    for r in task.restorers().iter().filter(|r| r.store() == store) {
-                        r.log_progress();
+                    if let Some(task) = self.tasks.get(&o.partition) {
+                        for r in task.restorers().iter().filter(|r| r.store() == store) {
+                            r.log_progress();
+                        }
                     }
                 }
             }
-            if !task.is_restoring() {
-                finished.push(*p);
+            if self
+                .tasks
+                .get(&o.partition)
+                .is_some_and(|t| !t.is_restoring())
+            {
+                finished.push(o.partition);
             }
         }
         if log_now {
@@ -792,11 +1019,13 @@ impl App {
                 self.config.bootstrap_servers
             ))
         })?;
+        // Metadata per topic (cheap), then one CreateTopics request for the missing ones.
+        let mut missing: Vec<crate::kafka::admin::TopicSpec<'_>> = Vec::new();
         let mut topics = self.topology.sink_topics();
         topics.push(self.config.dlq_topic.clone());
         for t in topics {
-            if admin.ensure_topic(&t, n, &[])? {
-                tracing::info!(topic = %t, partitions = n, "created topic");
+            if admin.partition_count(&t)?.is_none() && !missing.iter().any(|m| m.0 == t) {
+                missing.push((t, n, Vec::new()));
             }
         }
         for (store, (topic, retention)) in self.changelog_topics() {
@@ -808,15 +1037,22 @@ impl App {
                     )))
                 }
                 Some(_) => {}
-                None => {
-                    let retention = retention.to_string();
-                    admin.ensure_topic(
-                        &topic,
-                        n,
-                        &[("cleanup.policy", "compact,delete"), ("retention.ms", &retention)],
-                    )?;
-                    tracing::info!(topic = %topic, partitions = n, retention_ms = %retention, "created changelog topic");
+                None => missing.push((
+                    topic,
+                    n,
+                    vec![
+                        ("cleanup.policy", "compact,delete".to_string()),
+                        ("retention.ms", retention.to_string()),
+                    ],
+                )),
+            }
+        }
+        for t in admin.ensure_topics(&missing)? {
+            match missing.iter().find(|m| m.0 == t) {
+                Some((_, _, c)) if !c.is_empty() => {
+                    tracing::info!(topic = %t, partitions = n, retention_ms = %c[1].1, "created changelog topic")
                 }
+                _ => tracing::info!(topic = %t, partitions = n, "created topic"),
             }
         }
         Ok(n)
@@ -877,6 +1113,7 @@ impl App {
             out: Vec::with_capacity(16),
             first_record: None,
             tables: table_set.handles(),
+            writer_hold: None,
         }));
         let consumer = consumer::create(
             &self.config,
@@ -946,6 +1183,14 @@ impl App {
                 let mut e = engine.lock().expect("engine lock");
                 if !e.unplanned.is_empty() {
                     e.plan_restores(consumer)?;
+                }
+                let restoring = e.any_restoring();
+                if restoring != e.writer_hold.is_some() {
+                    e.writer_hold = if restoring {
+                        e.backend.writer().map(|w| w.hold())
+                    } else {
+                        None
+                    };
                 }
                 if e.tasks.values().any(|t| t.is_restoring()) {
                     e.restore_step(consumer, Duration::from_millis(50))?;

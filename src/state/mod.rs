@@ -282,8 +282,76 @@ struct Job {
 /// skipped) leaves the engine with a prefix of the batches and an older offset; the
 /// restore replays the changelog from that offset in log order.
 /// The thread runs at a lower CPU priority (nice 10) than processing and restore.
+///
+/// While a [`WriterHold`] is alive (the runtime takes one while any restore is in
+/// progress) the writer starts no new batch unless some store waits for it (a store over
+/// [`UNPERSISTED_OPS`], or a sync): on a small machine the restore then has the CPU, and
+/// the backlog is written once the restore is done. Holding never changes what is
+/// written or in which order, only when.
 pub struct Writer {
     tx: Mutex<std::sync::mpsc::Sender<Job>>,
+    gate: Arc<Gate>,
+}
+
+/// Holds and demands on the writer (see [`Writer`]).
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    /// Live [`WriterHold`]s.
+    holds: usize,
+    /// Stores waiting for the writer now.
+    demand: usize,
+}
+
+impl Gate {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Block while held and nobody waits for the writer.
+    fn pass(&self) {
+        let mut st = self.lock();
+        while st.holds > 0 && st.demand == 0 {
+            st = self
+                .changed
+                .wait_timeout(st, std::time::Duration::from_millis(100))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    fn add(&self, holds: isize, demand: isize) {
+        let mut st = self.lock();
+        st.holds = st.holds.saturating_add_signed(holds);
+        st.demand = st.demand.saturating_add_signed(demand);
+        drop(st);
+        self.changed.notify_all();
+    }
+}
+
+/// Keeps the [`Writer`] from starting batches nobody waits for, until dropped.
+pub struct WriterHold {
+    gate: Arc<Gate>,
+}
+
+impl Drop for WriterHold {
+    fn drop(&mut self) {
+        self.gate.add(-1, 0);
+    }
+}
+
+/// A store waiting for the writer: overrides holds until dropped.
+struct Demand<'a>(&'a Gate);
+
+impl Drop for Demand<'_> {
+    fn drop(&mut self) {
+        self.0.add(0, -1);
+    }
 }
 
 impl Writer {
@@ -293,16 +361,40 @@ impl Writer {
     /// When the OS refuses to start a thread.
     pub fn spawn() -> Arc<Writer> {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let gate = Arc::new(Gate::default());
+        let g = gate.clone();
         std::thread::Builder::new()
             .name("onceflow-state-writer".into())
             .spawn(move || {
                 lower_thread_priority();
                 for job in rx {
+                    g.pass();
                     write_job(job);
                 }
             })
             .expect("spawn the state writer thread");
-        Arc::new(Writer { tx: Mutex::new(tx) })
+        Arc::new(Writer {
+            tx: Mutex::new(tx),
+            gate,
+        })
+    }
+
+    /// Hold the writer back until the returned guard is dropped (see [`Writer`]).
+    pub fn hold(&self) -> WriterHold {
+        self.gate.add(1, 0);
+        WriterHold {
+            gate: self.gate.clone(),
+        }
+    }
+
+    /// Whether any [`WriterHold`] is alive.
+    pub fn is_held(&self) -> bool {
+        self.gate.lock().holds > 0
+    }
+
+    fn demand(&self) -> Demand<'_> {
+        self.gate.add(0, 1);
+        Demand(&self.gate)
     }
 
     fn submit(&self, job: Job) -> std::result::Result<(), ()> {
@@ -382,6 +474,20 @@ impl std::hash::Hasher for IdHasher {
 
 type HashFilter = std::collections::HashSet<u64, std::hash::BuildHasherDefault<IdHasher>>;
 
+/// Which keys that are not held in memory a write-behind store's engine may hold.
+enum Filter {
+    /// The engine had data when the store was opened: any key.
+    Unknown,
+    /// The engine was empty when opened and no batch has left memory since: every key put
+    /// since is held in memory, so none.
+    Overlay,
+    /// The engine was empty when opened and batches have left memory since: hashes of
+    /// every key put since, so a key never put is answered without reading the engine. No
+    /// false negatives (deletes leave their hash; a hash collision only costs an engine
+    /// read). Built from the keys in memory when the first batch leaves it.
+    Hashes(HashFilter),
+}
+
 /// The ops of one committed batch, shared by the writer and the eviction bookkeeping.
 type Ops = Arc<Vec<(Bytes, Option<Bytes>)>>;
 
@@ -404,10 +510,8 @@ struct Behind {
     tracked_keys: usize,
     /// Sequence number of the last batch handed to the writer.
     seq: u64,
-    /// When the engine was empty at open: hashes of every key put since, so a lookup of a
-    /// key never put is answered without reading the engine. No false negatives (deletes
-    /// leave their hash; a hash collision only costs an engine read).
-    filter: Option<HashFilter>,
+    /// Which keys not held in memory may be in the engine.
+    filter: Filter,
     filter_hash: ahash::RandomState,
     /// Number of keys in the committed state, when known (the engine was empty at open).
     known_len: Option<u64>,
@@ -425,7 +529,7 @@ impl Behind {
             batches: VecDeque::new(),
             tracked_keys: 0,
             seq: 0,
-            filter: None,
+            filter: Filter::Unknown,
             filter_hash: ahash::RandomState::new(),
             known_len: None,
             resident_max: RESIDENT_ENTRIES,
@@ -441,7 +545,11 @@ impl Behind {
         self.batches.clear();
         self.tracked_keys = 0;
         let empty = matches!(engine.scan(None, 1), Ok(v) if v.is_empty());
-        self.filter = empty.then(HashFilter::default);
+        self.filter = if empty {
+            Filter::Overlay
+        } else {
+            Filter::Unknown
+        };
         self.known_len = if empty {
             Some(0)
         } else {
@@ -449,10 +557,12 @@ impl Behind {
         };
     }
 
+    /// Whether `key`, not held in memory, may be in the engine.
     fn may_be_in_engine(&self, key: &[u8]) -> bool {
         match &self.filter {
-            None => true,
-            Some(f) => f.contains(&self.filter_hash.hash_one(key)),
+            Filter::Unknown => true,
+            Filter::Overlay => false,
+            Filter::Hashes(f) => f.contains(&self.filter_hash.hash_one(key)),
         }
     }
 
@@ -495,13 +605,17 @@ impl Behind {
                 let existed = match old {
                     Some((old, _)) => Some(old.is_some()),
                     None => match &self.filter {
+                        // Every key put since the engine was empty is in memory.
+                        Filter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        Some(_) => Some(self.may_be_in_engine(k) && engine.get(k)?.is_some()),
+                        Filter::Hashes(_) => {
+                            Some(self.may_be_in_engine(k) && engine.get(k)?.is_some())
+                        }
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
-                        None => None,
+                        Filter::Unknown => None,
                     },
                 };
                 match existed {
@@ -510,7 +624,7 @@ impl Behind {
                 }
             }
             if v.is_some() {
-                if let Some(f) = &mut self.filter {
+                if let Filter::Hashes(f) = &mut self.filter {
                     f.insert(self.filter_hash.hash_one(&k[..]));
                 }
             }
@@ -563,6 +677,15 @@ impl Behind {
                     Some(b) if b.seq <= persisted => {}
                     _ => break,
                 }
+                if matches!(self.filter, Filter::Overlay) {
+                    // Keys are about to leave memory: from now on remember their hashes.
+                    let mut f = HashFilter::default();
+                    f.reserve(self.overlay.len());
+                    for k in self.overlay.keys() {
+                        f.insert(self.filter_hash.hash_one(&k[..]));
+                    }
+                    self.filter = Filter::Hashes(f);
+                }
                 let b = self.batches.pop_front().expect("checked above");
                 self.tracked_keys -= b.ops.len();
                 for (k, _) in b.ops.iter() {
@@ -581,6 +704,7 @@ impl Behind {
             if unpersisted <= self.unpersisted_max {
                 return Ok(());
             }
+            let _demand = self.writer.demand();
             let st = self.shared.lock();
             if st.persisted == persisted && st.error.is_none() {
                 let _ = self
@@ -593,6 +717,7 @@ impl Behind {
 
     /// Wait until every submitted batch is persisted.
     fn sync(&self, store: &str) -> Result<()> {
+        let _demand = self.writer.demand();
         let mut st = self.shared.lock();
         loop {
             if let Some(e) = &st.error {
@@ -724,11 +849,11 @@ impl StagedStore {
             return Ok(v.clone());
         }
         if let Some(b) = &self.behind {
-            if !b.may_be_in_engine(key) {
-                return Ok(None);
-            }
             if let Some((v, _)) = b.overlay.get(key) {
                 return Ok(v.clone());
+            }
+            if !b.may_be_in_engine(key) {
+                return Ok(None);
             }
         }
         Ok(self.inner.get(key)?.map(Bytes::from))
@@ -880,7 +1005,9 @@ impl StagedStore {
     /// # Errors
     /// As [`StagedStore::write_restored`].
     pub fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
-        let ops = std::mem::take(&mut self.restored);
+        // The next step is likely as big as this one: no regrowing while it is read.
+        let cap = self.restored.len();
+        let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, changelog_offset),
             None => self.inner.write_ops(&ops, changelog_offset, None),
@@ -892,7 +1019,7 @@ impl StagedStore {
         if let Some(b) = &mut self.behind {
             let n = n.min(b.resident_max);
             b.overlay.reserve(n);
-            if let Some(f) = &mut b.filter {
+            if let Filter::Hashes(f) = &mut b.filter {
                 f.reserve(n);
             }
         }
@@ -1154,5 +1281,60 @@ mod tests {
             assert_eq!(s.known_len(), None);
             assert_eq!(s.get(&0u32.to_be_bytes()).unwrap(), Some(vec![1]));
         }
+    }
+}
+
+#[cfg(test)]
+mod hold_tests {
+    use super::*;
+
+    /// A held writer writes nothing nobody waits for; a store over its backlog bound, or a
+    /// sync, still gets its batches written (no deadlock); dropping the hold writes the rest.
+    #[test]
+    fn a_held_writer_writes_only_what_a_store_waits_for() {
+        let backend = MemoryBackend::default();
+        let writer = Writer::spawn();
+        let hold = writer.hold();
+        assert!(writer.is_held());
+        let mut a = StagedStore::new(backend.open("a", 0).unwrap(), Some(writer.clone()))
+            .with_limits(4, 100);
+        a.stage(b"k1".to_vec(), Some(b"v".to_vec()));
+        a.commit(Some(1)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let engine = backend.open("a", 0).unwrap();
+        assert_eq!(engine.get(b"k1").unwrap(), None, "held: not written yet");
+        assert_eq!(
+            a.get(b"k1").unwrap(),
+            Some(b"v".to_vec()),
+            "readable from memory"
+        );
+        // Over the backlog bound: the commit waits, and the writer serves it.
+        for i in 0..150u32 {
+            a.stage(i.to_be_bytes().to_vec(), Some(vec![1]));
+        }
+        a.commit(Some(2)).unwrap();
+        assert_eq!(
+            engine.get(b"k1").unwrap(),
+            Some(b"v".to_vec()),
+            "written on demand"
+        );
+        a.stage(b"k2".to_vec(), Some(b"w".to_vec()));
+        a.commit(Some(3)).unwrap();
+        a.sync().unwrap();
+        assert_eq!(
+            engine.get(b"k2").unwrap(),
+            Some(b"w".to_vec()),
+            "a sync is served"
+        );
+        assert_eq!(engine.changelog_offset().unwrap(), Some(3));
+        a.stage(b"k3".to_vec(), Some(b"x".to_vec()));
+        a.commit(Some(4)).unwrap();
+        drop(hold);
+        assert!(!writer.is_held());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while engine.get(b"k3").unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(engine.get(b"k3").unwrap(), Some(b"x".to_vec()), "released");
     }
 }
