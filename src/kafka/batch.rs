@@ -170,3 +170,51 @@ pub fn consume_batch(
     unsafe { batch.0.set_len(n) };
     Ok(batch)
 }
+
+/// Destroys batches on a background thread: returning a record to librdkafka costs about as
+/// much as reading it, and the reader need not wait for it. Dropping the `Freer` waits for
+/// every batch handed to it to be destroyed, so drop it before the consumer it read from.
+pub struct Freer {
+    tx: Option<std::sync::mpsc::Sender<Vec<Batch>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Freer {
+    /// Start the thread (`onceflow-batch-free`).
+    ///
+    /// # Panics
+    /// When the OS refuses to start a thread.
+    pub fn spawn() -> Freer {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<Batch>>();
+        let thread = std::thread::Builder::new()
+            .name("onceflow-batch-free".into())
+            .spawn(move || {
+                for batches in rx {
+                    drop(batches);
+                }
+            })
+            .expect("spawn the batch freeing thread");
+        Freer {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// Destroy `batches` in the background (here, when the thread is gone).
+    pub fn free(&self, batches: Vec<Batch>) {
+        if let Some(tx) = &self.tx {
+            if let Err(back) = tx.send(batches) {
+                drop(back.0);
+            }
+        }
+    }
+}
+
+impl Drop for Freer {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

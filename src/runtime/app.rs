@@ -162,6 +162,9 @@ struct Engine {
     source_topic: String,
     backend: SledBackend,
     producer: OutputProducer,
+    /// Destroys the restore consumer's batches in the background; declared before the
+    /// restore consumer so that it is dropped (and done) first.
+    batch_freer: crate::kafka::batch::Freer,
     restore_consumer: BaseConsumer,
     /// read_uncommitted client for changelog high watermarks (see [`Engine::plan_restores`]).
     watermarks: BaseConsumer,
@@ -688,10 +691,9 @@ impl Engine {
     }
 
     /// One bounded step of every restore in progress: read up to [`RESTORE_BATCH`]
-    /// changelog records (what is queued; when nothing is, wait up to `timeout` for one),
-    /// apply each partition's share, then record the positions reached. Partitions are
-    /// applied in parallel, on up to `available_parallelism` threads (scoped: all are done
-    /// before the step ends); one partition's records stay on one thread, in log order.
+    /// changelog records in batches (what is queued; when nothing is, wait up to `timeout`
+    /// for one), apply each partition's share in log order, then record the positions
+    /// reached. The batches are returned to librdkafka in the background.
     fn restore_step(&mut self, consumer: &SourceConsumer, timeout: Duration) -> Result<()> {
         if !self.tasks.values().any(|t| t.is_restoring()) {
             return Ok(());
@@ -783,44 +785,9 @@ impl Engine {
                 task,
             })
             .collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, usize::from)
-            .min(work.iter().filter(|w| !w.records.is_empty()).count())
-            .max(1);
-        let outcomes: Vec<Result<StepOutcome>> = if threads == 1 || n < 2 * 1024 {
-            work.iter_mut().map(StepWork::apply).collect()
-        } else {
-            // Spread the partitions with records over the threads, largest first.
-            work.sort_by_key(|w| {
-                std::cmp::Reverse(w.records.iter().map(|(_, v)| v.len()).sum::<usize>())
-            });
-            let mut shares: Vec<Vec<StepWork<'_, '_>>> = (0..threads).map(|_| Vec::new()).collect();
-            for (i, w) in work.into_iter().enumerate() {
-                shares[i % threads].push(w);
-            }
-            let mut own = shares.remove(0);
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = shares
-                    .into_iter()
-                    .map(|mut share| {
-                        scope.spawn(move || {
-                            share.iter_mut().map(StepWork::apply).collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                let mut all: Vec<Result<StepOutcome>> =
-                    own.iter_mut().map(StepWork::apply).collect();
-                for h in handles {
-                    match h.join() {
-                        Ok(v) => all.extend(v),
-                        Err(panic) => std::panic::resume_unwind(panic),
-                    }
-                }
-                all
-            })
-        };
+        let outcomes: Vec<Result<StepOutcome>> = work.iter_mut().map(StepWork::apply).collect();
         drop(records);
-        drop(batches);
+        self.batch_freer.free(batches);
         let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
         let mut finished = Vec::new();
         for outcome in outcomes {
@@ -1093,6 +1060,7 @@ impl App {
             source_topic: self.topology.source().topic.clone(),
             backend,
             producer,
+            batch_freer: crate::kafka::batch::Freer::spawn(),
             restore_consumer,
             watermarks,
             group_meta: None,
