@@ -754,3 +754,171 @@ fn redis_xadd_runs_once_per_key_across_a_crash_and_a_replay() {
         .collect();
     assert_eq!(results, want_results);
 }
+
+/// A `redis` sink running `command` through `url`, idempotent per order id in `store`.
+fn redis_sink_with_store(url: &str, command: &[&str], store: StoreSpec) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(url.to_string()),
+            command: command.iter().map(|s| s.to_string()).collect(),
+        }),
+        store,
+    )
+    .with_key("order-{value./id}");
+    topology(spec, Format::Json)
+}
+
+fn redis_get(redis: &OwnRedis, key: &str) -> Option<String> {
+    redis::cmd("GET")
+        .arg(key)
+        .query(&mut redis_conn(redis))
+        .unwrap()
+}
+
+/// `onceflow_sink_effects_total` summed per `result` label.
+fn effects_counted(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> std::collections::BTreeMap<String, u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counted = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
+            let result = key
+                .key()
+                .labels()
+                .find(|l| l.key() == "result")
+                .unwrap()
+                .value()
+                .to_string();
+            *counted.entry(result).or_insert(0) += n;
+        }
+    }
+    counted
+}
+
+/// INCRBY whose reply is lost after Redis ran it, with the idempotency store on the same
+/// Redis (same URL): the command and the completed record run in one MULTI/EXEC, so after
+/// the lost reply the sink reads the record, finds its own mark and counts the effect done
+/// instead of running INCRBY again.
+#[test]
+fn redis_incrby_with_a_lost_reply_runs_once_in_one_transaction_with_its_store() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start(redis.port, b"INCRBY");
+    let url = proxy.redis_url();
+    let top = redis_sink_with_store(
+        &url,
+        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
+        StoreSpec::Redis {
+            url: Secret::Inline(url.clone()),
+            prefix: Some("idem:".into()),
+        },
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1, "the proxy must have lost INCRBY's reply");
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    // The redelivery is a duplicate; another order runs.
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    d.pipe(order(2, "c:9", 7)).unwrap();
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("12"));
+    let outcomes: Vec<&[u8]> = d
+        .output("out")
+        .iter()
+        .map(|r| header(r, OUTCOME_HEADER).unwrap())
+        .collect();
+    assert_eq!(outcomes, vec![&b"done"[..], b"skipped_duplicate", b"done"]);
+    let result = header(d.output("out")[0], RESULT_HEADER).unwrap();
+    assert!(
+        String::from_utf8_lossy(result).contains("reply was lost"),
+        "{result:?}"
+    );
+    // The completed record holds the result for later duplicates.
+    assert!(redis_get(&redis, "idem:order-1").unwrap().starts_with('C'));
+}
+
+/// The transaction lost on its way (it never reached Redis): the sink cannot tell this from
+/// a lost reply, reads the record, finds no mark of its own and sends the transaction again.
+#[test]
+fn redis_incrby_transaction_lost_before_redis_is_sent_again() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", false);
+    let url = proxy.redis_url();
+    let top = redis_sink_with_store(
+        &url,
+        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
+        StoreSpec::Redis {
+            url: Secret::Inline(url.clone()),
+            prefix: Some("idem:".into()),
+        },
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
+}
+
+/// INCRBY whose reply is lost, with the idempotency store elsewhere (sled): the sink cannot
+/// tell whether it ran and INCRBY is not idempotent, so it is not retried: the record is
+/// dead-lettered with a reason naming the command and the unknown outcome, counted as
+/// `unknown`, and INCRBY ran at most once.
+#[test]
+fn redis_incrby_with_a_lost_reply_and_a_store_elsewhere_is_dead_lettered_as_unknown() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start(redis.port, b"INCRBY");
+    let dir = tempfile::tempdir().unwrap();
+    let top = redis_sink_with_store(
+        &proxy.redis_url(),
+        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
+        sled(&dir),
+    );
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let d = metrics::with_local_recorder(&recorder, || {
+        let mut d = TestDriver::new(top);
+        d.pipe(order(1, "c:9", 5)).unwrap();
+        d
+    });
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(
+        reason.contains("unknown") && reason.contains("INCRBY"),
+        "{reason}"
+    );
+    let counted = effects_counted(&snapshotter);
+    assert_eq!(counted.get("unknown"), Some(&1), "{counted:?}");
+    assert_eq!(counted.values().sum::<u64>(), 1, "{counted:?}");
+}
+
+/// An idempotent command (HSET) whose reply is lost is retried: running it twice leaves
+/// the same hash.
+#[test]
+fn redis_hset_with_a_lost_reply_is_retried() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start(redis.port, b"HSET");
+    let dir = tempfile::tempdir().unwrap();
+    let top = redis_sink_with_store(
+        &proxy.redis_url(),
+        &["HSET", "order:{value./id}", "amount", "{value./amount}"],
+        sled(&dir),
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1);
+    assert!(d.dead_letters().is_empty());
+    let amount: Option<String> = redis::cmd("HGET")
+        .arg("order:1")
+        .arg("amount")
+        .query(&mut redis_conn(&redis))
+        .unwrap();
+    assert_eq!(amount.as_deref(), Some("5"));
+    assert_eq!(
+        header(d.output("out")[0], OUTCOME_HEADER),
+        Some(&b"done"[..])
+    );
+}

@@ -13,6 +13,12 @@
 //!   flight, with a lease), run the effect, mark it completed with its result.
 //! - `store: none`: no protection (at-least-once), for measurements and idempotent targets.
 //!
+//! A `redis` sink whose store is `redis` with the same URL runs its command and the
+//! completed record in one MULTI/EXEC, so a lost reply can be settled by reading the record
+//! ([`effects::Effector::run_redis_in_transaction`]). Without that, a command that is not
+//! idempotent ([`effects::redis_command_is_idempotent`]) is never sent again after a lost
+//! reply: the record is dead-lettered with its outcome unknown ([`protocol::EffectError`]).
+//!
 //! A key that renders empty, names a missing field, or is longer than `max_key_bytes` fails
 //! the record (dead letter, with the reason); the effect never runs without its key.
 //!
@@ -29,7 +35,7 @@ pub mod template;
 
 use crate::processor::key::KeySource;
 use crate::topology::{Format, Stage, StageKind};
-pub use protocol::{InFlight, OnStoreError, Outcome, Policy};
+pub use protocol::{EffectError, InFlight, OnStoreError, Outcome, Policy};
 use std::path::PathBuf;
 use std::time::Duration;
 pub use template::Template;

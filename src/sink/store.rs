@@ -373,8 +373,24 @@ pub struct RedisStore {
     op_timeout: Duration,
 }
 
-const RELEASE_LUA: &str =
+/// Delete `KEYS[1]` only while it holds `ARGV[1]` (atomic: a script).
+pub(crate) const RELEASE_LUA: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+/// The completed record a `redis` sink writes in the same MULTI/EXEC as its command, when
+/// its idempotency store is the same Redis (see `sink::effects`): the command and the
+/// record take effect together or not at all. Its result names one attempt (a random
+/// nonce), so after a lost reply the sink can read whether *this* attempt ran. Once the
+/// reply is in, the reservation protocol overwrites it with the command's real result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransactionMark {
+    /// The Redis key of the idempotency record: the store's prefix + the idempotency key.
+    pub key: Vec<u8>,
+    /// The record: `C` (completed) + `transaction <nonce>`.
+    pub value: Vec<u8>,
+    /// Its time to live, in milliseconds (the completed TTL).
+    pub ttl_ms: u64,
+}
 
 impl RedisStore {
     /// Connect to `url` (`redis://host:port/db`). Each operation times out after `op_timeout`.
@@ -415,6 +431,18 @@ impl RedisStore {
         let mut k = self.prefix.clone();
         k.extend_from_slice(key);
         k
+    }
+
+    /// A fresh [`TransactionMark`] for `key` in a store with key prefix `prefix`, kept for
+    /// `ttl` (the completed TTL).
+    pub fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
+        let mut k = prefix.to_vec();
+        k.extend_from_slice(key);
+        TransactionMark {
+            key: k,
+            value: format!("Ctransaction {:016x}", rand::random::<u64>()).into_bytes(),
+            ttl_ms: ttl.as_millis().max(1) as u64,
+        }
     }
 
     async fn q<T: redis::FromRedisValue>(&self, c: redis::Cmd) -> Result<T, StoreError> {
