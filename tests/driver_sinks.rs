@@ -31,7 +31,7 @@ fn topology(spec: ExternalSinkSpec, format: Format) -> Topology {
 
 fn sled(dir: &tempfile::TempDir) -> StoreSpec {
     StoreSpec::Sled {
-        path: dir.path().join("idem"),
+        path: Some(dir.path().join("idem")),
     }
 }
 
@@ -420,7 +420,7 @@ fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
     h.timeout = Duration::from_secs(2);
     h.retries = 2;
     h.backoff = Duration::from_millis(100);
-    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::Sled { path: "x".into() });
+    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::Sled { path: None });
     spec.policy.lease = Duration::from_secs(6);
     let errs = TopologyBuilder::new("t")
         .source("in", Format::Json)
@@ -921,4 +921,50 @@ fn redis_hset_with_a_lost_reply_is_retried() {
         header(d.output("out")[0], OUTCOME_HEADER),
         Some(&b"done"[..])
     );
+}
+
+/// A file sink with the default sled store (no path given).
+fn file_sink_default_store(out: &std::path::Path) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::sink::FileSpec {
+            path: out.to_path_buf(),
+            line: "{value}".into(),
+        }),
+        StoreSpec::Sled { path: None },
+    )
+    .with_key("{value./id}");
+    TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .external_sink("file", spec)
+        .build()
+        .unwrap()
+}
+
+/// The default sled store lives in the state dir it is bound to
+/// (`<state dir>/idempotency/<application id>`): instances with the same state dir share
+/// it, instances with different ones do not; unbound, it refuses to guess a directory and
+/// dead-letters the record with the reason.
+#[test]
+fn the_default_sled_store_lives_in_the_bound_state_dir() {
+    let out = tempfile::tempdir().unwrap();
+    let lines = out.path().join("lines.jsonl");
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |state: &std::path::Path| {
+        let mut d = TestDriver::new(file_sink_default_store(&lines)).state_dir(state);
+        d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+        assert!(d.dead_letters().is_empty());
+    };
+    run(one.path());
+    assert!(one.path().join("idempotency/test/conf").exists());
+    run(one.path()); // same state dir: a duplicate, skipped
+    run(two.path()); // its own store: runs
+    assert!(two.path().join("idempotency/test/conf").exists());
+    let n = std::fs::read_to_string(&lines).unwrap().lines().count();
+    assert_eq!(n, 2, "one line per state dir");
+    let mut d = TestDriver::new(file_sink_default_store(&lines));
+    d.pipe(TestRecord::json(r#"{"id":2}"#)).unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.contains("no state dir"), "{reason}");
 }

@@ -49,10 +49,13 @@ impl Shared {
             .get_or_try_init(|| async {
                 Ok::<_, String>(match &self.spec.store {
                     StoreSpec::None | StoreSpec::Postgres { .. } => None,
-                    StoreSpec::Sled { path } => Some(Arc::new(
-                        SledStore::open(path, &self.scope).map_err(|e| e.0)?,
-                    )
-                        as Arc<dyn IdempotencyStore>),
+                    StoreSpec::Sled { .. } => {
+                        let path = self.sled_path()?;
+                        Some(
+                            Arc::new(SledStore::open(path, &self.scope).map_err(|e| e.0)?)
+                                as Arc<dyn IdempotencyStore>,
+                        )
+                    }
                     StoreSpec::Redis { url, .. } => {
                         let url = url.resolve().map_err(|e| format!("idempotency.url: {e}"))?;
                         Some(Arc::new(
@@ -69,6 +72,24 @@ impl Shared {
             })
             .await
             .cloned()
+    }
+
+    /// The directory of a sled store: an absolute path, as [`super::bind_state_dir`] makes it.
+    ///
+    /// # Errors
+    /// The store was not bound to a state dir (default or relative path).
+    fn sled_path(&self) -> Result<&std::path::Path, String> {
+        match &self.spec.store {
+            StoreSpec::Sled { path: Some(p) } if p.is_absolute() => Ok(p),
+            StoreSpec::Sled { path } => Err(format!(
+                "the sled idempotency store has no state dir to live in ({}): the topology was not bound to one (App::run binds it to state.dir; in tests use TestDriver::state_dir)",
+                match path {
+                    Some(p) => format!("relative path {}", p.display()),
+                    None => "default path".into(),
+                }
+            )),
+            _ => Err("internal error: not a sled store".into()),
+        }
     }
 
     /// The key prefix of a Redis store (default `onceflow:<topology>/<sink>:`).
@@ -89,6 +110,10 @@ impl Shared {
         }
         if matches!(self.spec.store, StoreSpec::None) {
             return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+        }
+        if matches!(self.spec.store, StoreSpec::Sled { .. }) {
+            // A setting, not an outage: no retry.
+            self.sled_path()?;
         }
         // Connecting is retried like any store operation (Redis may be down at start-up).
         let deadline = std::time::Instant::now() + policy.store_retry_for;
