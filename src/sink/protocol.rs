@@ -283,6 +283,16 @@ where
     }
 }
 
+/// A two-thread runtime for the tests below.
+#[cfg(test)]
+fn test_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,13 +300,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
+    use super::test_runtime as rt;
 
     fn quick() -> Policy {
         Policy {
@@ -412,11 +416,13 @@ mod tests {
         (a, b, n.load(Ordering::SeqCst))
     }
 
-    #[test]
-    fn twin_waits_for_the_result() {
+    /// Twins under `in_flight`: one effect; the first is done, the second skipped with its
+    /// result.
+    fn twins_make_one_effect(in_flight: InFlight) {
         rt().block_on(async {
             let p = Policy {
                 lease: Duration::from_secs(5),
+                in_flight,
                 ..quick()
             };
             let (a, b, n) = twins(p).await;
@@ -427,18 +433,13 @@ mod tests {
     }
 
     #[test]
+    fn twin_waits_for_the_result() {
+        twins_make_one_effect(quick().in_flight);
+    }
+
+    #[test]
     fn twin_raises_then_is_skipped_as_completed() {
-        rt().block_on(async {
-            let p = Policy {
-                lease: Duration::from_secs(5),
-                in_flight: InFlight::Raise,
-                ..quick()
-            };
-            let (a, b, n) = twins(p).await;
-            assert_eq!(a, Ok(Outcome::Done(b"result-1".to_vec())));
-            assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"result-1".to_vec())));
-            assert_eq!(n, 1);
-        });
+        twins_make_one_effect(InFlight::Raise);
     }
 
     #[test]
@@ -566,13 +567,7 @@ mod real_store_tests {
         assert_eq!(n.load(Ordering::SeqCst), 3);
     }
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
+    use super::test_runtime as rt;
 
     #[test]
     fn sled_store_keeps_the_protocol() {
