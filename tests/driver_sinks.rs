@@ -968,3 +968,35 @@ fn the_default_sled_store_lives_in_the_bound_state_dir() {
     let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
     assert!(reason.contains("no state dir"), "{reason}");
 }
+
+/// A command that fails inside the transaction (INCRBY on a value that is not a number):
+/// MULTI/EXEC does not roll back the completed mark written with it, so the sink takes the
+/// mark out again; the record is dead-lettered and its key is free for a later delivery.
+#[test]
+fn a_redis_command_failing_inside_its_transaction_leaves_no_completed_mark() {
+    let redis = OwnRedis::start();
+    let _: () = redis::cmd("SET")
+        .arg("orders:c:9")
+        .arg("not a number")
+        .query(&mut redis_conn(&redis))
+        .unwrap();
+    let top = redis_sink_with_store(
+        &redis.url(),
+        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
+        StoreSpec::Redis {
+            url: Secret::Inline(redis.url()),
+            prefix: Some("idem:".into()),
+        },
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.contains("not an integer"), "{reason}");
+    assert_eq!(redis_get(&redis, "idem:order-1"), None);
+    assert_eq!(
+        redis_get(&redis, "orders:c:9").as_deref(),
+        Some("not a number")
+    );
+}

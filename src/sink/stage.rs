@@ -151,7 +151,7 @@ impl Shared {
             let prefix = self.redis_prefix();
             let prep = &prep;
             return run_once(store.as_ref(), &key, policy, || {
-                // A fresh mark per attempt: a lost reply is settled by this attempt's own.
+                // A fresh mark per run of the effect: a lost reply is settled by its own mark.
                 let mark =
                     RedisStore::transaction_mark(prefix.as_bytes(), &key, policy.completed_ttl);
                 async move { eff.run_redis_in_transaction(prep, &mark).await }
