@@ -842,7 +842,7 @@ fn redis_incrby_with_a_lost_reply_runs_once_in_one_transaction_with_its_store() 
 #[test]
 fn redis_incrby_transaction_lost_before_redis_is_sent_again() {
     let redis = OwnRedis::start();
-    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", false);
+    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", Fault::DropRequest);
     let url = proxy.redis_url();
     let top = redis_sink_with_store(
         &url,
@@ -999,4 +999,33 @@ fn a_redis_command_failing_inside_its_transaction_leaves_no_completed_mark() {
         redis_get(&redis, "orders:c:9").as_deref(),
         Some("not a number")
     );
+}
+
+/// The transaction delayed on its way past the sink's reply timeout (10 s): the sink closes
+/// the old connection on the server (CLIENT KILL ID) before it reads the record, so the
+/// delayed transaction can no longer run when it arrives; it finds no mark, sends the
+/// transaction again, and INCRBY runs once. (Reading without closing would find no mark,
+/// send again, and the delayed copy would run too.)
+#[test]
+fn redis_incrby_transaction_delayed_past_the_timeout_runs_once() {
+    let redis = OwnRedis::start();
+    let proxy =
+        LossyProxy::start_with(redis.port, b"INCRBY", Fault::Delay(Duration::from_secs(12)));
+    let url = proxy.redis_url();
+    let top = redis_sink_with_store(
+        &url,
+        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
+        StoreSpec::Redis {
+            url: Secret::Inline(url.clone()),
+            prefix: Some("idem:".into()),
+        },
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1);
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
+    // Past the delayed copy's release.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
 }

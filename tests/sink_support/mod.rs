@@ -241,27 +241,37 @@ impl Drop for OwnRedis {
     }
 }
 
-/// A TCP proxy in front of a server that loses one reply: the first time a chunk from the
-/// client contains `trigger`, it forwards the chunk, gives the server `settle` to run it,
-/// then closes both sides without passing the reply back. The client sees its connection
-/// drop after its command was sent: the outcome is unknown to it, while the server ran it.
-/// Every other byte passes through unchanged.
+/// What a [`LossyProxy`] does to the first chunk from the client that holds its trigger.
+#[derive(Debug, Clone, Copy)]
+pub enum Fault {
+    /// Forward it, give the server 300 ms to run it, then close both sides without passing
+    /// the reply back: the client sees its connection drop after its command was sent (the
+    /// outcome is unknown to it), while the server ran it.
+    LoseReply,
+    /// Drop it and close both sides: the server never sees it, and the client cannot tell
+    /// this from a lost reply.
+    DropRequest,
+    /// Hold it this long, then forward it (if the server connection is still open) and
+    /// pass the reply on: a request delayed on the network past the client's timeout.
+    Delay(Duration),
+}
+
+/// A TCP proxy in front of a server that injects one [`Fault`]: the first time a chunk from
+/// the client contains `trigger`. Every other byte passes through unchanged.
 pub struct LossyProxy {
     pub port: u16,
-    /// Replies lost so far (0 or 1).
+    /// Faults injected so far (0 or 1).
     pub cuts: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl LossyProxy {
-    /// Listen on a free port, forwarding to `upstream` on 127.0.0.1.
+    /// Listen on a free port, forwarding to `upstream` on 127.0.0.1, losing one reply.
     pub fn start(upstream: u16, trigger: &'static [u8]) -> LossyProxy {
-        Self::start_with(upstream, trigger, true)
+        Self::start_with(upstream, trigger, Fault::LoseReply)
     }
 
-    /// As [`LossyProxy::start`], but the chunk holding `trigger` is dropped too (never
-    /// reaches the server) when `forward` is false: the client cannot tell this from a lost
-    /// reply.
-    pub fn start_with(upstream: u16, trigger: &'static [u8], forward: bool) -> LossyProxy {
+    /// As [`LossyProxy::start`], with another fault.
+    pub fn start_with(upstream: u16, trigger: &'static [u8], fault: Fault) -> LossyProxy {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -289,17 +299,28 @@ impl LossyProxy {
                         let chunk = &buf[..n];
                         let hit = chunk.windows(trigger.len()).any(|w| w == trigger)
                             && armed.swap(false, Ordering::SeqCst);
-                        if hit {
-                            // Mark first: the reply must not get through.
-                            cut2.store(true, Ordering::SeqCst);
+                        if !hit {
+                            if u_wr.write_all(chunk).is_err() {
+                                break;
+                            }
+                            continue;
                         }
-                        if (forward || !hit) && u_wr.write_all(chunk).is_err() {
-                            break;
-                        }
-                        if hit {
-                            std::thread::sleep(Duration::from_millis(300));
-                            cuts.fetch_add(1, Ordering::SeqCst);
-                            break;
+                        cuts.fetch_add(1, Ordering::SeqCst);
+                        match fault {
+                            Fault::LoseReply => {
+                                // Mark first: the reply must not get through.
+                                cut2.store(true, Ordering::SeqCst);
+                                let _ = u_wr.write_all(chunk);
+                                std::thread::sleep(Duration::from_millis(300));
+                                break;
+                            }
+                            Fault::DropRequest => break,
+                            Fault::Delay(d) => {
+                                std::thread::sleep(d);
+                                if u_wr.write_all(chunk).is_err() {
+                                    break;
+                                }
+                            }
                         }
                     }
                     let _ = c_kill.shutdown(std::net::Shutdown::Both);
@@ -331,7 +352,7 @@ impl LossyProxy {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
-    /// Replies lost so far.
+    /// Faults injected so far.
     pub fn cuts(&self) -> usize {
         self.cuts.load(std::sync::atomic::Ordering::SeqCst)
     }
