@@ -233,7 +233,7 @@ fn redis_outage_fail_closed_loses_nothing_and_repeats_nothing() {
 
 #[test]
 fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use metrics_util::debugging::DebuggingRecorder;
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let (rx, d, unprotected) =
@@ -241,19 +241,7 @@ fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
     let per = rx.per_key();
     assert_eq!(per.len(), 50, "every id reached the receiver");
     assert!(unprotected > 0, "the outage must run effects unprotected");
-    let mut counted = std::collections::BTreeMap::new();
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
-            let result = key
-                .key()
-                .labels()
-                .find(|l| l.key() == "result")
-                .unwrap()
-                .value()
-                .to_string();
-            *counted.entry(result).or_insert(0) += n;
-        }
-    }
+    let counted = effects_counted(&snapshotter);
     assert_eq!(
         counted.get("unprotected"),
         Some(&(unprotected as u64)),
@@ -573,18 +561,32 @@ fn order(id: u32, customer: &str, amount: u32) -> TestRecord {
 
 /// A `redis` sink running `command`, idempotent per order id in a Redis store on `redis`.
 fn redis_command_sink(redis: &OwnRedis, command: &[&str]) -> Topology {
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::Redis(onceflow::sink::RedisSpec {
-            url: Secret::Inline(redis.url()),
-            command: command.iter().map(|s| s.to_string()).collect(),
-        }),
-        StoreSpec::Redis {
-            url: Secret::Inline(redis.url()),
-            prefix: Some("idem:".into()),
-        },
-    )
-    .with_key("order-{value./id}");
-    topology(spec, Format::Json)
+    redis_sink_with_store(&redis.url(), command, redis_store(&redis.url()))
+}
+
+/// A Redis idempotency store at `url` with key prefix `idem:`.
+fn redis_store(url: &str) -> StoreSpec {
+    StoreSpec::Redis {
+        url: Secret::Inline(url.to_string()),
+        prefix: Some("idem:".into()),
+    }
+}
+
+/// The command of the lost-reply tests: not idempotent.
+const INCRBY: [&str; 3] = ["INCRBY", "orders:{value./customer}", "{value./amount}"];
+
+/// Order 1 (INCRBY orders:c:9 by 5) through a proxy that injects `fault` into the INCRBY
+/// request, with the idempotency store on the same Redis through the same proxy (same URL).
+/// Checks the fault was injected and nothing was dead-lettered.
+fn incrby_with_a_same_url_store(fault: Fault) -> (OwnRedis, LossyProxy, TestDriver) {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", fault);
+    let url = proxy.redis_url();
+    let mut d = TestDriver::new(redis_sink_with_store(&url, &INCRBY, redis_store(&url)));
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1, "the proxy must have injected {fault:?}");
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    (redis, proxy, d)
 }
 
 /// Deliver the orders as a crash and a restart would: the first two committed, the third
@@ -802,22 +804,8 @@ fn effects_counted(
 /// instead of running INCRBY again.
 #[test]
 fn redis_incrby_with_a_lost_reply_runs_once_in_one_transaction_with_its_store() {
-    let redis = OwnRedis::start();
-    let proxy = LossyProxy::start(redis.port, b"INCRBY");
-    let url = proxy.redis_url();
-    let top = redis_sink_with_store(
-        &url,
-        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
-        StoreSpec::Redis {
-            url: Secret::Inline(url.clone()),
-            prefix: Some("idem:".into()),
-        },
-    );
-    let mut d = TestDriver::new(top);
-    d.pipe(order(1, "c:9", 5)).unwrap();
-    assert_eq!(proxy.cuts(), 1, "the proxy must have lost INCRBY's reply");
+    let (redis, _proxy, mut d) = incrby_with_a_same_url_store(Fault::LoseReply);
     assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
-    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
     // The redelivery is a duplicate; another order runs.
     d.pipe(order(1, "c:9", 5)).unwrap();
     d.pipe(order(2, "c:9", 7)).unwrap();
@@ -841,22 +829,8 @@ fn redis_incrby_with_a_lost_reply_runs_once_in_one_transaction_with_its_store() 
 /// a lost reply, reads the record, finds no mark of its own and sends the transaction again.
 #[test]
 fn redis_incrby_transaction_lost_before_redis_is_sent_again() {
-    let redis = OwnRedis::start();
-    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", Fault::DropRequest);
-    let url = proxy.redis_url();
-    let top = redis_sink_with_store(
-        &url,
-        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
-        StoreSpec::Redis {
-            url: Secret::Inline(url.clone()),
-            prefix: Some("idem:".into()),
-        },
-    );
-    let mut d = TestDriver::new(top);
-    d.pipe(order(1, "c:9", 5)).unwrap();
-    assert_eq!(proxy.cuts(), 1);
+    let (redis, _proxy, d) = incrby_with_a_same_url_store(Fault::DropRequest);
     assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
-    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
     assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
 }
 
@@ -869,11 +843,7 @@ fn redis_incrby_with_a_lost_reply_and_a_store_elsewhere_is_dead_lettered_as_unkn
     let redis = OwnRedis::start();
     let proxy = LossyProxy::start(redis.port, b"INCRBY");
     let dir = tempfile::tempdir().unwrap();
-    let top = redis_sink_with_store(
-        &proxy.redis_url(),
-        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
-        sled(&dir),
-    );
+    let top = redis_sink_with_store(&proxy.redis_url(), &INCRBY, sled(&dir));
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let d = metrics::with_local_recorder(&recorder, || {
@@ -980,14 +950,7 @@ fn a_redis_command_failing_inside_its_transaction_leaves_no_completed_mark() {
         .arg("not a number")
         .query(&mut redis_conn(&redis))
         .unwrap();
-    let top = redis_sink_with_store(
-        &redis.url(),
-        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
-        StoreSpec::Redis {
-            url: Secret::Inline(redis.url()),
-            prefix: Some("idem:".into()),
-        },
-    );
+    let top = redis_sink_with_store(&redis.url(), &INCRBY, redis_store(&redis.url()));
     let mut d = TestDriver::new(top);
     d.pipe(order(1, "c:9", 5)).unwrap();
     let dl = d.dead_letters();
@@ -1008,22 +971,7 @@ fn a_redis_command_failing_inside_its_transaction_leaves_no_completed_mark() {
 /// send again, and the delayed copy would run too.)
 #[test]
 fn redis_incrby_transaction_delayed_past_the_timeout_runs_once() {
-    let redis = OwnRedis::start();
-    let proxy =
-        LossyProxy::start_with(redis.port, b"INCRBY", Fault::Delay(Duration::from_secs(12)));
-    let url = proxy.redis_url();
-    let top = redis_sink_with_store(
-        &url,
-        &["INCRBY", "orders:{value./customer}", "{value./amount}"],
-        StoreSpec::Redis {
-            url: Secret::Inline(url.clone()),
-            prefix: Some("idem:".into()),
-        },
-    );
-    let mut d = TestDriver::new(top);
-    d.pipe(order(1, "c:9", 5)).unwrap();
-    assert_eq!(proxy.cuts(), 1);
-    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    let (redis, _proxy, d) = incrby_with_a_same_url_store(Fault::Delay(Duration::from_secs(12)));
     assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
     // Past the delayed copy's release.
     std::thread::sleep(Duration::from_secs(4));
