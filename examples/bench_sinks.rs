@@ -128,7 +128,7 @@ fn main() {
             "http, sled store",
             Box::new(|r| {
                 http(StoreSpec::Sled {
-                    path: dir.path().join(format!("sled-{r}")),
+                    path: Some(dir.path().join(format!("sled-{r}"))),
                 })
             }),
         ),

@@ -15,8 +15,10 @@ pub const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
 pub const RESTORE_REMAINING: &str = "onceflow_restore_remaining_records";
 /// Counter `{result}`, result = committed|aborted.
 pub const TRANSACTIONS: &str = "onceflow_transactions_total";
-/// Counter `{topology,sink,result}`, result = done|skipped_duplicate|unprotected|failed
-/// (external sinks; `unprotected`: run without idempotency under `on_store_error: fail_open`).
+/// Counter `{topology,sink,result}`, result = done|skipped_duplicate|unprotected|failed|unknown
+/// (external sinks; `unprotected`: run without idempotency under `on_store_error: fail_open`;
+/// `unknown`: a Redis command that is not idempotent lost its reply, so whether it ran is
+/// unknown; the record is dead-lettered, not retried).
 pub const SINK_EFFECTS: &str = "onceflow_sink_effects_total";
 /// Counter `{topology,topic,stage}`: records sent to the dead-letter topic.
 pub const DEAD_LETTERS: &str = "onceflow_dead_letters_total";

@@ -31,7 +31,7 @@ fn topology(spec: ExternalSinkSpec, format: Format) -> Topology {
 
 fn sled(dir: &tempfile::TempDir) -> StoreSpec {
     StoreSpec::Sled {
-        path: dir.path().join("idem"),
+        path: Some(dir.path().join("idem")),
     }
 }
 
@@ -233,7 +233,7 @@ fn redis_outage_fail_closed_loses_nothing_and_repeats_nothing() {
 
 #[test]
 fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use metrics_util::debugging::DebuggingRecorder;
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let (rx, d, unprotected) =
@@ -241,19 +241,7 @@ fn redis_outage_fail_open_runs_effects_unprotected_and_counts_them() {
     let per = rx.per_key();
     assert_eq!(per.len(), 50, "every id reached the receiver");
     assert!(unprotected > 0, "the outage must run effects unprotected");
-    let mut counted = std::collections::BTreeMap::new();
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
-            let result = key
-                .key()
-                .labels()
-                .find(|l| l.key() == "result")
-                .unwrap()
-                .value()
-                .to_string();
-            *counted.entry(result).or_insert(0) += n;
-        }
-    }
+    let counted = effects_counted(&snapshotter);
     assert_eq!(
         counted.get("unprotected"),
         Some(&(unprotected as u64)),
@@ -420,7 +408,7 @@ fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
     h.timeout = Duration::from_secs(2);
     h.retries = 2;
     h.backoff = Duration::from_millis(100);
-    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::Sled { path: "x".into() });
+    let mut spec = ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::Sled { path: None });
     spec.policy.lease = Duration::from_secs(6);
     let errs = TopologyBuilder::new("t")
         .source("in", Format::Json)
@@ -573,18 +561,32 @@ fn order(id: u32, customer: &str, amount: u32) -> TestRecord {
 
 /// A `redis` sink running `command`, idempotent per order id in a Redis store on `redis`.
 fn redis_command_sink(redis: &OwnRedis, command: &[&str]) -> Topology {
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::Redis(onceflow::sink::RedisSpec {
-            url: Secret::Inline(redis.url()),
-            command: command.iter().map(|s| s.to_string()).collect(),
-        }),
-        StoreSpec::Redis {
-            url: Secret::Inline(redis.url()),
-            prefix: Some("idem:".into()),
-        },
-    )
-    .with_key("order-{value./id}");
-    topology(spec, Format::Json)
+    redis_sink_with_store(&redis.url(), command, redis_store(&redis.url()))
+}
+
+/// A Redis idempotency store at `url` with key prefix `idem:`.
+fn redis_store(url: &str) -> StoreSpec {
+    StoreSpec::Redis {
+        url: Secret::Inline(url.to_string()),
+        prefix: Some("idem:".into()),
+    }
+}
+
+/// The command of the lost-reply tests: not idempotent.
+const INCRBY: [&str; 3] = ["INCRBY", "orders:{value./customer}", "{value./amount}"];
+
+/// Order 1 (INCRBY orders:c:9 by 5) through a proxy that injects `fault` into the INCRBY
+/// request, with the idempotency store on the same Redis through the same proxy (same URL).
+/// Checks the fault was injected and nothing was dead-lettered.
+fn incrby_with_a_same_url_store(fault: Fault) -> (OwnRedis, LossyProxy, TestDriver) {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start_with(redis.port, b"INCRBY", fault);
+    let url = proxy.redis_url();
+    let mut d = TestDriver::new(redis_sink_with_store(&url, &INCRBY, redis_store(&url)));
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1, "the proxy must have injected {fault:?}");
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    (redis, proxy, d)
 }
 
 /// Deliver the orders as a crash and a restart would: the first two committed, the third
@@ -753,4 +755,225 @@ fn redis_xadd_runs_once_per_key_across_a_crash_and_a_replay() {
         .map(|id| by_id[*id].0.clone().into_bytes())
         .collect();
     assert_eq!(results, want_results);
+}
+
+/// A `redis` sink running `command` through `url`, idempotent per order id in `store`.
+fn redis_sink_with_store(url: &str, command: &[&str], store: StoreSpec) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::Redis(onceflow::sink::RedisSpec {
+            url: Secret::Inline(url.to_string()),
+            command: command.iter().map(|s| s.to_string()).collect(),
+        }),
+        store,
+    )
+    .with_key("order-{value./id}");
+    topology(spec, Format::Json)
+}
+
+fn redis_get(redis: &OwnRedis, key: &str) -> Option<String> {
+    redis::cmd("GET")
+        .arg(key)
+        .query(&mut redis_conn(redis))
+        .unwrap()
+}
+
+/// `onceflow_sink_effects_total` summed per `result` label.
+fn effects_counted(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> std::collections::BTreeMap<String, u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counted = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
+            let result = key
+                .key()
+                .labels()
+                .find(|l| l.key() == "result")
+                .unwrap()
+                .value()
+                .to_string();
+            *counted.entry(result).or_insert(0) += n;
+        }
+    }
+    counted
+}
+
+/// INCRBY whose reply is lost after Redis ran it, with the idempotency store on the same
+/// Redis (same URL): the command and the completed record run in one MULTI/EXEC, so after
+/// the lost reply the sink reads the record, finds its own mark and counts the effect done
+/// instead of running INCRBY again.
+#[test]
+fn redis_incrby_with_a_lost_reply_runs_once_in_one_transaction_with_its_store() {
+    let (redis, _proxy, mut d) = incrby_with_a_same_url_store(Fault::LoseReply);
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    // The redelivery is a duplicate; another order runs.
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    d.pipe(order(2, "c:9", 7)).unwrap();
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("12"));
+    let outcomes: Vec<&[u8]> = d
+        .output("out")
+        .iter()
+        .map(|r| header(r, OUTCOME_HEADER).unwrap())
+        .collect();
+    assert_eq!(outcomes, vec![&b"done"[..], b"skipped_duplicate", b"done"]);
+    let result = header(d.output("out")[0], RESULT_HEADER).unwrap();
+    assert!(
+        String::from_utf8_lossy(result).contains("reply was lost"),
+        "{result:?}"
+    );
+    // The completed record holds the result for later duplicates.
+    assert!(redis_get(&redis, "idem:order-1").unwrap().starts_with('C'));
+}
+
+/// The transaction lost on its way (it never reached Redis): the sink cannot tell this from
+/// a lost reply, reads the record, finds no mark of its own and sends the transaction again.
+#[test]
+fn redis_incrby_transaction_lost_before_redis_is_sent_again() {
+    let (redis, _proxy, d) = incrby_with_a_same_url_store(Fault::DropRequest);
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
+}
+
+/// INCRBY whose reply is lost, with the idempotency store elsewhere (sled): the sink cannot
+/// tell whether it ran and INCRBY is not idempotent, so it is not retried: the record is
+/// dead-lettered with a reason naming the command and the unknown outcome, counted as
+/// `unknown`, and INCRBY ran at most once.
+#[test]
+fn redis_incrby_with_a_lost_reply_and_a_store_elsewhere_is_dead_lettered_as_unknown() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start(redis.port, b"INCRBY");
+    let dir = tempfile::tempdir().unwrap();
+    let top = redis_sink_with_store(&proxy.redis_url(), &INCRBY, sled(&dir));
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let d = metrics::with_local_recorder(&recorder, || {
+        let mut d = TestDriver::new(top);
+        d.pipe(order(1, "c:9", 5)).unwrap();
+        d
+    });
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(
+        reason.contains("unknown") && reason.contains("INCRBY"),
+        "{reason}"
+    );
+    let counted = effects_counted(&snapshotter);
+    assert_eq!(counted.get("unknown"), Some(&1), "{counted:?}");
+    assert_eq!(counted.values().sum::<u64>(), 1, "{counted:?}");
+}
+
+/// An idempotent command (HSET) whose reply is lost is retried: running it twice leaves
+/// the same hash.
+#[test]
+fn redis_hset_with_a_lost_reply_is_retried() {
+    let redis = OwnRedis::start();
+    let proxy = LossyProxy::start(redis.port, b"HSET");
+    let dir = tempfile::tempdir().unwrap();
+    let top = redis_sink_with_store(
+        &proxy.redis_url(),
+        &["HSET", "order:{value./id}", "amount", "{value./amount}"],
+        sled(&dir),
+    );
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    assert_eq!(proxy.cuts(), 1);
+    assert!(d.dead_letters().is_empty());
+    let amount: Option<String> = redis::cmd("HGET")
+        .arg("order:1")
+        .arg("amount")
+        .query(&mut redis_conn(&redis))
+        .unwrap();
+    assert_eq!(amount.as_deref(), Some("5"));
+    assert_eq!(
+        header(d.output("out")[0], OUTCOME_HEADER),
+        Some(&b"done"[..])
+    );
+}
+
+/// A file sink with the default sled store (no path given).
+fn file_sink_default_store(out: &std::path::Path) -> Topology {
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::sink::FileSpec {
+            path: out.to_path_buf(),
+            line: "{value}".into(),
+        }),
+        StoreSpec::Sled { path: None },
+    )
+    .with_key("{value./id}");
+    TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .external_sink("file", spec)
+        .build()
+        .unwrap()
+}
+
+/// The default sled store lives in the state dir it is bound to
+/// (`<state dir>/idempotency/<application id>`): instances with the same state dir share
+/// it, instances with different ones do not; unbound, it refuses to guess a directory and
+/// dead-letters the record with the reason.
+#[test]
+fn the_default_sled_store_lives_in_the_bound_state_dir() {
+    let out = tempfile::tempdir().unwrap();
+    let lines = out.path().join("lines.jsonl");
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |state: &std::path::Path| {
+        let mut d = TestDriver::new(file_sink_default_store(&lines)).state_dir(state);
+        d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap();
+        assert!(d.dead_letters().is_empty());
+    };
+    run(one.path());
+    assert!(one.path().join("idempotency/test/conf").exists());
+    run(one.path()); // same state dir: a duplicate, skipped
+    run(two.path()); // its own store: runs
+    assert!(two.path().join("idempotency/test/conf").exists());
+    let n = std::fs::read_to_string(&lines).unwrap().lines().count();
+    assert_eq!(n, 2, "one line per state dir");
+    let mut d = TestDriver::new(file_sink_default_store(&lines));
+    d.pipe(TestRecord::json(r#"{"id":2}"#)).unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.contains("no state dir"), "{reason}");
+}
+
+/// A command that fails inside the transaction (INCRBY on a value that is not a number):
+/// MULTI/EXEC does not roll back the completed mark written with it, so the sink takes the
+/// mark out again; the record is dead-lettered and its key is free for a later delivery.
+#[test]
+fn a_redis_command_failing_inside_its_transaction_leaves_no_completed_mark() {
+    let redis = OwnRedis::start();
+    let _: () = redis::cmd("SET")
+        .arg("orders:c:9")
+        .arg("not a number")
+        .query(&mut redis_conn(&redis))
+        .unwrap();
+    let top = redis_sink_with_store(&redis.url(), &INCRBY, redis_store(&redis.url()));
+    let mut d = TestDriver::new(top);
+    d.pipe(order(1, "c:9", 5)).unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    let reason = String::from_utf8_lossy(header(dl[0], dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.contains("not an integer"), "{reason}");
+    assert_eq!(redis_get(&redis, "idem:order-1"), None);
+    assert_eq!(
+        redis_get(&redis, "orders:c:9").as_deref(),
+        Some("not a number")
+    );
+}
+
+/// The transaction delayed on its way past the sink's reply timeout (10 s): the sink closes
+/// the old connection on the server (CLIENT KILL ID) before it reads the record, so the
+/// delayed transaction can no longer run when it arrives; it finds no mark, sends the
+/// transaction again, and INCRBY runs once. (Reading without closing would find no mark,
+/// send again, and the delayed copy would run too.)
+#[test]
+fn redis_incrby_transaction_delayed_past_the_timeout_runs_once() {
+    let (redis, _proxy, d) = incrby_with_a_same_url_store(Fault::Delay(Duration::from_secs(12)));
+    assert_eq!(header(d.output("out")[0], RESULT_HEADER), Some(&b"5"[..]));
+    // Past the delayed copy's release.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
 }

@@ -335,3 +335,61 @@ fn twins_on_two_instances_wait_for_one_effect() {
 fn twins_on_two_instances_raise_then_skip_as_completed() {
     twins("raise");
 }
+
+/// The sled idempotency store by default lives in the instance's state dir
+/// (`<state.dir>/idempotency/<application.id>`), wherever the process was started: not in
+/// its working directory. So it is covered by the state dir's lock, and two instances with
+/// different state dirs never share it (a store shared by accident would skip the second
+/// instance's effects as duplicates of effects it never made).
+#[test]
+fn the_default_sled_store_lives_in_the_state_dir_not_the_working_dir() {
+    let out = tempfile::tempdir().unwrap();
+    let lines = out.path().join("lines.jsonl");
+    let yaml = format!(
+        r#"name: sled-home
+source: {{ topic: "{{input}}", format: json }}
+stages:
+  - file: {{ name: lines, path: "{}", idempotency: {{ key: "{{value./id}}" }} }}
+"#,
+        lines.display()
+    );
+    let names = names_for(&yaml, 1);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    for v in [r#"{"id":"a"}"#, r#"{"id":"b"}"#, r#"{"id":"a"}"#] {
+        p.send(&names.input, Some(0), None, Some(v.as_bytes()), &[], None)
+            .unwrap();
+    }
+    p.flush().unwrap();
+    let cwd = tempfile::tempdir().unwrap();
+    let (st, so) = start_in(Some(cwd.path()), &names, &[], &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "{so}");
+    assert_eq!(std::fs::read_to_string(&lines).unwrap().lines().count(), 2);
+    let home = names.state_dir().join("idempotency").join(&names.app);
+    assert!(
+        home.join("conf").exists(),
+        "no sled database at {}",
+        home.display()
+    );
+    let left: Vec<_> = std::fs::read_dir(cwd.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "the run wrote into its working dir: {left:?}"
+    );
+    // A second instance, with its own state dir (and group), from the same working dir:
+    // its store is its own, so its effects run.
+    let other = tempfile::tempdir().unwrap();
+    let (st, so) = start_in(
+        Some(cwd.path()),
+        &names,
+        &[
+            ("state.dir", other.path().display().to_string()),
+            ("application.id", format!("{}-2", names.app)),
+        ],
+        &[],
+        &["--stop-at-end"],
+    )
+    .wait(T);
+    assert!(st.success(), "{so}");
+    assert_eq!(summary_field(&so, "effects_done"), Some(2.0), "{so}");
+    assert_eq!(std::fs::read_to_string(&lines).unwrap().lines().count(), 4);
+}

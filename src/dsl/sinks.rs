@@ -72,7 +72,8 @@ pub struct IdempotencyDef {
     pub url: Option<SecretDef>,
     /// Redis key prefix.
     pub prefix: Option<String>,
-    /// Sled store directory (default `state-idempotency`).
+    /// Sled store directory (default `<state.dir>/idempotency/<application.id>`; a relative
+    /// path is taken under `state.dir`).
     pub path: Option<PathBuf>,
     /// Postgres inbox table (default `onceflow_inbox`).
     pub table: Option<String>,
@@ -206,10 +207,7 @@ fn finish(
     let store = match store {
         "none" => StoreSpec::None,
         "sled" => StoreSpec::Sled {
-            path: id
-                .path
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("state-idempotency")),
+            path: id.path.clone(),
         },
         "redis" => match &id.url {
             Some(u) => StoreSpec::Redis {

@@ -1034,6 +1034,11 @@ impl App {
     /// processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
         let _lock = StateDirLock::acquire(&self.config.state_dir)?;
+        // Local sink stores live under the locked state dir.
+        let topology = self
+            .topology
+            .clone()
+            .with_state_dir(&self.config.state_dir, &self.config.application_id);
         crate::sink::preflight(&self.topology)?;
         self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
@@ -1055,7 +1060,7 @@ impl App {
         let engine = Arc::new(Mutex::new(Engine {
             eos: self.config.exactly_once(),
             txn_open: false,
-            topology: self.topology.clone(),
+            topology,
             config: self.config.clone(),
             source_topic: self.topology.source().topic.clone(),
             backend,

@@ -6,7 +6,8 @@
 //! [`Effector::run`] performs the effect on the sink runtime. Errors never carry URLs,
 //! connection strings or header values: they can hold secrets.
 
-use super::protocol::Outcome;
+use super::protocol::{EffectError, Outcome};
+use super::store::{TransactionMark, RELEASE_LUA};
 use super::template::Template;
 use super::{EffectSpec, Secret};
 use crate::processor::Record;
@@ -44,9 +45,8 @@ enum Kind {
         ready: tokio::sync::OnceCell<()>,
     },
     Redis {
-        url: String,
+        link: RedisLink,
         command: Vec<Template>,
-        conn: tokio::sync::OnceCell<redis::aio::ConnectionManager>,
     },
     File {
         line: Template,
@@ -111,9 +111,8 @@ impl Effector {
                 ready: tokio::sync::OnceCell::new(),
             },
             EffectSpec::Redis(r) => Kind::Redis {
-                url: secret(&r.url, "url")?,
+                link: RedisLink::new(secret(&r.url, "url")?),
                 command: r.command.iter().map(|s| t(s)).collect::<Result<_, _>>()?,
-                conn: tokio::sync::OnceCell::new(),
             },
             EffectSpec::File(f) => Kind::File {
                 line: t(&f.line)?,
@@ -184,10 +183,15 @@ impl Effector {
     /// Run the effect once (with its own retries), sending `key` where the target takes one
     /// (HTTP `Idempotency-Key`). Returns the result to store.
     ///
+    /// A `redis` command is sent again after a failure only when that is safe: the
+    /// connection failed before it was sent, or the command is idempotent
+    /// ([`redis_command_is_idempotent`]).
+    ///
     /// # Errors
     /// A sentence for the dead-letter topic: the HTTP status and a body excerpt, the
-    /// database error, retries exhausted.
-    pub async fn run(&self, key: Option<&[u8]>, prep: &Prepared) -> Result<Vec<u8>, String> {
+    /// database error, retries exhausted; [`EffectError::unknown`] for a `redis` command
+    /// that is not idempotent whose reply was lost.
+    pub async fn run(&self, key: Option<&[u8]>, prep: &Prepared) -> Result<Vec<u8>, EffectError> {
         match (&self.kind, prep) {
             (
                 Kind::Http {
@@ -230,14 +234,16 @@ impl Effector {
                             let retriable =
                                 matches!(status, 408 | 409 | 425 | 429) || status >= 500;
                             if !retriable {
-                                return Err(format!("HTTP {status} (not retried): {excerpt}"));
+                                return Err(
+                                    format!("HTTP {status} (not retried): {excerpt}").into()
+                                );
                             }
                             format!("HTTP {status}: {excerpt}")
                         }
                         Err(e) => format!("HTTP call failed: {}", e.without_url()),
                     };
                     if attempt > *retries {
-                        return Err(format!("{retry_reason} (after {attempt} tries)"));
+                        return Err(format!("{retry_reason} (after {attempt} tries)").into());
                     }
                     tracing::debug!(sink = %self.sink, attempt, reason = %retry_reason, "retrying");
                     tokio::time::sleep(pause).await;
@@ -245,64 +251,9 @@ impl Effector {
                 }
             }
             (Kind::Postgres { .. }, Prepared::Sql(params)) => {
-                self.pg(None, params).await.map(|o| o.result().to_vec())
+                Ok(self.pg(None, params).await.map(|o| o.result().to_vec())?)
             }
-            (Kind::Redis { url, conn, .. }, Prepared::Redis(args)) => {
-                let deadline = Instant::now() + self.retry_for;
-                let mut pause = Duration::from_millis(100);
-                loop {
-                    let r = async {
-                        let c = conn
-                            .get_or_try_init(|| async {
-                                let client = redis::Client::open(url.as_str()).map_err(|e| {
-                                    redis::RedisError::from((e.kind(), "invalid redis URL"))
-                                })?;
-                                // redis-rs's default reconnect backoff (6 tries from 1 s,
-                                // factor 100, up to a minute each) held one record for
-                                // minutes; the retry window is ours (`retry_for`).
-                                let cfg = redis::aio::ConnectionManagerConfig::new()
-                                    .set_connection_timeout(REDIS_CONNECT_TIMEOUT)
-                                    .set_number_of_retries(1)
-                                    .set_max_delay(500);
-                                match tokio::time::timeout(
-                                    REDIS_CONNECT_TIMEOUT * 2,
-                                    redis::aio::ConnectionManager::new_with_config(client, cfg),
-                                )
-                                .await
-                                {
-                                    Ok(r) => r,
-                                    Err(_) => Err(redis::RedisError::from(std::io::Error::new(
-                                        std::io::ErrorKind::TimedOut,
-                                        "connect timed out",
-                                    ))),
-                                }
-                            })
-                            .await?;
-                        let mut c = c.clone();
-                        let mut cmd = redis::cmd(&String::from_utf8_lossy(&args[0]));
-                        for a in &args[1..] {
-                            cmd.arg(a);
-                        }
-                        cmd.query_async::<redis::Value>(&mut c).await
-                    }
-                    .await;
-                    match r {
-                        Ok(v) => return Ok(redis_result(&v)),
-                        Err(e)
-                            if (e.is_io_error()
-                                || e.is_connection_dropped()
-                                || e.is_connection_refusal()
-                                || e.is_timeout())
-                                && Instant::now() + pause < deadline =>
-                        {
-                            tracing::warn!(sink = %self.sink, error = %e, "redis sink: retrying");
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(Duration::from_secs(2));
-                        }
-                        Err(e) => return Err(format!("redis: {e}")),
-                    }
-                }
-            }
+            (Kind::Redis { link, .. }, Prepared::Redis(args)) => self.redis(link, args, None).await,
             (Kind::File { file, .. }, Prepared::Line(line)) => {
                 use std::io::Write;
                 let mut f = file.lock().map_err(|_| "file lock poisoned".to_string())?;
@@ -313,6 +264,136 @@ impl Effector {
                 Ok(Vec::new())
             }
             _ => Err("internal error: prepared effect of another kind".into()),
+        }
+    }
+
+    /// Run a `redis` effect and its completed record `mark` in one MULTI/EXEC (the sink's
+    /// idempotency store is the same Redis). A command that fails inside the transaction
+    /// takes the mark out again, so a failure is never recorded as completed.
+    ///
+    /// After a lost reply (the connection failed once the transaction was sent) the sink
+    /// first closes the old connection on the server (`CLIENT KILL ID`), so a transaction
+    /// still in flight on it can no longer run, then reads the record: holding `mark` means
+    /// the transaction ran (the effect is done; its reply is lost, so its result says so),
+    /// anything else means it did not, and it is sent again. MULTI/EXEC runs all or
+    /// nothing, so the command never runs without its mark, nor twice.
+    ///
+    /// # Errors
+    /// As [`Effector::run`]; [`EffectError::unknown`] when the record cannot be read back
+    /// within the retry window after a lost reply.
+    pub async fn run_redis_in_transaction(
+        &self,
+        prep: &Prepared,
+        mark: &TransactionMark,
+    ) -> Result<Vec<u8>, EffectError> {
+        match (&self.kind, prep) {
+            (Kind::Redis { link, .. }, Prepared::Redis(args)) => {
+                self.redis(link, args, Some(mark)).await
+            }
+            _ => Err("internal error: a Redis transaction for another effect".into()),
+        }
+    }
+
+    async fn redis(
+        &self,
+        link: &RedisLink,
+        args: &[Vec<u8>],
+        mark: Option<&TransactionMark>,
+    ) -> Result<Vec<u8>, EffectError> {
+        let name = String::from_utf8_lossy(&args[0]).to_ascii_uppercase();
+        let idempotent = redis_command_is_idempotent(args);
+        let deadline = Instant::now() + self.retry_for;
+        let mut pause = Duration::from_millis(100);
+        let mut cmd = redis::cmd(&name);
+        for a in &args[1..] {
+            cmd.arg(a);
+        }
+        loop {
+            // Not connected: nothing was sent, so any command may be tried again.
+            let Linked {
+                conn: mut c,
+                id,
+                generation,
+            } = match link.get().await {
+                Ok(l) => l,
+                Err(e) if Instant::now() + pause < deadline => {
+                    tracing::warn!(sink = %self.sink, error = %e, "redis sink: cannot connect; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+                Err(e) => return Err(format!("redis: {e}").into()),
+            };
+            let r = match mark {
+                None => cmd.query_async::<redis::Value>(&mut c).await,
+                Some(m) => redis::pipe()
+                    .atomic()
+                    .add_command(cmd.clone())
+                    .cmd("SET")
+                    .arg(&m.key)
+                    .arg(&m.value)
+                    .arg("PX")
+                    .arg(m.ttl_ms)
+                    .ignore()
+                    .query_async::<Vec<redis::Value>>(&mut c)
+                    .await
+                    .map(|mut v| v.pop().unwrap_or(redis::Value::Nil)),
+            };
+            let e = match r {
+                Ok(v) => return Ok(redis_result(&v)),
+                Err(e) => e,
+            };
+            let transport = e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_connection_refusal()
+                || e.is_timeout();
+            if !transport {
+                // Redis answered with an error. Inside MULTI/EXEC the other commands ran:
+                // take the mark out again.
+                if let Some(m) = mark {
+                    if let Err(e2) = link.release_mark(m).await {
+                        tracing::warn!(sink = %self.sink, error = %e2, "redis sink: could not take out the completed mark of a failed command; it expires with the completed TTL");
+                    }
+                }
+                return Err(format!("redis: {e}").into());
+            }
+            link.forget(generation).await;
+            // Refused: the command was not sent. Otherwise it may have run.
+            let sent = !e.is_connection_refusal();
+            if sent {
+                match mark {
+                    Some(m) => match link.settle(id, m, deadline).await {
+                        Ok(true) => {
+                            tracing::warn!(sink = %self.sink, command = %name, error = %e, "redis sink: reply lost, but the transaction ran (its completed mark is there): done");
+                            return Ok(format!(
+                                "{name}: done (the reply was lost; its transaction ran)"
+                            )
+                            .into_bytes());
+                        }
+                        Ok(false) => {
+                            tracing::warn!(sink = %self.sink, command = %name, error = %e, "redis sink: reply lost and the transaction did not run; sending it again");
+                        }
+                        Err(why) => {
+                            return Err(EffectError::unknown(format!(
+                                "redis: the outcome of {name} is unknown: the connection failed after its transaction was sent ({e}), and whether it ran could not be read back ({why})"
+                            )));
+                        }
+                    },
+                    None if !idempotent => {
+                        tracing::error!(sink = %self.sink, command = %name, error = %e, "redis sink: outcome unknown; not retried (not idempotent): dead-lettering the record");
+                        return Err(EffectError::unknown(format!(
+                            "redis: the outcome of {name} is unknown: the connection failed after it was sent ({e}); {name} is not idempotent, so it is not retried (it may have run once). An idempotency store on the sink's own Redis would make this case safe"
+                        )));
+                    }
+                    None => {}
+                }
+            }
+            if Instant::now() + pause >= deadline {
+                return Err(format!("redis: {e}").into());
+            }
+            tracing::warn!(sink = %self.sink, error = %e, "redis sink: retrying");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -404,6 +485,184 @@ impl Effector {
 /// How long one connection attempt of a `redis` sink may take.
 const REDIS_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a `redis` sink waits for one reply; past it the outcome is treated as after a
+/// dropped connection.
+const REDIS_RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether running Redis command `args` twice leaves the same state as running it once, so
+/// that it may be sent again after a lost reply. An allow-list: a command not on it
+/// (INCR, INCRBY, INCRBYFLOAT, DECR, DECRBY, HINCRBY, HINCRBYFLOAT, ZINCRBY, XADD, LPUSH,
+/// RPUSH, LPUSHX, RPUSHX, APPEND, PUBLISH, LPOP, RPOP, SPOP, LMOVE, EVAL, ...) counts as not
+/// idempotent, and so does `ZADD ... INCR`. EXPIRE and PEXPIRE are on the list although a
+/// repeat restarts the relative expiry.
+pub fn redis_command_is_idempotent(args: &[Vec<u8>]) -> bool {
+    let Some(name) = args.first() else {
+        return false;
+    };
+    let name = String::from_utf8_lossy(name).to_ascii_uppercase();
+    match name.as_str() {
+        "SET" | "SETNX" | "SETEX" | "PSETEX" | "MSET" | "MSETNX" | "HSET" | "HMSET" | "HSETNX"
+        | "HDEL" | "DEL" | "UNLINK" | "EXPIRE" | "PEXPIRE" | "EXPIREAT" | "PEXPIREAT"
+        | "PERSIST" | "SADD" | "SREM" | "ZREM" | "PFADD" | "SETBIT" | "SETRANGE" | "LSET"
+        | "GEOADD" => true,
+        "ZADD" => !args[1..].iter().any(|a| a.eq_ignore_ascii_case(b"INCR")),
+        _ => false,
+    }
+}
+
+/// The connection of a `redis` sink: one multiplexed connection, opened on first use and
+/// again after a failure, with its server-side client id (`CLIENT ID`), so that after a
+/// lost reply the server can be told to close it ([`RedisLink::settle`]).
+struct RedisLink {
+    url: String,
+    cur: tokio::sync::Mutex<Option<Linked>>,
+    /// Connections opened so far.
+    opened: std::sync::atomic::AtomicU64,
+}
+
+/// One connection of a [`RedisLink`].
+#[derive(Clone)]
+struct Linked {
+    conn: redis::aio::MultiplexedConnection,
+    /// Its client id on the server, when the server gave it.
+    id: Option<i64>,
+    /// Which connection of the link it is (1, 2, ...).
+    generation: u64,
+}
+
+impl RedisLink {
+    fn new(url: String) -> Self {
+        RedisLink {
+            url,
+            cur: tokio::sync::Mutex::new(None),
+            opened: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// The connection, opened if needed.
+    async fn get(&self) -> Result<Linked, redis::RedisError> {
+        let mut cur = self.cur.lock().await;
+        if let Some(l) = &*cur {
+            return Ok(l.clone());
+        }
+        let client = redis::Client::open(self.url.as_str())
+            .map_err(|e| redis::RedisError::from((e.kind(), "invalid redis URL")))?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(REDIS_CONNECT_TIMEOUT)
+            .set_response_timeout(REDIS_RESPONSE_TIMEOUT);
+        let mut c = match tokio::time::timeout(
+            REDIS_CONNECT_TIMEOUT * 2,
+            client.get_multiplexed_async_connection_with_config(&cfg),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connect timed out",
+                )))
+            }
+        };
+        // Without it (an ACL may forbid CLIENT) a lost reply inside a transaction cannot
+        // be settled and ends as unknown.
+        let id = redis::cmd("CLIENT")
+            .arg("ID")
+            .query_async::<i64>(&mut c)
+            .await
+            .ok();
+        let l = Linked {
+            conn: c,
+            id,
+            generation: self
+                .opened
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1,
+        };
+        *cur = Some(l.clone());
+        Ok(l)
+    }
+
+    /// Drop the connection of `generation` (it failed); the next [`RedisLink::get`] opens
+    /// a new one.
+    async fn forget(&self, generation: u64) {
+        let mut cur = self.cur.lock().await;
+        if cur.as_ref().map(|l| l.generation) == Some(generation) {
+            *cur = None;
+        }
+    }
+
+    /// After a lost reply on the connection with client id `old`: close that connection on
+    /// the server, so that nothing it sent can still run, then read whether the
+    /// transaction of `mark` ran. Retried until `deadline`.
+    ///
+    /// # Errors
+    /// Why it cannot be told: no client id to close, or Redis unreachable until `deadline`.
+    async fn settle(
+        &self,
+        old: Option<i64>,
+        mark: &TransactionMark,
+        deadline: Instant,
+    ) -> Result<bool, String> {
+        let Some(old) = old else {
+            return Err("the server gave no CLIENT ID for the connection, so it cannot be closed before reading".into());
+        };
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let r = async {
+                let Linked {
+                    conn: mut c,
+                    generation,
+                    ..
+                } = self.get().await?;
+                let r = async {
+                    // The number closed (0: it is gone already); either way nothing more
+                    // can run from it.
+                    redis::cmd("CLIENT")
+                        .arg("KILL")
+                        .arg("ID")
+                        .arg(old)
+                        .query_async::<i64>(&mut c)
+                        .await?;
+                    redis::cmd("GET")
+                        .arg(&mark.key)
+                        .query_async::<Option<Vec<u8>>>(&mut c)
+                        .await
+                }
+                .await;
+                if r.is_err() {
+                    self.forget(generation).await;
+                }
+                r
+            }
+            .await;
+            match r {
+                Ok(v) => return Ok(v.as_deref() == Some(mark.value.as_slice())),
+                Err(e) if Instant::now() + pause < deadline => {
+                    tracing::warn!(error = %e, "redis sink: cannot read back a transaction's mark yet; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(format!("redis: {e}")),
+            }
+        }
+    }
+
+    /// Take `mark` out again when its command failed inside the transaction (only while
+    /// it is still there).
+    async fn release_mark(&self, mark: &TransactionMark) -> Result<(), redis::RedisError> {
+        let mut c = self.get().await?.conn;
+        redis::cmd("EVAL")
+            .arg(RELEASE_LUA)
+            .arg(1)
+            .arg(&mark.key)
+            .arg(&mark.value)
+            .query_async::<i64>(&mut c)
+            .await
+            .map(|_| ())
+    }
+}
+
 /// The stored result of a Redis command: a status or string reply as its bytes, an integer as
 /// decimal text, anything else in its debug form.
 fn redis_result(v: &redis::Value) -> Vec<u8> {
@@ -485,6 +744,43 @@ async fn pg_once(
             let n = tx.execute(&stmt, &args).await?;
             tx.commit().await?;
             Ok(Outcome::Done(format!("{n} rows").into_bytes()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redis_command_is_idempotent as idem;
+
+    fn args(a: &[&str]) -> Vec<Vec<u8>> {
+        a.iter().map(|s| s.as_bytes().to_vec()).collect()
+    }
+
+    #[test]
+    fn redis_commands_are_idempotent_only_when_listed() {
+        for ok in [
+            &["SET", "k", "v"][..],
+            &["hset", "h", "f", "v"],
+            &["DEL", "k"],
+            &["EXPIRE", "k", "60"],
+            &["SADD", "s", "m"],
+            &["ZADD", "z", "1", "m"],
+        ] {
+            assert!(idem(&args(ok)), "{ok:?}");
+        }
+        for not in [
+            &["INCRBY", "k", "5"][..],
+            &["INCR", "k"],
+            &["HINCRBY", "h", "f", "1"],
+            &["XADD", "s", "*", "f", "v"],
+            &["LPUSH", "l", "v"],
+            &["RPUSH", "l", "v"],
+            &["ZADD", "z", "incr", "1", "m"],
+            &["EVAL", "return 1", "0"],
+            &["SOMETHING.NEW", "k"],
+            &[],
+        ] {
+            assert!(!idem(&args(not)), "{not:?}");
         }
     }
 }

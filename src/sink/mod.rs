@@ -13,6 +13,12 @@
 //!   flight, with a lease), run the effect, mark it completed with its result.
 //! - `store: none`: no protection (at-least-once), for measurements and idempotent targets.
 //!
+//! A `redis` sink whose store is `redis` with the same URL runs its command and the
+//! completed record in one MULTI/EXEC, so a lost reply can be settled by reading the record
+//! ([`effects::Effector::run_redis_in_transaction`]). Without that, a command that is not
+//! idempotent ([`effects::redis_command_is_idempotent`]) is never sent again after a lost
+//! reply: the record is dead-lettered with its outcome unknown ([`protocol::EffectError`]).
+//!
 //! A key that renders empty, names a missing field, or is longer than `max_key_bytes` fails
 //! the record (dead letter, with the reason); the effect never runs without its key.
 //!
@@ -29,8 +35,8 @@ pub mod template;
 
 use crate::processor::key::KeySource;
 use crate::topology::{Format, Stage, StageKind};
-pub use protocol::{InFlight, OnStoreError, Outcome, Policy};
-use std::path::PathBuf;
+pub use protocol::{EffectError, InFlight, OnStoreError, Outcome, Policy};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 pub use template::Template;
 
@@ -169,10 +175,15 @@ impl EffectSpec {
 pub enum StoreSpec {
     /// No protection: effects are at-least-once.
     None,
-    /// Local sled database at `path` (one tree per topology and sink).
+    /// Local sled database (one tree per topology and sink), in the instance's state dir:
+    /// one instance only. Bound to a state dir before it runs ([`bind_state_dir`]: `App::run`
+    /// and `TestDriver::state_dir` do it), so that it is covered by the state dir's lock and
+    /// two instances with different state dirs never share it.
     Sled {
-        /// Database directory.
-        path: PathBuf,
+        /// Database directory: `None` (the default) is [`sled_home`]`(state.dir,
+        /// application.id)`; a relative path is taken under `state.dir`; an absolute path is
+        /// used as it is (outside the state dir, the lock does not cover it).
+        path: Option<PathBuf>,
     },
     /// Redis, shared by instances.
     Redis {
@@ -193,7 +204,10 @@ impl StoreSpec {
     fn describe(&self) -> String {
         match self {
             StoreSpec::None => "none".into(),
-            StoreSpec::Sled { path } => format!("sled({})", path.display()),
+            StoreSpec::Sled { path: Some(p) } => format!("sled({})", p.display()),
+            StoreSpec::Sled { path: None } => {
+                "sled(<state.dir>/idempotency/<application.id>)".into()
+            }
             StoreSpec::Redis { url, .. } => format!("redis({})", url.describe()),
             StoreSpec::Postgres { table } => format!("postgres-inbox({table})"),
         }
@@ -418,6 +432,34 @@ pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Ve
         }
     }
     errs
+}
+
+/// The default directory of the sled idempotency store of application `application_id`
+/// with state dir `state_dir`: `<state.dir>/idempotency/<application.id>`, next to the
+/// dedup stores' database `<state.dir>/<application.id>`. One sled database for all the
+/// application's sinks, one tree per topology and sink.
+pub fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
+    state_dir.join("idempotency").join(application_id)
+}
+
+/// Bind the sled idempotency stores of `stages` to a state dir: a default path becomes
+/// [`sled_home`], a relative one is joined to `state_dir`, and both are made absolute
+/// (a relative `state_dir` is taken from the working directory now, as the dedup stores'
+/// database is). A bound path is absolute, so binding twice changes nothing; the sink
+/// refuses an unbound (default or relative) path rather than guess a directory.
+pub fn bind_state_dir(stages: &mut [Stage], state_dir: &Path, application_id: &str) {
+    let state_dir = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    for st in stages {
+        if let StageKind::External(spec) = &mut st.kind {
+            if let StoreSpec::Sled { path } = &mut spec.store {
+                *path = Some(match path.take() {
+                    None => sled_home(&state_dir, application_id),
+                    Some(p) if p.is_relative() => state_dir.join(p),
+                    Some(p) => p,
+                });
+            }
+        }
+    }
 }
 
 /// The longest an HTTP effect can take: every try timing out, plus the backoffs between.

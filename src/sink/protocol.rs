@@ -75,6 +75,53 @@ impl Default for Policy {
     }
 }
 
+/// Why an effect did not end as done.
+///
+/// `unknown` marks an effect whose outcome cannot be known: a command that is not
+/// idempotent was sent, and the connection failed before its reply came back. Such an
+/// effect is neither retried nor released: the record goes to the dead-letter topic with
+/// `reason`, counted as `unknown`, and its key stays in flight until its lease expires, so
+/// a redelivery inside the lease does not run it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectError {
+    /// A sentence for the dead-letter topic.
+    pub reason: String,
+    /// The effect may or may not have run.
+    pub unknown: bool,
+}
+
+impl EffectError {
+    /// An effect whose outcome is unknown (see the type's documentation).
+    pub fn unknown(reason: impl Into<String>) -> Self {
+        EffectError {
+            reason: reason.into(),
+            unknown: true,
+        }
+    }
+}
+
+impl From<String> for EffectError {
+    /// A failed effect: it did not take place.
+    fn from(reason: String) -> Self {
+        EffectError {
+            reason,
+            unknown: false,
+        }
+    }
+}
+
+impl From<&str> for EffectError {
+    fn from(reason: &str) -> Self {
+        EffectError::from(reason.to_string())
+    }
+}
+
+impl std::fmt::Display for EffectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
 /// How an effect ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -128,20 +175,23 @@ where
 /// Run `effect` at most once for `key` under `policy`.
 ///
 /// `effect` does its own retries (HTTP backoff); an `Err` from it is final for this attempt:
-/// the reservation is released and the reason returned.
+/// the reservation is released and the reason returned, except when the effect's outcome
+/// is unknown ([`EffectError::unknown`]): then the reservation is kept until its lease
+/// expires, since the effect may have run.
 ///
 /// # Errors
-/// A sentence for the dead-letter topic: the effect failed, the store stayed unreachable
-/// (fail_closed), or the key stayed in flight elsewhere past `in_flight_give_up`.
+/// A sentence for the dead-letter topic: the effect failed or its outcome is unknown, the
+/// store stayed unreachable (fail_closed), or the key stayed in flight elsewhere past
+/// `in_flight_give_up`.
 pub async fn run_once<F, Fut>(
     store: &dyn IdempotencyStore,
     key: &[u8],
     policy: &Policy,
     mut effect: F,
-) -> Result<Outcome, String>
+) -> Result<Outcome, EffectError>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Vec<u8>, String>>,
+    Fut: Future<Output = Result<Vec<u8>, EffectError>>,
 {
     let started = Instant::now();
     let token: u64 = rand::random();
@@ -157,7 +207,8 @@ where
                     return Err(format!(
                         "idempotency store unreachable for {:?} (fail_closed; effect not run): {e}",
                         policy.store_retry_for
-                    ))
+                    )
+                    .into())
                 }
                 OnStoreError::FailOpen => {
                     tracing::warn!(error = %e, "idempotency store unreachable: running the effect unprotected (fail_open)");
@@ -179,6 +230,10 @@ where
                             tracing::error!(error = %e, "effect done but its completed mark could not be stored; a redelivery after the lease may repeat it");
                         }
                         Ok(Outcome::Done(result))
+                    }
+                    Err(e) if e.unknown => {
+                        tracing::error!(reason = %e, "effect outcome unknown: its key stays in flight until the lease expires");
+                        Err(e)
                     }
                     Err(reason) => {
                         let deadline = Instant::now() + policy.store_retry_for;
@@ -219,12 +274,23 @@ where
                     return Err(format!(
                         "effect key still in flight elsewhere after {:?}",
                         policy.in_flight_give_up
-                    ));
+                    )
+                    .into());
                 }
                 tokio::time::sleep(policy.raise_backoff).await;
             }
         }
     }
+}
+
+/// A two-thread runtime for the tests below.
+#[cfg(test)]
+fn test_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 #[cfg(test)]
@@ -234,13 +300,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
+    use super::test_runtime as rt;
 
     fn quick() -> Policy {
         Policy {
@@ -280,13 +340,27 @@ mod tests {
         rt().block_on(async {
             let s = MemoryStore::new();
             let r = run_once(&s, b"k", &quick(), || async {
-                Err::<Vec<u8>, _>("boom".to_string())
+                Err::<Vec<u8>, _>("boom".into())
             })
             .await;
             assert_eq!(r, Err("boom".into()));
             assert_eq!(s.lookup(b"k").await.unwrap(), None);
             let r = run_once(&s, b"k", &quick(), || async { Ok(b"ok".to_vec()) }).await;
             assert_eq!(r, Ok(Outcome::Done(b"ok".to_vec())));
+        });
+    }
+
+    #[test]
+    fn an_unknown_outcome_keeps_the_reservation_until_its_lease() {
+        rt().block_on(async {
+            let s = MemoryStore::new();
+            let r = run_once(&s, b"k", &quick(), || async {
+                Err::<Vec<u8>, _>(EffectError::unknown("reply lost"))
+            })
+            .await;
+            assert_eq!(r, Err(EffectError::unknown("reply lost")));
+            // Not released (it may have run), not completed (it may not have).
+            assert_eq!(s.lookup(b"k").await.unwrap(), Some(Reservation::InFlight));
         });
     }
 
@@ -315,7 +389,13 @@ mod tests {
         });
     }
 
-    async fn twins(policy: Policy) -> (Result<Outcome, String>, Result<Outcome, String>, usize) {
+    async fn twins(
+        policy: Policy,
+    ) -> (
+        Result<Outcome, EffectError>,
+        Result<Outcome, EffectError>,
+        usize,
+    ) {
         let s = MemoryStore::new();
         let n = Arc::new(AtomicUsize::new(0));
         let slow = {
@@ -336,11 +416,13 @@ mod tests {
         (a, b, n.load(Ordering::SeqCst))
     }
 
-    #[test]
-    fn twin_waits_for_the_result() {
+    /// Twins under `in_flight`: one effect; the first is done, the second skipped with its
+    /// result.
+    fn twins_make_one_effect(in_flight: InFlight) {
         rt().block_on(async {
             let p = Policy {
                 lease: Duration::from_secs(5),
+                in_flight,
                 ..quick()
             };
             let (a, b, n) = twins(p).await;
@@ -351,18 +433,13 @@ mod tests {
     }
 
     #[test]
+    fn twin_waits_for_the_result() {
+        twins_make_one_effect(quick().in_flight);
+    }
+
+    #[test]
     fn twin_raises_then_is_skipped_as_completed() {
-        rt().block_on(async {
-            let p = Policy {
-                lease: Duration::from_secs(5),
-                in_flight: InFlight::Raise,
-                ..quick()
-            };
-            let (a, b, n) = twins(p).await;
-            assert_eq!(a, Ok(Outcome::Done(b"result-1".to_vec())));
-            assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"result-1".to_vec())));
-            assert_eq!(n, 1);
-        });
+        twins_make_one_effect(InFlight::Raise);
     }
 
     #[test]
@@ -376,7 +453,7 @@ mod tests {
                 ..quick()
             };
             let r = run_once(&s, b"k", &p, || async { Ok(b"x".to_vec()) }).await;
-            assert!(r.unwrap_err().contains("still in flight"));
+            assert!(r.unwrap_err().reason.contains("still in flight"));
         });
     }
 
@@ -398,7 +475,7 @@ mod tests {
             // A long one: closed never runs the effect.
             s.fail_next(1000);
             let r = run_once(&s, b"b", &quick(), eff).await;
-            assert!(r.unwrap_err().contains("fail_closed"));
+            assert!(r.unwrap_err().reason.contains("fail_closed"));
             assert_eq!(n.load(Ordering::SeqCst), 1);
             // Open runs it, unprotected.
             let p = Policy {
@@ -457,10 +534,7 @@ mod real_store_tests {
         );
         // A failure releases and never marks done.
         let f = k("fails");
-        let r = run_once(&*s, &f, &p, || async {
-            Err::<Vec<u8>, _>("boom".to_string())
-        })
-        .await;
+        let r = run_once(&*s, &f, &p, || async { Err::<Vec<u8>, _>("boom".into()) }).await;
         assert_eq!(r, Err("boom".into()));
         assert_eq!(s.lookup(&f).await.unwrap(), None);
         // A dead holder's lease expires; the next attempt runs.
@@ -493,13 +567,7 @@ mod real_store_tests {
         assert_eq!(n.load(Ordering::SeqCst), 3);
     }
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
+    use super::test_runtime as rt;
 
     #[test]
     fn sled_store_keeps_the_protocol() {

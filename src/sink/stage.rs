@@ -12,9 +12,9 @@
 //! `onceflow.effect.result` (the stored result).
 
 use super::effects::{Effector, Prepared};
-use super::protocol::{run_once, Outcome};
+use super::protocol::{run_once, EffectError, Outcome};
 use super::store::{IdempotencyStore, RedisStore, SledStore};
-use super::{ExternalSinkSpec, KeyRule, StoreSpec};
+use super::{EffectSpec, ExternalSinkSpec, KeyRule, StoreSpec};
 use crate::error::{Error, RecordError};
 use crate::processor::{Context, Processor, Record, StageError};
 use bytes::Bytes;
@@ -36,7 +36,11 @@ struct Shared {
     spec: ExternalSinkSpec,
     effector: Result<Effector, String>,
     store: OnceCell<Option<Arc<dyn IdempotencyStore>>>,
-    counters: [metrics::Counter; 4],
+    /// A `redis` sink whose idempotency store is the same Redis (same URL): its command
+    /// and completed record run in one MULTI/EXEC ([`Effector::run_redis_in_transaction`]).
+    redis_transaction: bool,
+    /// done, skipped_duplicate, unprotected, failed, unknown.
+    counters: [metrics::Counter; 5],
 }
 
 impl Shared {
@@ -45,19 +49,19 @@ impl Shared {
             .get_or_try_init(|| async {
                 Ok::<_, String>(match &self.spec.store {
                     StoreSpec::None | StoreSpec::Postgres { .. } => None,
-                    StoreSpec::Sled { path } => Some(Arc::new(
-                        SledStore::open(path, &self.scope).map_err(|e| e.0)?,
-                    )
-                        as Arc<dyn IdempotencyStore>),
-                    StoreSpec::Redis { url, prefix } => {
+                    StoreSpec::Sled { .. } => {
+                        let path = self.sled_path()?;
+                        Some(
+                            Arc::new(SledStore::open(path, &self.scope).map_err(|e| e.0)?)
+                                as Arc<dyn IdempotencyStore>,
+                        )
+                    }
+                    StoreSpec::Redis { url, .. } => {
                         let url = url.resolve().map_err(|e| format!("idempotency.url: {e}"))?;
-                        let prefix = prefix
-                            .clone()
-                            .unwrap_or_else(|| format!("onceflow:{}:", self.scope));
                         Some(Arc::new(
                             RedisStore::connect(
                                 &url,
-                                prefix.as_bytes(),
+                                self.redis_prefix().as_bytes(),
                                 std::time::Duration::from_secs(2),
                             )
                             .await
@@ -70,14 +74,46 @@ impl Shared {
             .cloned()
     }
 
-    async fn effect(&self, key: Vec<u8>, prep: Prepared) -> Result<Outcome, String> {
+    /// The directory of a sled store: an absolute path, as [`super::bind_state_dir`] makes it.
+    ///
+    /// # Errors
+    /// The store was not bound to a state dir (default or relative path).
+    fn sled_path(&self) -> Result<&std::path::Path, String> {
+        match &self.spec.store {
+            StoreSpec::Sled { path: Some(p) } if p.is_absolute() => Ok(p),
+            StoreSpec::Sled { path } => Err(format!(
+                "the sled idempotency store has no state dir to live in ({}): the topology was not bound to one (App::run binds it to state.dir; in tests use TestDriver::state_dir)",
+                match path {
+                    Some(p) => format!("relative path {}", p.display()),
+                    None => "default path".into(),
+                }
+            )),
+            _ => Err("internal error: not a sled store".into()),
+        }
+    }
+
+    /// The key prefix of a Redis store (default `onceflow:<topology>/<sink>:`).
+    fn redis_prefix(&self) -> String {
+        match &self.spec.store {
+            StoreSpec::Redis {
+                prefix: Some(p), ..
+            } => p.clone(),
+            _ => format!("onceflow:{}:", self.scope),
+        }
+    }
+
+    async fn effect(&self, key: Vec<u8>, prep: Prepared) -> Result<Outcome, EffectError> {
         let eff = self.effector.as_ref().map_err(|e| e.clone())?;
         let policy = &self.spec.policy;
         if let StoreSpec::Postgres { table } = &self.spec.store {
-            return eff.run_with_inbox(table, &self.scope, &key, &prep).await;
+            return Ok(eff.run_with_inbox(table, &self.scope, &key, &prep).await?);
         }
         if matches!(self.spec.store, StoreSpec::None) {
             return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+        }
+        if matches!(self.spec.store, StoreSpec::Sled { .. }) {
+            // A setting, not an outage: no retry.
+            self.sled_path()?;
         }
         // Connecting is retried like any store operation (Redis may be down at start-up).
         let deadline = std::time::Instant::now() + policy.store_retry_for;
@@ -99,7 +135,8 @@ impl Shared {
                 return match policy.on_store_error {
                     super::OnStoreError::FailClosed => Err(format!(
                         "idempotency store unavailable (fail_closed; effect not run): {e}"
-                    )),
+                    )
+                    .into()),
                     super::OnStoreError::FailOpen => {
                         tracing::warn!(sink = %self.name, error = %e, "idempotency store unavailable: running unprotected (fail_open)");
                         eff.run(Some(&key), &prep).await.map(Outcome::Unprotected)
@@ -110,6 +147,17 @@ impl Shared {
         let Some(store) = store else {
             return eff.run(Some(&key), &prep).await.map(Outcome::Done);
         };
+        if self.redis_transaction {
+            let prefix = self.redis_prefix();
+            let prep = &prep;
+            return run_once(store.as_ref(), &key, policy, || {
+                // A fresh mark per run of the effect: a lost reply is settled by its own mark.
+                let mark =
+                    RedisStore::transaction_mark(prefix.as_bytes(), &key, policy.completed_ttl);
+                async move { eff.run_redis_in_transaction(prep, &mark).await }
+            })
+            .await;
+        }
         run_once(store.as_ref(), &key, policy, || eff.run(Some(&key), &prep)).await
     }
 }
@@ -117,7 +165,7 @@ impl Shared {
 struct Pending {
     key: Vec<u8>,
     record: Record,
-    handle: tokio::task::JoinHandle<Result<Outcome, String>>,
+    handle: tokio::task::JoinHandle<Result<Outcome, EffectError>>,
 }
 
 /// The external sink processor of one task.
@@ -139,6 +187,12 @@ impl ExternalSink {
         if let Err(e) = &effector {
             tracing::error!(sink = name, error = %e, "sink cannot be set up; its records are dead-lettered");
         }
+        let redis_transaction = match (&spec.effect, &spec.store) {
+            (EffectSpec::Redis(r), StoreSpec::Redis { url, .. }) => {
+                matches!((r.url.resolve(), url.resolve()), (Ok(a), Ok(b)) if a == b)
+            }
+            _ => false,
+        };
         ExternalSink {
             shared: Arc::new(Shared {
                 name: name.to_string(),
@@ -146,11 +200,13 @@ impl ExternalSink {
                 spec: spec.clone(),
                 effector,
                 store: OnceCell::new(),
+                redis_transaction,
                 counters: [
                     c("done"),
                     c("skipped_duplicate"),
                     c("unprotected"),
                     c("failed"),
+                    c("unknown"),
                 ],
             }),
             in_flight: VecDeque::new(),
@@ -188,7 +244,7 @@ impl ExternalSink {
             return;
         };
         let r = futures::executor::block_on(p.handle)
-            .unwrap_or_else(|e| Err(format!("internal error: effect task failed: {e}")));
+            .unwrap_or_else(|e| Err(format!("internal error: effect task failed: {e}").into()));
         let s = &self.shared;
         match r {
             Ok(o) => {
@@ -218,11 +274,17 @@ impl ExternalSink {
                     ctx.forward(rec);
                 }
             }
-            Err(reason) => {
-                s.counters[3].increment(1);
-                tracing::warn!(sink = %s.name, partition = p.record.source.partition, offset = p.record.source.offset, %reason, "effect failed: dead-lettering the record");
+            Err(e) if e.unknown => {
+                s.counters[4].increment(1);
+                tracing::error!(sink = %s.name, partition = p.record.source.partition, offset = p.record.source.offset, reason = %e, "effect outcome unknown: dead-lettering the record");
                 self.failed
-                    .push((p.record, RecordError::new(&s.name, reason)));
+                    .push((p.record, RecordError::new(&s.name, e.reason)));
+            }
+            Err(e) => {
+                s.counters[3].increment(1);
+                tracing::warn!(sink = %s.name, partition = p.record.source.partition, offset = p.record.source.offset, reason = %e, "effect failed: dead-lettering the record");
+                self.failed
+                    .push((p.record, RecordError::new(&s.name, e.reason)));
             }
         }
     }

@@ -9,6 +9,9 @@
 //! - [`SledStore`]: one instance, local disk (a sled tree per sink);
 //! - [`RedisStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
 //!
+//! The memory and sled stores share one implementation of the steps over a [`LocalMap`]
+//! (get, compare-and-swap, put, persist); only the map differs.
+//!
 //! The PostgreSQL inbox is not a store of this kind: its row commits in the sink's own
 //! transaction (see `sink::effects`).
 
@@ -105,7 +108,6 @@ fn encode_completed(result: &[u8], expires: u64) -> Vec<u8> {
     v
 }
 
-/// Decode a stored entry as seen at time `now`: `None` when free (absent, expired, or not ours).
 /// What a reserve with `token` finds in a stored entry: `None` when the key is free
 /// (absent or expired), `Acquired` when the reservation is this token's own (a retried call
 /// whose first reply was lost), else the entry's state.
@@ -116,6 +118,8 @@ fn held(v: &[u8], now: u64, token: u64) -> Option<Reservation> {
     }
 }
 
+/// Decode a stored entry as seen at time `now`: `None` when free (absent or expired), else
+/// its state with the holder's token when in flight.
 fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
     let u = |b: &[u8]| u64::from_be_bytes(b.try_into().unwrap_or([0; 8]));
     match v.first() {
@@ -129,11 +133,131 @@ fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
     }
 }
 
+/// The map under a local store (memory, sled): the few operations the reservation steps
+/// are made of. The steps themselves are written once, in the [`IdempotencyStore`]
+/// implementation for every `LocalMap`, over the entry encoding above.
+pub trait LocalMap: Send + Sync {
+    /// Called once at the start of every store operation (the memory store counts
+    /// operations and fails injected ones here).
+    ///
+    /// # Errors
+    /// [`StoreError`] to fail the operation.
+    fn begin(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// The entry of `key`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the map cannot be read.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+
+    /// Atomically set `key` to `new` (`None`: remove it) if it still holds `old` (`None`:
+    /// absent). `Ok(false)` when it held something else.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the map cannot be written.
+    fn swap(
+        &self,
+        key: &[u8],
+        old: Option<&[u8]>,
+        new: Option<Vec<u8>>,
+    ) -> Result<bool, StoreError>;
+
+    /// Set `key` to `value`, whatever it held.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the map cannot be written.
+    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError>;
+
+    /// Make the writes so far durable (nothing by default).
+    ///
+    /// # Errors
+    /// [`StoreError`] when they cannot be made durable.
+    fn persist(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl<M: LocalMap> IdempotencyStore for M {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a [u8],
+        token: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move {
+            self.begin()?;
+            loop {
+                let now = now_ms();
+                let cur = self.get(key)?;
+                if let Some(r) = cur.as_deref().and_then(|v| held(v, now, token)) {
+                    return Ok(r);
+                }
+                let new = encode_in_flight(token, now + lease.as_millis() as u64);
+                if self.swap(key, cur.as_deref(), Some(new))? {
+                    return Ok(Reservation::Acquired);
+                }
+                // Raced: look again.
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a [u8],
+        result: &'a [u8],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.begin()?;
+            self.put(
+                key,
+                encode_completed(result, now_ms() + ttl.as_millis() as u64),
+            )?;
+            self.persist().await
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.begin()?;
+            let cur = self.get(key)?;
+            if let Some((Reservation::InFlight, Some(t))) =
+                cur.as_deref().and_then(|v| decode(v, now_ms()))
+            {
+                if t == token {
+                    // Lost a race: the entry changed, so it is not ours to drop any more.
+                    let _ = self.swap(key, cur.as_deref(), None)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        key: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+        Box::pin(async move {
+            self.begin()?;
+            Ok(self
+                .get(key)?
+                .as_deref()
+                .and_then(|v| decode(v, now_ms()))
+                .map(|r| r.0))
+        })
+    }
+}
+
+/// The memory store's entries: idempotency key → encoded entry.
+type Entries = HashMap<Vec<u8>, Vec<u8>>;
+
 /// In-process store for tests: a map behind a mutex, with real time for leases. It can be
 /// set to fail the next `n` operations, to exercise `on_store_error`.
 #[derive(Default, Clone)]
 pub struct MemoryStore {
-    map: Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>>,
+    map: Arc<Mutex<Entries>>,
     fail_next: Arc<AtomicUsize>,
     /// Operations served (reserve, complete, release, lookup), failed or not.
     pub ops: Arc<AtomicUsize>,
@@ -161,78 +285,42 @@ impl MemoryStore {
         }
     }
 
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&mut HashMap<Vec<u8>, Vec<u8>>) -> T,
-    ) -> Result<T, StoreError> {
-        self.check()?;
-        let mut m = self
-            .map
+    fn map(&self) -> Result<std::sync::MutexGuard<'_, Entries>, StoreError> {
+        self.map
             .lock()
-            .map_err(|_| StoreError("memory store poisoned".into()))?;
-        Ok(f(&mut m))
+            .map_err(|_| StoreError("memory store poisoned".into()))
     }
 }
 
-impl IdempotencyStore for MemoryStore {
-    fn reserve<'a>(
-        &'a self,
-        key: &'a [u8],
-        token: u64,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(async move {
-            self.with(|m| {
-                let now = now_ms();
-                if let Some(r) = m.get(key).and_then(|v| held(v, now, token)) {
-                    return r;
-                }
-                m.insert(
-                    key.to_vec(),
-                    encode_in_flight(token, now + lease.as_millis() as u64),
-                );
-                Reservation::Acquired
-            })
-        })
+impl LocalMap for MemoryStore {
+    fn begin(&self) -> Result<(), StoreError> {
+        self.check()
     }
 
-    fn complete<'a>(
-        &'a self,
-        key: &'a [u8],
-        result: &'a [u8],
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            self.with(|m| {
-                m.insert(
-                    key.to_vec(),
-                    encode_completed(result, now_ms() + ttl.as_millis() as u64),
-                );
-            })
-        })
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.map()?.get(key).cloned())
     }
 
-    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            self.with(|m| {
-                if let Some((Reservation::InFlight, Some(t))) =
-                    m.get(key).and_then(|v| decode(v, now_ms()))
-                {
-                    if t == token {
-                        m.remove(key);
-                    }
-                }
-            })
-        })
+    fn swap(
+        &self,
+        key: &[u8],
+        old: Option<&[u8]>,
+        new: Option<Vec<u8>>,
+    ) -> Result<bool, StoreError> {
+        let mut m = self.map()?;
+        if m.get(key).map(Vec::as_slice) != old {
+            return Ok(false);
+        }
+        match new {
+            Some(v) => m.insert(key.to_vec(), v),
+            None => m.remove(key),
+        };
+        Ok(true)
     }
 
-    fn lookup<'a>(
-        &'a self,
-        key: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
-        Box::pin(
-            async move { self.with(|m| m.get(key).and_then(|v| decode(v, now_ms())).map(|r| r.0)) },
-        )
+    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError> {
+        self.map()?.insert(key.to_vec(), value);
+        Ok(())
     }
 }
 
@@ -281,84 +369,39 @@ impl SledStore {
     }
 }
 
-impl IdempotencyStore for SledStore {
-    fn reserve<'a>(
-        &'a self,
-        key: &'a [u8],
-        token: u64,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(async move {
-            loop {
-                let now = now_ms();
-                let cur = self.tree.get(key).map_err(Self::err)?;
-                if let Some(r) = cur.as_deref().and_then(|v| held(v, now, token)) {
-                    return Ok(r);
-                }
-                let new = encode_in_flight(token, now + lease.as_millis() as u64);
-                match self
-                    .tree
-                    .compare_and_swap(key, cur, Some(new))
-                    .map_err(Self::err)?
-                {
-                    Ok(()) => return Ok(Reservation::Acquired),
-                    Err(_) => continue, // raced: look again
-                }
-            }
-        })
+impl LocalMap for SledStore {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.tree.get(key).map_err(Self::err)?.map(|v| v.to_vec()))
     }
 
-    fn complete<'a>(
-        &'a self,
-        key: &'a [u8],
-        result: &'a [u8],
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    fn swap(
+        &self,
+        key: &[u8],
+        old: Option<&[u8]>,
+        new: Option<Vec<u8>>,
+    ) -> Result<bool, StoreError> {
+        Ok(self
+            .tree
+            .compare_and_swap(key, old, new)
+            .map_err(Self::err)?
+            .is_ok())
+    }
+
+    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError> {
+        self.tree.insert(key, value).map_err(Self::err)?;
+        Ok(())
+    }
+
+    fn persist(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        // Durable before the record's offset can be committed. sled's flush_async stalled
+        // under many concurrent callers here; a blocking flush on the blocking pool does not.
+        let tree = self.tree.clone();
         Box::pin(async move {
-            self.tree
-                .insert(
-                    key,
-                    encode_completed(result, now_ms() + ttl.as_millis() as u64),
-                )
-                .map_err(Self::err)?;
-            // Durable before the record's offset can be committed. sled's flush_async stalled
-            // under many concurrent callers here; a blocking flush on the blocking pool does not.
-            let tree = self.tree.clone();
             tokio::task::spawn_blocking(move || tree.flush())
                 .await
                 .map_err(|e| StoreError(format!("sled flush task: {e}")))?
                 .map_err(Self::err)?;
             Ok(())
-        })
-    }
-
-    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let cur = self.tree.get(key).map_err(Self::err)?;
-            if let Some((Reservation::InFlight, Some(t))) =
-                cur.as_deref().and_then(|v| decode(v, now_ms()))
-            {
-                if t == token {
-                    let _ = self
-                        .tree
-                        .compare_and_swap(key, cur, None as Option<Vec<u8>>)
-                        .map_err(Self::err)?;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    fn lookup<'a>(
-        &'a self,
-        key: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
-        Box::pin(async move {
-            let cur = self.tree.get(key).map_err(Self::err)?;
-            Ok(cur
-                .as_deref()
-                .and_then(|v| decode(v, now_ms()))
-                .map(|r| r.0))
         })
     }
 }
@@ -373,8 +416,24 @@ pub struct RedisStore {
     op_timeout: Duration,
 }
 
-const RELEASE_LUA: &str =
+/// Delete `KEYS[1]` only while it holds `ARGV[1]` (atomic: a script).
+pub(crate) const RELEASE_LUA: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+/// The completed record a `redis` sink writes in the same MULTI/EXEC as its command, when
+/// its idempotency store is the same Redis (see `sink::effects`): the command and the
+/// record take effect together or not at all. Its result names one attempt (a random
+/// nonce), so after a lost reply the sink can read whether *this* attempt ran. Once the
+/// reply is in, the reservation protocol overwrites it with the command's real result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransactionMark {
+    /// The Redis key of the idempotency record: the store's prefix + the idempotency key.
+    pub key: Vec<u8>,
+    /// The record: `C` (completed) + `transaction <nonce>`.
+    pub value: Vec<u8>,
+    /// Its time to live, in milliseconds (the completed TTL).
+    pub ttl_ms: u64,
+}
 
 impl RedisStore {
     /// Connect to `url` (`redis://host:port/db`). Each operation times out after `op_timeout`.
@@ -415,6 +474,18 @@ impl RedisStore {
         let mut k = self.prefix.clone();
         k.extend_from_slice(key);
         k
+    }
+
+    /// A fresh [`TransactionMark`] for `key` in a store with key prefix `prefix`, kept for
+    /// `ttl` (the completed TTL).
+    pub fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
+        let mut k = prefix.to_vec();
+        k.extend_from_slice(key);
+        TransactionMark {
+            key: k,
+            value: format!("Ctransaction {:016x}", rand::random::<u64>()).into_bytes(),
+            ttl_ms: ttl.as_millis().max(1) as u64,
+        }
     }
 
     async fn q<T: redis::FromRedisValue>(&self, c: redis::Cmd) -> Result<T, StoreError> {

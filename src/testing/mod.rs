@@ -117,6 +117,14 @@ impl TestDriver {
         .with_tables()
     }
 
+    /// Bind the topology's local sink stores (the sled idempotency store) to state dir
+    /// `dir`, as `App::run` does with `state.dir`, with application id `test`. Without it a
+    /// sled store with no explicit absolute path fails its records (dead letter).
+    pub fn state_dir(mut self, dir: &std::path::Path) -> Self {
+        self.topology = self.topology.with_state_dir(dir, "test");
+        self
+    }
+
     /// Commit after every piped record (default `true`); with `false`, call [`Self::commit`].
     pub fn auto_commit(mut self, on: bool) -> Self {
         self.auto_commit = on;

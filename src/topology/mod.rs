@@ -94,6 +94,14 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// This topology with its external sinks' local stores bound to an instance's state
+    /// dir (see [`crate::sink::bind_state_dir`]); `App::run` calls it with `state.dir` and
+    /// `application.id`.
+    pub fn with_state_dir(mut self, state_dir: &std::path::Path, application_id: &str) -> Topology {
+        crate::sink::bind_state_dir(&mut self.stages, state_dir, application_id);
+        self
+    }
+
     /// The topology's name (a metric label).
     pub fn name(&self) -> &str {
         &self.name

@@ -181,7 +181,21 @@ pub fn start(
     env: &[(&str, &str)],
     extra: &[&str],
 ) -> Running {
+    start_in(None, names, sets, env, extra)
+}
+
+/// As [`start`], with the working directory `cwd` (default: the test's).
+pub fn start_in(
+    cwd: Option<&std::path::Path>,
+    names: &Names,
+    sets: &[(&str, String)],
+    env: &[(&str, &str)],
+    extra: &[&str],
+) -> Running {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
+    if let Some(d) = cwd {
+        cmd.current_dir(d);
+    }
     cmd.arg("run").arg(&names.topology);
     let mut all: Vec<(String, String)> = vec![
         ("application.id".into(), names.app.clone()),

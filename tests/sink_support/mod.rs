@@ -240,3 +240,120 @@ impl Drop for OwnRedis {
         self.stop();
     }
 }
+
+/// What a [`LossyProxy`] does to the first chunk from the client that holds its trigger.
+#[derive(Debug, Clone, Copy)]
+pub enum Fault {
+    /// Forward it, give the server 300 ms to run it, then close both sides without passing
+    /// the reply back: the client sees its connection drop after its command was sent (the
+    /// outcome is unknown to it), while the server ran it.
+    LoseReply,
+    /// Drop it and close both sides: the server never sees it, and the client cannot tell
+    /// this from a lost reply.
+    DropRequest,
+    /// Hold it this long, then forward it (if the server connection is still open) and
+    /// pass the reply on: a request delayed on the network past the client's timeout.
+    Delay(Duration),
+}
+
+/// A TCP proxy in front of a server that injects one [`Fault`]: the first time a chunk from
+/// the client contains `trigger`. Every other byte passes through unchanged.
+pub struct LossyProxy {
+    pub port: u16,
+    /// Faults injected so far (0 or 1).
+    pub cuts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LossyProxy {
+    /// Listen on a free port, forwarding to `upstream` on 127.0.0.1, losing one reply.
+    pub fn start(upstream: u16, trigger: &'static [u8]) -> LossyProxy {
+        Self::start_with(upstream, trigger, Fault::LoseReply)
+    }
+
+    /// As [`LossyProxy::start`], with another fault.
+    pub fn start_with(upstream: u16, trigger: &'static [u8], fault: Fault) -> LossyProxy {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let armed = Arc::new(AtomicBool::new(true));
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let c2 = cuts.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(up) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                let cut = Arc::new(AtomicBool::new(false));
+                let (mut c_rd, mut c_wr) = (client.try_clone().unwrap(), client);
+                let (mut u_rd, mut u_wr) = (up.try_clone().unwrap(), up);
+                let (armed, cuts, cut2) = (armed.clone(), c2.clone(), cut.clone());
+                let (c_kill, u_kill) = (c_wr.try_clone().unwrap(), u_rd.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match c_rd.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let chunk = &buf[..n];
+                        let hit = chunk.windows(trigger.len()).any(|w| w == trigger)
+                            && armed.swap(false, Ordering::SeqCst);
+                        if !hit {
+                            if u_wr.write_all(chunk).is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                        cuts.fetch_add(1, Ordering::SeqCst);
+                        match fault {
+                            Fault::LoseReply => {
+                                // Mark first: the reply must not get through.
+                                cut2.store(true, Ordering::SeqCst);
+                                let _ = u_wr.write_all(chunk);
+                                std::thread::sleep(Duration::from_millis(300));
+                                break;
+                            }
+                            Fault::DropRequest => break,
+                            Fault::Delay(d) => {
+                                std::thread::sleep(d);
+                                if u_wr.write_all(chunk).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let _ = c_kill.shutdown(std::net::Shutdown::Both);
+                    let _ = u_kill.shutdown(std::net::Shutdown::Both);
+                });
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match u_rd.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if cut.load(Ordering::SeqCst) {
+                            continue; // the lost reply
+                        }
+                        if c_wr.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = c_wr.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        LossyProxy { port, cuts }
+    }
+
+    /// Its URL as a Redis URL.
+    pub fn redis_url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Faults injected so far.
+    pub fn cuts(&self) -> usize {
+        self.cuts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
