@@ -1338,3 +1338,81 @@ mod hold_tests {
         assert_eq!(engine.get(b"k3").unwrap(), Some(b"x".to_vec()), "released");
     }
 }
+
+#[cfg(test)]
+mod batch_per_commit_tests {
+    use super::*;
+    use std::sync::Mutex as StdMutex;
+
+    /// An engine that records every engine write: its op count and changelog offset.
+    struct Recording {
+        inner: Arc<dyn KeyValueStore>,
+        writes: StdMutex<Vec<(usize, Option<i64>)>>,
+    }
+
+    impl KeyValueStore for Recording {
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+            self.inner.get(key)
+        }
+        fn write(&self, batch: WriteBatch) -> Result<()> {
+            let n = batch.ops.len();
+            let off = batch.changelog_offset;
+            self.inner.write(batch)?;
+            self.writes.lock().unwrap().push((n, off));
+            Ok(())
+        }
+        fn changelog_offset(&self) -> Result<Option<i64>> {
+            self.inner.changelog_offset()
+        }
+        fn clear(&self) -> Result<()> {
+            self.inner.clear()
+        }
+        fn scan(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+            self.inner.scan(after, limit)
+        }
+    }
+
+    /// DESIGN.md: the writes of one commit go into one engine batch together with the
+    /// changelog offset they reached, written behind or not, and restored batches too.
+    #[test]
+    fn each_commit_is_one_engine_batch_carrying_its_offset() {
+        for behind in [false, true] {
+            let backend = MemoryBackend::default();
+            let engine = Arc::new(Recording {
+                inner: backend.open("s", 0).unwrap(),
+                writes: StdMutex::new(Vec::new()),
+            });
+            let writer = behind.then(Writer::spawn);
+            let mut s = StagedStore::new(engine.clone(), writer);
+            let sizes = [5_000u32, 1, 12_345];
+            for (i, n) in sizes.iter().enumerate() {
+                for j in 0..*n {
+                    s.stage(
+                        (i as u32 * 100_000 + j).to_be_bytes().to_vec(),
+                        Some(vec![1]),
+                    );
+                }
+                s.commit(Some(i as i64 + 1)).unwrap();
+            }
+            for j in 0..3_000u32 {
+                s.push_restored(&(900_000 + j).to_be_bytes(), Some(&[2]));
+            }
+            s.flush_restored(Some(10)).unwrap();
+            s.sync().unwrap();
+            let writes = engine.writes.lock().unwrap().clone();
+            assert_eq!(
+                writes,
+                vec![
+                    (5_000, Some(1)),
+                    (1, Some(2)),
+                    (12_345, Some(3)),
+                    (3_000, Some(10))
+                ],
+                "write-behind: {behind}"
+            );
+        }
+    }
+}
