@@ -497,17 +497,137 @@ struct Tracked {
     ops: Ops,
 }
 
+/// Where the latest committed op of a resident key is: its batch (sequence number, low 32
+/// bits) and its position in that batch's ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    seq: u32,
+    idx: u32,
+}
+
+/// The committed batches held in memory, oldest first, and an index from each resident
+/// key to its latest op. The index holds 8 bytes a key; keys and values stay in their
+/// batch's ops (shared with the writer), so a restore writes each record once.
+struct Resident {
+    batches: VecDeque<Tracked>,
+    index: hashbrown::HashTable<Slot>,
+    hash: ahash::RandomState,
+    /// Ops held by `batches`.
+    ops: usize,
+}
+
+impl Resident {
+    fn new() -> Resident {
+        Resident {
+            batches: VecDeque::new(),
+            index: hashbrown::HashTable::new(),
+            hash: ahash::RandomState::new(),
+            ops: 0,
+        }
+    }
+
+    /// The op a slot points at. Slots only point into resident batches, whose sequence
+    /// numbers are consecutive.
+    fn op(batches: &VecDeque<Tracked>, s: Slot) -> &(Bytes, Option<Bytes>) {
+        let front = batches.front().map_or(0, |b| b.seq as u32);
+        &batches[s.seq.wrapping_sub(front) as usize].ops[s.idx as usize]
+    }
+
+    fn find(&self, key: &[u8]) -> Option<&(Bytes, Option<Bytes>)> {
+        let h = self.hash.hash_one(key);
+        self.index
+            .find(h, |s| Self::op(&self.batches, *s).0[..] == *key)
+            .map(|s| Self::op(&self.batches, *s))
+    }
+
+    /// The latest committed value of `key` if it is resident (`Some(None)`: deleted).
+    fn get(&self, key: &[u8]) -> Option<&Option<Bytes>> {
+        self.find(key).map(|(_, v)| v)
+    }
+
+    fn contains(&self, key: &[u8]) -> bool {
+        self.find(key).is_some()
+    }
+
+    /// Resident keys.
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Every resident key with its latest value.
+    fn iter(&self) -> impl Iterator<Item = &(Bytes, Option<Bytes>)> {
+        self.index.iter().map(|s| Self::op(&self.batches, *s))
+    }
+
+    fn reserve(&mut self, n: usize) {
+        let (batches, hash) = (&self.batches, &self.hash);
+        self.index
+            .reserve(n, |s| hash.hash_one(&Self::op(batches, *s).0[..]));
+    }
+
+    /// Append batch `seq` and point its keys at it; `each` sees every op in order with
+    /// whether its key was resident before and then held a value.
+    fn push(
+        &mut self,
+        seq: u64,
+        ops: Ops,
+        mut each: impl FnMut(&Bytes, &Option<Bytes>, Option<bool>) -> Result<()>,
+    ) -> Result<()> {
+        self.ops += ops.len();
+        self.batches.push_back(Tracked {
+            seq,
+            ops: ops.clone(),
+        });
+        let (batches, hash, index) = (&self.batches, &self.hash, &mut self.index);
+        for (i, (k, v)) in ops.iter().enumerate() {
+            let slot = Slot {
+                seq: seq as u32,
+                idx: i as u32,
+            };
+            let h = hash.hash_one(&k[..]);
+            let old = match index.find_mut(h, |s| Self::op(batches, *s).0 == *k) {
+                Some(s) => {
+                    let was = Self::op(batches, *s).1.is_some();
+                    *s = slot;
+                    Some(was)
+                }
+                None => {
+                    index.insert_unique(h, slot, |s| hash.hash_one(&Self::op(batches, *s).0[..]));
+                    None
+                }
+            };
+            each(k, v, old)?;
+        }
+        Ok(())
+    }
+
+    /// Drop the oldest batch, and the keys whose latest op is in it.
+    fn pop_front(&mut self) {
+        let Some(b) = self.batches.front() else {
+            return;
+        };
+        let (hash, index) = (&self.hash, &mut self.index);
+        let seq = b.seq as u32;
+        for (i, (k, _)) in b.ops.iter().enumerate() {
+            let at = Slot { seq, idx: i as u32 };
+            if let Ok(e) = index.find_entry(hash.hash_one(&k[..]), |s| *s == at) {
+                e.remove();
+            }
+        }
+        if let Some(b) = self.batches.pop_front() {
+            self.ops -= b.ops.len();
+        }
+    }
+}
+
 /// The write-behind side of a store: committed writes readable in memory until the writer
 /// has persisted them (and, up to [`RESIDENT_ENTRIES`], after).
 struct Behind {
     writer: Arc<Writer>,
     shared: Arc<Shared>,
-    /// Latest committed value of each resident key and the batch that wrote it.
-    overlay: HashMap<Bytes, (Option<Bytes>, u64), ahash::RandomState>,
-    /// Committed batches in order, oldest first, until evicted.
-    batches: VecDeque<Tracked>,
-    /// Ops held by `batches`.
-    tracked_keys: usize,
+    /// Committed batches in order, oldest first, until evicted, and the latest committed
+    /// value of each resident key.
+    resident: Resident,
     /// Sequence number of the last batch handed to the writer.
     seq: u64,
     /// Which keys not held in memory may be in the engine.
@@ -525,9 +645,7 @@ impl Behind {
         let mut b = Behind {
             writer,
             shared: Arc::new(Shared::default()),
-            overlay: HashMap::with_hasher(ahash::RandomState::new()),
-            batches: VecDeque::new(),
-            tracked_keys: 0,
+            resident: Resident::new(),
             seq: 0,
             filter: Filter::Unknown,
             filter_hash: ahash::RandomState::new(),
@@ -541,9 +659,7 @@ impl Behind {
 
     /// Forget the memory copy (everything must be persisted) and look at the engine again.
     fn reload(&mut self, engine: &dyn KeyValueStore) {
-        self.overlay = HashMap::with_hasher(ahash::RandomState::new());
-        self.batches.clear();
-        self.tracked_keys = 0;
+        self.resident = Resident::new();
         let empty = matches!(engine.scan(None, 1), Ok(v) if v.is_empty());
         self.filter = if empty {
             Filter::Overlay
@@ -587,31 +703,20 @@ impl Behind {
         self.seq += 1;
         let seq = self.seq;
         let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));
-        for (k, v) in &ops {
-            // An overwritten key takes this batch's key buffer too, so a hot key never
-            // keeps an old arena block alive.
-            let old = match self.overlay.entry(k.clone()) {
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert((v.clone(), seq));
-                    None
-                }
-                std::collections::hash_map::Entry::Occupied(e) => {
-                    let (_, old) = e.remove_entry();
-                    self.overlay.insert(k.clone(), (v.clone(), seq));
-                    Some(old)
-                }
-            };
+        let ops = Arc::new(ops);
+        let (filter, filter_hash) = (&mut self.filter, &self.filter_hash);
+        self.resident.push(seq, ops.clone(), |k, v, old| {
             if let Some((_, deltas)) = &mut count {
                 let existed = match old {
-                    Some((old, _)) => Some(old.is_some()),
-                    None => match &self.filter {
+                    Some(was) => Some(was),
+                    None => match filter {
                         // Every key put since the engine was empty is in memory.
                         Filter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        Filter::Hashes(_) => {
-                            Some(self.may_be_in_engine(k) && engine.get(k)?.is_some())
-                        }
+                        Filter::Hashes(f) => Some(
+                            f.contains(&filter_hash.hash_one(&k[..])) && engine.get(k)?.is_some(),
+                        ),
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
@@ -624,20 +729,15 @@ impl Behind {
                 }
             }
             if v.is_some() {
-                if let Filter::Hashes(f) = &mut self.filter {
-                    f.insert(self.filter_hash.hash_one(&k[..]));
+                if let Filter::Hashes(f) = filter {
+                    f.insert(filter_hash.hash_one(&k[..]));
                 }
             }
-        }
+            Ok(())
+        })?;
         self.known_len = count.as_ref().map(|(base, deltas)| {
             let d: i64 = deltas.iter().map(|d| i64::from(*d)).sum();
             base.saturating_add_signed(d)
-        });
-        let ops = Arc::new(ops);
-        self.tracked_keys += ops.len();
-        self.batches.push_back(Tracked {
-            seq,
-            ops: ops.clone(),
         });
         let job = Job {
             engine: engine.clone(),
@@ -670,31 +770,26 @@ impl Behind {
                 }
                 st.persisted
             };
-            while self.overlay.len() > self.resident_max
-                || self.tracked_keys > 2 * self.resident_max
+            while self.resident.len() > self.resident_max
+                || self.resident.ops > 2 * self.resident_max
             {
-                match self.batches.front() {
+                match self.resident.batches.front() {
                     Some(b) if b.seq <= persisted => {}
                     _ => break,
                 }
                 if matches!(self.filter, Filter::Overlay) {
                     // Keys are about to leave memory: from now on remember their hashes.
                     let mut f = HashFilter::default();
-                    f.reserve(self.overlay.len());
-                    for k in self.overlay.keys() {
+                    f.reserve(self.resident.len());
+                    for (k, _) in self.resident.iter() {
                         f.insert(self.filter_hash.hash_one(&k[..]));
                     }
                     self.filter = Filter::Hashes(f);
                 }
-                let b = self.batches.pop_front().expect("checked above");
-                self.tracked_keys -= b.ops.len();
-                for (k, _) in b.ops.iter() {
-                    if matches!(self.overlay.get(k), Some((_, s)) if *s == b.seq) {
-                        self.overlay.remove(k);
-                    }
-                }
+                self.resident.pop_front();
             }
             let unpersisted: usize = self
+                .resident
                 .batches
                 .iter()
                 .rev()
@@ -849,7 +944,7 @@ impl StagedStore {
             return Ok(v.clone());
         }
         if let Some(b) = &self.behind {
-            if let Some((v, _)) = b.overlay.get(key) {
+            if let Some(v) = b.resident.get(key) {
                 return Ok(v.clone());
             }
             if !b.may_be_in_engine(key) {
@@ -908,11 +1003,7 @@ impl StagedStore {
     /// # Errors
     /// An engine read failure, or the first error `f` returns.
     pub fn for_each_committed(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<()>) -> Result<()> {
-        let shadowed = |k: &[u8]| {
-            self.behind
-                .as_ref()
-                .is_some_and(|b| b.overlay.contains_key(k))
-        };
+        let shadowed = |k: &[u8]| self.behind.as_ref().is_some_and(|b| b.resident.contains(k));
         let mut after: Option<Vec<u8>> = None;
         loop {
             let chunk = self.inner.scan(after.as_deref(), 10_000)?;
@@ -927,7 +1018,7 @@ impl StagedStore {
             after = chunk.last().map(|(k, _)| k.clone());
         }
         if let Some(b) = &self.behind {
-            for (k, (v, _)) in &b.overlay {
+            for (k, v) in b.resident.iter() {
                 if let Some(v) = v {
                     f(k, v)?;
                 }
@@ -1018,7 +1109,7 @@ impl StagedStore {
     pub fn reserve(&mut self, n: usize) {
         if let Some(b) = &mut self.behind {
             let n = n.min(b.resident_max);
-            b.overlay.reserve(n);
+            b.resident.reserve(n);
             if let Filter::Hashes(f) = &mut b.filter {
                 f.reserve(n);
             }
