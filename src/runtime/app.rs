@@ -129,11 +129,7 @@ impl StepWork<'_, '_> {
     fn apply(&mut self) -> Result<StepOutcome> {
         let mut restored = 0u64;
         for (store, recs) in &self.records {
-            for (key, value, offset) in recs {
-                if self.task.restore_record(store, key, *value, *offset) {
-                    restored += 1;
-                }
-            }
+            restored += self.task.restore_records(store, recs);
         }
         let mut stores = Vec::with_capacity(self.ends.len());
         for (store, end) in &self.ends {

@@ -337,19 +337,26 @@ impl Task {
         value: Option<&[u8]>,
         offset: i64,
     ) -> bool {
+        self.restore_records(store, &[(key, value, offset)]) == 1
+    }
+
+    /// As [`Task::restore_record`] for each of `records` (key, value, offset; in log
+    /// order), finding the store once. Returns how many were taken.
+    pub fn restore_records(&mut self, store: &str, records: &[(&[u8], Option<&[u8]>, i64)]) -> u64 {
         let Some(r) = self.restorers.iter().find(|r| r.store() == store) else {
-            return false;
+            return 0;
         };
-        if !r.accepts(offset) {
-            return false;
-        }
-        match self.stores.get_mut(store) {
-            Some(s) => {
-                s.push_restored(key, value);
-                true
+        let Some(s) = self.stores.get_mut(store) else {
+            return 0;
+        };
+        let mut taken = 0;
+        for (key, value, offset) in records {
+            if r.accepts(*offset) {
+                s.push_restored(key, *value);
+                taken += 1;
             }
-            None => false,
         }
+        taken
     }
 
     /// Apply the records added by [`Task::restore_record`] for `store` as one batch, the
