@@ -927,6 +927,17 @@ impl StagedStore {
         self
     }
 
+    /// Start the write-behind batch numbering at `seq` (tests of its wrap-around in
+    /// [`Slot`]); nothing must have been committed yet.
+    #[cfg(test)]
+    fn with_seq(mut self, seq: u64) -> Self {
+        if let Some(b) = &mut self.behind {
+            b.seq = seq;
+            b.shared.lock().persisted = seq;
+        }
+        self
+    }
+
     /// Read `key`: pending writes, then committed writes in memory, then the engine.
     ///
     /// # Errors
