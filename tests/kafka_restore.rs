@@ -292,8 +292,15 @@ fn two_stores_restore_from_their_transactional_changelogs() {
         for n in from..to {
             // Partition 3 gets nothing: its changelog partitions stay empty.
             let v = format!(r#"{{"id":"i{n}","k":"k{}"}}"#, n % 11);
-            p.send(&names.input, Some((n % 3) as i32), None, Some(v.as_bytes()), &[], Some(T0))
-                .unwrap();
+            p.send(
+                &names.input,
+                Some((n % 3) as i32),
+                None,
+                Some(v.as_bytes()),
+                &[],
+                Some(T0),
+            )
+            .unwrap();
         }
         p.flush().unwrap();
     };

@@ -497,8 +497,9 @@ struct Tracked {
     ops: Ops,
 }
 
-/// Where the latest committed op of a resident key is: its batch (sequence number, low 32
-/// bits) and its position in that batch's ops.
+/// Where the latest committed op of a resident key is: its batch (the batch's number in
+/// [`Resident`], which counts resident batches only, wrapping) and its position in that
+/// batch's ops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Slot {
     seq: u32,
@@ -508,8 +509,15 @@ struct Slot {
 /// The committed batches held in memory, oldest first, and an index from each resident
 /// key to its latest op. The index holds 8 bytes a key; keys and values stay in their
 /// batch's ops (shared with the writer), so a restore writes each record once.
+///
+/// A batch without ops (a commit that only moves the changelog offset) is not held: it
+/// has no key to index, and an instance commits one per interval for every partition
+/// that had nothing new to write, forever.
 struct Resident {
     batches: VecDeque<Tracked>,
+    /// Number of the front batch (the next one pushed when empty); batches are numbered
+    /// consecutively in push order, wrapping at u32::MAX.
+    first: u32,
     index: hashbrown::HashTable<Slot>,
     hash: ahash::RandomState,
     /// Ops held by `batches`.
@@ -520,24 +528,25 @@ impl Resident {
     fn new() -> Resident {
         Resident {
             batches: VecDeque::new(),
+            first: 0,
             index: hashbrown::HashTable::new(),
             hash: ahash::RandomState::new(),
             ops: 0,
         }
     }
 
-    /// The op a slot points at. Slots only point into resident batches, whose sequence
-    /// numbers are consecutive.
-    fn op(batches: &VecDeque<Tracked>, s: Slot) -> &(Bytes, Option<Bytes>) {
-        let front = batches.front().map_or(0, |b| b.seq as u32);
-        &batches[s.seq.wrapping_sub(front) as usize].ops[s.idx as usize]
+    /// The op a slot points at (`first`: the front batch's number). Slots only point into
+    /// resident batches, whose numbers are consecutive.
+    fn op(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> &(Bytes, Option<Bytes>) {
+        &batches[s.seq.wrapping_sub(first) as usize].ops[s.idx as usize]
     }
 
     fn find(&self, key: &[u8]) -> Option<&(Bytes, Option<Bytes>)> {
         let h = self.hash.hash_one(key);
+        let (batches, first) = (&self.batches, self.first);
         self.index
-            .find(h, |s| Self::op(&self.batches, *s).0[..] == *key)
-            .map(|s| Self::op(&self.batches, *s))
+            .find(h, |s| Self::op(batches, first, *s).0[..] == *key)
+            .map(|s| Self::op(batches, first, *s))
     }
 
     /// The latest committed value of `key` if it is resident (`Some(None)`: deleted).
@@ -556,13 +565,14 @@ impl Resident {
 
     /// Every resident key with its latest value.
     fn iter(&self) -> impl Iterator<Item = &(Bytes, Option<Bytes>)> {
-        self.index.iter().map(|s| Self::op(&self.batches, *s))
+        let (batches, first) = (&self.batches, self.first);
+        self.index.iter().map(move |s| Self::op(batches, first, *s))
     }
 
     fn reserve(&mut self, n: usize) {
-        let (batches, hash) = (&self.batches, &self.hash);
+        let (batches, first, hash) = (&self.batches, self.first, &self.hash);
         self.index
-            .reserve(n, |s| hash.hash_one(&Self::op(batches, *s).0[..]));
+            .reserve(n, |s| hash.hash_one(&Self::op(batches, first, *s).0[..]));
     }
 
     /// Append batch `seq` and point its keys at it; `each` sees every op in order with
@@ -573,26 +583,33 @@ impl Resident {
         ops: Ops,
         mut each: impl FnMut(&Bytes, &Option<Bytes>, Option<bool>) -> Result<()>,
     ) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let no = self.first.wrapping_add(self.batches.len() as u32);
         self.ops += ops.len();
         self.batches.push_back(Tracked {
             seq,
             ops: ops.clone(),
         });
-        let (batches, hash, index) = (&self.batches, &self.hash, &mut self.index);
+        let (batches, first) = (&self.batches, self.first);
+        let (hash, index) = (&self.hash, &mut self.index);
         for (i, (k, v)) in ops.iter().enumerate() {
             let slot = Slot {
-                seq: seq as u32,
+                seq: no,
                 idx: i as u32,
             };
             let h = hash.hash_one(&k[..]);
-            let old = match index.find_mut(h, |s| Self::op(batches, *s).0 == *k) {
+            let old = match index.find_mut(h, |s| Self::op(batches, first, *s).0 == *k) {
                 Some(s) => {
-                    let was = Self::op(batches, *s).1.is_some();
+                    let was = Self::op(batches, first, *s).1.is_some();
                     *s = slot;
                     Some(was)
                 }
                 None => {
-                    index.insert_unique(h, slot, |s| hash.hash_one(&Self::op(batches, *s).0[..]));
+                    index.insert_unique(h, slot, |s| {
+                        hash.hash_one(&Self::op(batches, first, *s).0[..])
+                    });
                     None
                 }
             };
@@ -607,7 +624,7 @@ impl Resident {
             return;
         };
         let (hash, index) = (&self.hash, &mut self.index);
-        let seq = b.seq as u32;
+        let seq = self.first;
         for (i, (k, _)) in b.ops.iter().enumerate() {
             let at = Slot { seq, idx: i as u32 };
             if let Ok(e) = index.find_entry(hash.hash_one(&k[..]), |s| *s == at) {
@@ -616,6 +633,7 @@ impl Resident {
         }
         if let Some(b) = self.batches.pop_front() {
             self.ops -= b.ops.len();
+            self.first = self.first.wrapping_add(1);
         }
     }
 }
@@ -927,13 +945,15 @@ impl StagedStore {
         self
     }
 
-    /// Start the write-behind batch numbering at `seq` (tests of its wrap-around in
-    /// [`Slot`]); nothing must have been committed yet.
+    /// Start the write-behind batch numbering (the writer's and the resident one) at `seq`
+    /// (tests of its wrap-around in [`Slot`]); nothing must have been committed yet. A
+    /// reopen starts the resident numbering at 0 again.
     #[cfg(test)]
     fn with_seq(mut self, seq: u64) -> Self {
         if let Some(b) = &mut self.behind {
             b.seq = seq;
             b.shared.lock().persisted = seq;
+            b.resident.first = seq as u32;
         }
         self
     }
@@ -1404,6 +1424,39 @@ mod tests {
             assert_eq!(s.known_len(), None);
             assert_eq!(s.get(&0u32.to_be_bytes()).unwrap(), Some(vec![1]));
         }
+    }
+}
+
+#[cfg(test)]
+mod empty_commit_tests {
+    use super::*;
+
+    /// A commit with no writes but a changelog offset (every commit of a partition whose
+    /// records were all duplicates, or that got none, once it has written a changelog
+    /// record) stores the offset, but must hold no memory once persisted: a long-running
+    /// instance commits every 100 ms (exactly_once_v2), forever.
+    #[test]
+    fn empty_commits_leave_nothing_in_memory() {
+        let backend = MemoryBackend::default();
+        let writer = Writer::spawn();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(writer));
+        s.stage(b"k".to_vec(), Some(b"v".to_vec()));
+        s.commit(Some(1)).unwrap();
+        for off in 2..20_000 {
+            s.commit(Some(off)).unwrap();
+        }
+        s.sync().unwrap();
+        s.commit(Some(20_000)).unwrap();
+        let b = s.behind.as_ref().unwrap();
+        assert!(
+            b.resident.batches.len() <= 2,
+            "{} batches held for 1 key",
+            b.resident.batches.len()
+        );
+        assert_eq!(s.get(b"k").unwrap(), Some(b"v".to_vec()));
+        assert_eq!(s.known_len(), Some(1));
+        s.sync().unwrap();
+        assert_eq!(s.engine().changelog_offset().unwrap(), Some(20_000));
     }
 }
 
