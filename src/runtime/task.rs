@@ -50,6 +50,10 @@ pub struct Task {
     tables: crate::state::table::Tables,
 }
 
+/// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
+/// tombstone) and changelog offset.
+pub type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
+
 impl Task {
     /// Create the task for `partition` of the topology's source, opening its stores.
     ///
@@ -342,7 +346,7 @@ impl Task {
 
     /// As [`Task::restore_record`] for each of `records` (key, value, offset; in log
     /// order), finding the store once. Returns how many were taken.
-    pub fn restore_records(&mut self, store: &str, records: &[(&[u8], Option<&[u8]>, i64)]) -> u64 {
+    pub fn restore_records(&mut self, store: &str, records: &[RestoreRecord<'_>]) -> u64 {
         let Some(r) = self.restorers.iter().find(|r| r.store() == store) else {
             return 0;
         };
