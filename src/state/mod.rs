@@ -488,6 +488,9 @@ enum Filter {
     Hashes(HashFilter),
 }
 
+/// Hashes the key filter may hold beyond four times the store's keys before it is rebuilt.
+const FILTER_SLACK: usize = 1024;
+
 /// The ops of one committed batch, shared by the writer and the eviction bookkeeping.
 type Ops = Arc<Vec<(Bytes, Option<Bytes>)>>;
 
@@ -656,6 +659,8 @@ struct Behind {
     /// [`RESIDENT_ENTRIES`] and [`UNPERSISTED_OPS`] (smaller in tests).
     resident_max: usize,
     unpersisted_max: usize,
+    /// [`FILTER_SLACK`] (0 in tests, so that the model tests rebuild the filter often).
+    filter_slack: usize,
 }
 
 impl Behind {
@@ -670,6 +675,7 @@ impl Behind {
             known_len: None,
             resident_max: RESIDENT_ENTRIES,
             unpersisted_max: UNPERSISTED_OPS,
+            filter_slack: FILTER_SLACK,
         };
         b.reload(engine);
         b
@@ -771,7 +777,52 @@ impl Behind {
                 "the state writer thread is gone",
             ));
         }
-        self.maintain(engine.name())
+        self.maintain(engine.name())?;
+        self.trim_filter(engine.as_ref())
+    }
+
+    /// Rebuild the key-hash filter from the keys the store holds (engine and memory) once it
+    /// holds more than four times as many hashes as there are keys (and the resident
+    /// bound): deleted keys leave their hash behind, so a store that puts new keys and
+    /// sweeps old ones would otherwise grow it forever. One engine scan of the live keys per
+    /// three times as many new puts: amortised constant work per put. No false negatives: a key not in memory has its latest write
+    /// persisted, so the scan sees it; one written meanwhile is in memory.
+    ///
+    /// # Errors
+    /// The engine's read error.
+    fn trim_filter(&mut self, engine: &dyn KeyValueStore) -> Result<()> {
+        let Filter::Hashes(f) = &self.filter else {
+            return Ok(());
+        };
+        let Some(live) = self.known_len else {
+            return Ok(());
+        };
+        let live = usize::try_from(live).unwrap_or(usize::MAX);
+        let bound = live
+            .max(self.resident_max)
+            .saturating_mul(4)
+            .saturating_add(self.filter_slack);
+        if f.len() <= bound {
+            return Ok(());
+        }
+        let mut fresh = HashFilter::default();
+        fresh.reserve(live.saturating_add(self.resident.len()));
+        for (k, _) in self.resident.iter() {
+            fresh.insert(self.filter_hash.hash_one(&k[..]));
+        }
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let chunk = engine.scan(after.as_deref(), 10_000)?;
+            for (k, _) in &chunk {
+                fresh.insert(self.filter_hash.hash_one(&k[..]));
+            }
+            if chunk.len() < 10_000 {
+                break;
+            }
+            after = chunk.last().map(|(k, _)| k.clone());
+        }
+        self.filter = Filter::Hashes(fresh);
+        Ok(())
     }
 
     /// Evict persisted batches past the memory bound; wait for the writer while too much
@@ -941,6 +992,7 @@ impl StagedStore {
         if let Some(b) = &mut self.behind {
             b.resident_max = resident;
             b.unpersisted_max = unpersisted;
+            b.filter_slack = 0;
         }
         self
     }
@@ -1457,6 +1509,40 @@ mod empty_commit_tests {
         assert_eq!(s.known_len(), Some(1));
         s.sync().unwrap();
         assert_eq!(s.engine().changelog_offset().unwrap(), Some(20_000));
+    }
+}
+
+#[cfg(test)]
+mod filter_growth_tests {
+    use super::*;
+
+    /// The key-hash filter keeps the hash of every key put since the engine was empty,
+    /// deleted ones included. A dedup store with distinct keys and a TTL (every key is put
+    /// once and swept later) keeps few live keys but puts new ones forever: the filter must
+    /// stay in proportion to the keys the store holds, not to every key it ever saw.
+    #[test]
+    fn the_key_filter_stays_bounded_by_the_live_keys() {
+        let backend = MemoryBackend::default();
+        let writer = Writer::spawn();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(writer)).with_limits(3, 4);
+        for i in 0u32..20_000 {
+            s.stage(i.to_be_bytes().to_vec(), Some(vec![1]));
+            if i >= 10 {
+                s.stage((i - 10).to_be_bytes().to_vec(), None);
+            }
+            s.commit(Some(i64::from(i) + 1)).unwrap();
+        }
+        let held = match &s.behind.as_ref().unwrap().filter {
+            Filter::Hashes(f) => f.len(),
+            _ => 0,
+        };
+        assert!(held <= 64, "{held} hashes held for 10 live keys");
+        // Still exact: live keys found, swept ones gone.
+        for i in 0u32..20_000 {
+            let want = (i >= 19_990).then(|| vec![1]);
+            assert_eq!(s.get(&i.to_be_bytes()).unwrap(), want, "key {i}");
+        }
+        assert_eq!(s.known_len(), Some(10));
     }
 }
 
