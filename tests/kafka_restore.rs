@@ -328,3 +328,64 @@ fn two_stores_restore_from_their_transactional_changelogs() {
     assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
     assert_eq!(outputs(&names), first, "nothing passes twice");
 }
+
+/// A changelog partition holding only an aborted transaction of a previous owner (records
+/// that never counted, then the abort marker) and one holding a committed one: the restore
+/// consumer (read_committed) is handed no record of the first, only its position moves past
+/// the marker, and the restore still finishes; the committed entry is restored.
+#[test]
+fn a_changelog_of_only_an_aborted_transaction_restores_to_its_end() {
+    use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+    let names = names_for(BY_HEADER, 2);
+    let changelog = format!("{}-dedup-changelog", names.app);
+    create_topics(&[&changelog], 2);
+    // An entry for msg-id "m" on partition 1, written by a committed transaction of the
+    // previous owner: taken from a first run whose state dir is then wiped.
+    send_to(&names, 1, b"v1", &[("msg-id", b"m")]);
+    run_to_end(&names);
+    wipe(&names);
+    let p: ThreadedProducer<rdkafka::producer::DefaultProducerContext> =
+        rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("transactional.id", unique("prev-owner"))
+            .create()
+            .unwrap();
+    p.init_transactions(T).unwrap();
+    p.begin_transaction().unwrap();
+    for part in [0, 1] {
+        for i in 0..3 {
+            let k = format!("x{i}");
+            p.send(
+                BaseRecord::<[u8], [u8]>::to(&changelog)
+                    .key(k.as_bytes())
+                    .payload(&b"not a dedup entry"[..])
+                    .partition(part),
+            )
+            .unwrap();
+        }
+    }
+    p.flush(T).unwrap();
+    p.abort_transaction(T).unwrap();
+    // Partition 0: only the aborted records and the marker. Partition 1: the committed
+    // entry, then the aborted records and the marker.
+    send_to(&names, 0, b"v2", &[("msg-id", b"n")]);
+    send_to(&names, 1, b"v3", &[("msg-id", b"m")]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "restored"), Some(1.0), "{out}");
+    assert_eq!(summary_field(&out, "passed"), Some(1.0), "{out}");
+    assert_eq!(summary_field(&out, "duplicates"), Some(1.0), "{out}");
+}
+
+fn send_to(names: &Names, partition: i32, value: &[u8], headers: &[(&str, &[u8])]) {
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    p.send(
+        &names.input,
+        Some(partition),
+        None,
+        Some(value),
+        headers,
+        Some(T0),
+    )
+    .unwrap();
+    p.flush().unwrap();
+}
