@@ -102,6 +102,10 @@ pub struct App {
 /// Restore records taken per loop turn, so a restore never stalls the other partitions.
 const RESTORE_BATCH: usize = 20_000;
 
+/// Source records processed (when available) after each restore step, so partitions that
+/// are restored keep processing while others restore.
+const RECORDS_PER_RESTORE_STEP: usize = 1_000;
+
 /// A changelog record of a restore step: key, value (`None`: tombstone), offset; borrowed
 /// from the batch it was read in.
 type StepRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
@@ -1148,7 +1152,7 @@ impl App {
                 tracing::info!("shutdown requested: committing and closing");
                 return Ok(());
             }
-            let wait = {
+            let (wait, burst) = {
                 let mut e = engine.lock().expect("engine lock");
                 if !e.unplanned.is_empty() {
                     e.plan_restores(consumer)?;
@@ -1162,37 +1166,49 @@ impl App {
                     };
                 }
                 if e.tasks.values().any(|t| t.is_restoring()) {
-                    e.restore_step(consumer, Duration::from_millis(50))?;
-                    Duration::ZERO
+                    e.restore_step(consumer, Duration::from_millis(5))?;
+                    (Duration::ZERO, RECORDS_PER_RESTORE_STEP)
                 } else if !e.unplanned.is_empty() {
                     // Waiting for an open changelog transaction: poll briefly, plan again.
-                    Duration::from_millis(20)
+                    (Duration::from_millis(20), 1)
                 } else {
-                    Duration::from_millis(100)
+                    (Duration::from_millis(100), 1)
                 }
             };
-            let polled = consumer.poll(wait);
-            let mut e = engine.lock().expect("engine lock");
-            if let Some(err) = e.failed.take() {
-                return Err(err);
-            }
-            match polled {
-                None => {
-                    if opts.stop_at_end && e.all_at_end() {
-                        tracing::info!("every assigned partition is at its end: stopping");
-                        return Ok(());
+            // While restores run, the partitions already restored get a share of each turn.
+            for i in 0..burst {
+                let polled = consumer.poll(if i == 0 { wait } else { Duration::ZERO });
+                let mut e = engine.lock().expect("engine lock");
+                if let Some(err) = e.failed.take() {
+                    return Err(err);
+                }
+                let more = match polled {
+                    None => {
+                        if opts.stop_at_end && e.all_at_end() {
+                            tracing::info!("every assigned partition is at its end: stopping");
+                            return Ok(());
+                        }
+                        false
                     }
+                    Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                        e.at_end.insert(p);
+                        true
+                    }
+                    Some(Err(err)) => {
+                        tracing::warn!(error = %err, "consumer error");
+                        false
+                    }
+                    Some(Ok(m)) => {
+                        e.process(consumer, &m)?;
+                        true
+                    }
+                };
+                if e.commit_due() {
+                    e.commit(consumer, CommitMode::Async)?;
                 }
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
-                    e.at_end.insert(p);
+                if !more {
+                    break;
                 }
-                Some(Err(err)) => {
-                    tracing::warn!(error = %err, "consumer error");
-                }
-                Some(Ok(m)) => e.process(consumer, &m)?,
-            }
-            if e.commit_due() {
-                e.commit(consumer, CommitMode::Async)?;
             }
         }
     }
