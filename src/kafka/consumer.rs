@@ -107,30 +107,65 @@ pub fn create(
 }
 
 /// Create the restore consumer: no group, manual assignment of changelog partitions,
-/// `read_committed`, `fetch.wait.max.ms=10` (librdkafka's default 500 ms delays the last
-/// step of every restore), then the user's `kafka.*` and `kafka.consumer.*` properties (except
-/// `group.id`-related ones, which it does not use).
+/// `fetch.wait.max.ms=10` (librdkafka's default 500 ms delays the last step of every
+/// restore), then the user's `kafka.*` and `kafka.consumer.*` properties (except
+/// `group.id`-related ones, which it does not use), then, whatever those say,
+/// `isolation.level=read_committed` (a restore must never apply an aborted or still-open
+/// transaction's records, KIP-98) and no offset commits.
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
 pub fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
-    crate::kafka::client_config(
+    restore_consumer_config(cfg)
+        .create()
+        .map_err(crate::kafka::config_error)
+}
+
+fn restore_consumer_config(cfg: &Config) -> rdkafka::ClientConfig {
+    let mut c = crate::kafka::client_config(
         cfg,
         &[
             ("group.id", &format!("{}-restore", cfg.application_id)),
-            ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
             ("auto.offset.reset", "earliest"),
-            ("isolation.level", "read_committed"),
             ("enable.partition.eof", "false"),
             // A restore reads to a captured end: once caught up, a fetch that waits the
             // default 500 ms for more data only delays the position reaching that end.
             ("fetch.wait.max.ms", "10"),
         ],
         &cfg.kafka_consumer,
-    )
-    .create()
-    .map_err(crate::kafka::config_error)
+    );
+    c.set("isolation.level", "read_committed");
+    c.set("enable.auto.commit", "false");
+    c
+}
+
+#[cfg(test)]
+mod restore_consumer_tests {
+    use super::*;
+
+    #[test]
+    fn the_restore_consumer_stays_read_committed_whatever_the_user_sets() {
+        let sets: Vec<(String, String)> = [
+            ("kafka.consumer.isolation.level", "read_uncommitted"),
+            ("kafka.consumer.enable.auto.commit", "true"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let cfg = Config::load_with_env(&[], &sets, std::iter::empty()).unwrap();
+        assert_eq!(
+            cfg.kafka_consumer
+                .get("isolation.level")
+                .map(String::as_str),
+            Some("read_uncommitted"),
+            "the user's setting reached the config"
+        );
+        let c = restore_consumer_config(&cfg);
+        assert_eq!(c.get("isolation.level"), Some("read_committed"));
+        assert_eq!(c.get("enable.auto.commit"), Some("false"));
+        assert_eq!(c.get("fetch.wait.max.ms"), Some("10"));
+    }
 }
 
 /// Create the client that reads changelog high watermarks: `isolation.level=read_uncommitted`
