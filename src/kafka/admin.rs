@@ -78,18 +78,9 @@ impl Admin {
         partitions: usize,
         configs: &[(&str, &str)],
     ) -> Result<bool> {
-        let mut nt = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(-1));
-        for (k, v) in configs {
-            nt = nt.set(k, v);
-        }
-        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
-        let res = futures::executor::block_on(self.client.create_topics([&nt], &opts))
-            .map_err(Error::kafka("create topics"))?;
-        match res.into_iter().next() {
-            Some(Ok(_)) => Ok(true),
-            Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
-            Some(Err((t, code))) => Err(Error::Broker(format!("cannot create topic {t}: {code}"))),
-        }
+        let configs = configs.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        let created = self.ensure_topics(&[(topic.to_string(), partitions, configs)])?;
+        Ok(!created.is_empty())
     }
 
     /// Create every topic of `topics` (name, partitions, topic configs) that does not exist,

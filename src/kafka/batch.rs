@@ -5,7 +5,7 @@
 //! small changelog records as fast as it can, so that per-call cost is a large share of
 //! its time. [`consume_batch`] takes up to `max` records in one call to librdkafka's
 //! `rd_kafka_consume_batch_queue` on the consumer's queue; the records stay valid while
-//! the [`Batch`] lives, so several threads can apply them without copying first. librdkafka moves the consumer's
+//! the [`Batch`] lives, so they are applied without copying them first. librdkafka moves the consumer's
 //! position past each record handed out, and past transaction control records, exactly as
 //! `poll` does, so `position()` stays right.
 
@@ -78,8 +78,6 @@ pub struct Batch(Vec<*mut rd::rd_kafka_message_t>);
 // SAFETY: a batch owns its messages exclusively (librdkafka hands each out once); they are
 // plain memory that any thread may read, and destroying them is thread-safe.
 unsafe impl Send for Batch {}
-// SAFETY: through `&Batch` the messages are only read.
-unsafe impl Sync for Batch {}
 
 impl Drop for Batch {
     fn drop(&mut self) {

@@ -35,6 +35,7 @@ use crate::kafka::batch::consume_batch;
 use crate::kafka::consumer::{self, RebalanceListener, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
+use crate::runtime::task::RestoreRecord;
 use crate::runtime::{failpoint, Task};
 use crate::state::restore::changelog_topic;
 use crate::state::{SledBackend, StateBackend, StateDirLock};
@@ -106,52 +107,6 @@ const RESTORE_BATCH: usize = 20_000;
 /// are restored keep processing while others restore.
 const RECORDS_PER_RESTORE_STEP: usize = 1_000;
 
-/// A changelog record of a restore step: key, value (`None`: tombstone), offset; borrowed
-/// from the batch it was read in.
-type StepRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
-
-/// One task's share of a restore step.
-struct StepWork<'r, 't> {
-    partition: i32,
-    /// Per store, its records in log order.
-    records: Vec<(&'r str, Vec<StepRecord<'r>>)>,
-    /// Per store being restored, the restore consumer's position after the step.
-    ends: Vec<(String, i64)>,
-    task: &'t mut Task,
-}
-
-/// What a task's restore step did.
-struct StepOutcome {
-    partition: i32,
-    /// Records applied.
-    restored: u64,
-    /// Per store: whether it got records, whether its restore is now complete.
-    stores: Vec<(String, bool, bool)>,
-}
-
-impl StepWork<'_, '_> {
-    fn apply(&mut self) -> Result<StepOutcome> {
-        let mut restored = 0u64;
-        for (store, recs) in &self.records {
-            restored += self.task.restore_records(store, recs);
-        }
-        let mut stores = Vec::with_capacity(self.ends.len());
-        for (store, end) in &self.ends {
-            let applied = self
-                .records
-                .iter()
-                .any(|(s, v)| s == store && !v.is_empty());
-            let done = self.task.finish_restore_step(store, *end)?;
-            stores.push((store.clone(), applied, done));
-        }
-        Ok(StepOutcome {
-            partition: self.partition,
-            restored,
-            stores,
-        })
-    }
-}
-
 struct Engine {
     /// processing.guarantee is exactly_once_v2.
     eos: bool,
@@ -219,17 +174,7 @@ impl Engine {
     }
 
     fn tpl_one(topic: &str, p: i32, offset: Option<i64>) -> Result<TopicPartitionList> {
-        let mut tpl = TopicPartitionList::new();
-        match offset {
-            Some(o) => {
-                tpl.add_partition_offset(topic, p, Offset::Offset(o))
-                    .map_err(Error::kafka("partition list"))?;
-            }
-            None => {
-                tpl.add_partition(topic, p);
-            }
-        }
-        Ok(tpl)
+        Self::tpl_of(topic, &[p], offset.map(Offset::Offset))
     }
 
     fn process(&mut self, consumer: &SourceConsumer, m: &BorrowedMessage<'_>) -> Result<()> {
@@ -720,26 +665,12 @@ impl Engine {
             .restore_consumer
             .position()
             .map_err(Error::kafka("restore position"))?;
-        let mut step_ends: BTreeMap<i32, Vec<(String, i64)>> = BTreeMap::new();
-        for (p, task) in &self.tasks {
-            for r in task.restorers() {
-                let topic = &self.changelogs[r.store()];
-                if let Some(Offset::Offset(o)) =
-                    positions.find_partition(topic, *p).map(|e| e.offset())
-                {
-                    step_ends
-                        .entry(*p)
-                        .or_default()
-                        .push((r.store().to_string(), o));
-                }
-            }
-        }
         // The records of each (partition, store), in log order, borrowed from the batches.
         let single = match self.changelogs.len() {
             1 => self.changelogs.keys().next().map(String::as_str),
             _ => None,
         };
-        let mut records: BTreeMap<i32, Vec<(&str, Vec<StepRecord<'_>>)>> = BTreeMap::new();
+        let mut records: BTreeMap<i32, Vec<(&str, Vec<RestoreRecord<'_>>)>> = BTreeMap::new();
         for b in &batches {
             for r in b.records() {
                 let m = match r {
@@ -773,51 +704,46 @@ impl Engine {
                 }
             }
         }
-        // Apply: each restoring task gets its records and step ends.
-        let mut work: Vec<StepWork<'_, '_>> = self
-            .tasks
-            .iter_mut()
-            .filter(|(_, t)| t.is_restoring())
-            .map(|(p, task)| StepWork {
-                partition: *p,
-                records: records.remove(p).unwrap_or_default(),
-                ends: step_ends.remove(p).unwrap_or_default(),
-                task,
-            })
-            .collect();
-        let outcomes: Vec<Result<StepOutcome>> = work.iter_mut().map(StepWork::apply).collect();
-        drop(records);
-        self.batch_freer.free(batches);
+        // Apply each restoring task's records, then end its steps at the positions read.
         let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
         let mut finished = Vec::new();
-        for outcome in outcomes {
-            let o = outcome?;
-            self.restored += o.restored;
-            for (store, applied, done) in &o.stores {
-                if *applied {
+        for (p, task) in self.tasks.iter_mut().filter(|(_, t)| t.is_restoring()) {
+            let recs = records.remove(p).unwrap_or_default();
+            for (store, rs) in &recs {
+                self.restored += task.restore_records(store, rs);
+            }
+            let stores: Vec<String> = task
+                .restorers()
+                .iter()
+                .map(|r| r.store().to_string())
+                .collect();
+            for store in stores {
+                let topic = &self.changelogs[&store];
+                let Some(Offset::Offset(end)) =
+                    positions.find_partition(topic, *p).map(|e| e.offset())
+                else {
+                    continue;
+                };
+                let done = task.finish_restore_step(&store, end)?;
+                if recs.iter().any(|(s, v)| *s == store && !v.is_empty()) {
                     failpoint::hit("restore.during");
                 }
-                let topic = &self.changelogs[store];
-                if *done {
+                if done {
                     self.restore_consumer
-                        .incremental_unassign(&Self::tpl_one(topic, o.partition, None)?)
+                        .incremental_unassign(&Self::tpl_one(topic, *p, None)?)
                         .map_err(Error::kafka("unassign changelog"))?;
                 } else if log_now {
-                    if let Some(task) = self.tasks.get(&o.partition) {
-                        for r in task.restorers().iter().filter(|r| r.store() == store) {
-                            r.log_progress();
-                        }
+                    for r in task.restorers().iter().filter(|r| r.store() == store) {
+                        r.log_progress();
                     }
                 }
             }
-            if self
-                .tasks
-                .get(&o.partition)
-                .is_some_and(|t| !t.is_restoring())
-            {
-                finished.push(o.partition);
+            if !task.is_restoring() {
+                finished.push(*p);
             }
         }
+        drop(records);
+        self.batch_freer.free(batches);
         if log_now {
             self.last_restore_log = Instant::now();
         }
