@@ -140,6 +140,31 @@ fn restore_consumer_config(cfg: &Config) -> rdkafka::ClientConfig {
     c
 }
 
+/// Create the client that reads changelog high watermarks: `isolation.level=read_uncommitted`
+/// (forced, whatever `kafka.consumer.*` says), never subscribed or assigned.
+///
+/// The restore consumer is `read_committed`, so its watermark query answers the last stable
+/// offset (LSO, KIP-98). Comparing the two tells whether a changelog partition still holds
+/// an open transaction: a previous owner of the partition (a zombie, or an instance that is
+/// still committing its revocation) whose marks would be missed by a restore that stopped
+/// at the LSO.
+///
+/// # Errors
+/// [`crate::Error::Config`] when librdkafka refuses a property.
+pub fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
+    let mut c = crate::kafka::client_config(
+        cfg,
+        &[
+            ("group.id", &format!("{}-restore", cfg.application_id)),
+            ("enable.auto.commit", "false"),
+            ("enable.partition.eof", "false"),
+        ],
+        &cfg.kafka_consumer,
+    );
+    c.set("isolation.level", "read_uncommitted");
+    c.create().map_err(crate::kafka::config_error)
+}
+
 #[cfg(test)]
 mod restore_consumer_tests {
     use super::*;
@@ -166,29 +191,4 @@ mod restore_consumer_tests {
         assert_eq!(c.get("enable.auto.commit"), Some("false"));
         assert_eq!(c.get("fetch.wait.max.ms"), Some("10"));
     }
-}
-
-/// Create the client that reads changelog high watermarks: `isolation.level=read_uncommitted`
-/// (forced, whatever `kafka.consumer.*` says), never subscribed or assigned.
-///
-/// The restore consumer is `read_committed`, so its watermark query answers the last stable
-/// offset (LSO, KIP-98). Comparing the two tells whether a changelog partition still holds
-/// an open transaction: a previous owner of the partition (a zombie, or an instance that is
-/// still committing its revocation) whose marks would be missed by a restore that stopped
-/// at the LSO.
-///
-/// # Errors
-/// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
-    let mut c = crate::kafka::client_config(
-        cfg,
-        &[
-            ("group.id", &format!("{}-restore", cfg.application_id)),
-            ("enable.auto.commit", "false"),
-            ("enable.partition.eof", "false"),
-        ],
-        &cfg.kafka_consumer,
-    );
-    c.set("isolation.level", "read_uncommitted");
-    c.create().map_err(crate::kafka::config_error)
 }
