@@ -192,6 +192,7 @@ impl Task {
         // stages emitted for it (a route or sink before the failing stage) are withdrawn,
         // and its dead letter is its only output.
         let mark = out.len();
+        let mut refused = false;
         'stages: for (_, node) in self.nodes.iter_mut() {
             self.next.clear();
             for rec in self.cur.drain(..) {
@@ -215,6 +216,7 @@ impl Task {
                         // Leaving the loop drops the drain, and with it any other record
                         // of this source record.
                         self.next.clear();
+                        refused = true;
                         break 'stages;
                     }
                     Err(StageError::Fatal(e)) => return Err(e),
@@ -226,6 +228,15 @@ impl Task {
             }
         }
         self.cur.clear();
+        if refused {
+            // Its dedup marks stand for nothing: withdrawn in this commit (a twin judged
+            // again may run on).
+            self.drive(
+                std::collections::VecDeque::from([effects::Work::Withdraw(offset)]),
+                wall_ms,
+                out,
+            )?;
+        }
         self.position = Some(offset + 1);
         Ok(())
     }
@@ -276,6 +287,9 @@ impl Task {
     pub fn commit_state(&mut self, changelog_offset: impl Fn(&str) -> Option<i64>) -> Result<()> {
         for (name, s) in self.stores.iter_mut() {
             s.commit(changelog_offset(name))?;
+        }
+        for (_, n) in self.nodes.iter_mut() {
+            n.on_commit();
         }
         Ok(())
     }
