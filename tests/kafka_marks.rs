@@ -51,7 +51,10 @@ stages:
         p.flush().unwrap();
     };
     let t0 = 1_700_000_000_000;
-    for (i, id) in ["id-01", "id-02", "id-03", "id-04", "id-05"].iter().enumerate() {
+    for (i, id) in ["id-01", "id-02", "id-03", "id-04", "id-05"]
+        .iter()
+        .enumerate()
+    {
         send(id, t0 + i as i64);
     }
     let sets = [("processing.guarantee", guarantee.to_string())];

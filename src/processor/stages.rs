@@ -120,7 +120,8 @@ impl StageMetrics {
 }
 
 /// The stateful dedup stage: looks the key up in its store, applies [`decide`], stages the
-/// new entry (applied by the runtime only once the output is durable), forwards firsts.
+/// new entry (applied by the runtime only once the output is durable, and withdrawn if the
+/// record is dead-lettered further down), forwards firsts.
 pub struct Dedup {
     name: String,
     store: String,

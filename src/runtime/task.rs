@@ -48,6 +48,9 @@ pub struct Task {
     pointers: std::sync::Arc<[String]>,
     pointer_tokens: Vec<Vec<String>>,
     tables: crate::state::table::Tables,
+    /// An external sink may fail a record at the commit (when its effects are flushed), so
+    /// the marks staged for each record stay withdrawable until then.
+    fails_late: bool,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -93,6 +96,10 @@ impl Task {
                 .map(|p| crate::processor::json_scan::tokens(p))
                 .collect(),
             tables: Default::default(),
+            fails_late: topology
+                .stages()
+                .iter()
+                .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
         })
     }
 
@@ -236,6 +243,12 @@ impl Task {
                 wall_ms,
                 out,
             )?;
+        }
+        if !self.fails_late {
+            // Nothing can dead-letter this record any more: its marks stand.
+            for s in self.stores.values_mut() {
+                s.settle();
+            }
         }
         self.position = Some(offset + 1);
         Ok(())

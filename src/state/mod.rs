@@ -193,8 +193,8 @@ pub const RESIDENT_ENTRIES: usize = 262_144;
 /// bounds a sustained run while bursts up to this size run at memory speed.
 pub const UNPERSISTED_OPS: usize = 262_144;
 
-/// The writes of one commit: the ops in first-write order, each key once with its last
-/// value, and an index from key to op. Iterating and committing walk the ops in order
+/// The writes of one commit: the ops in first-write order (a withdrawn op is replaced by
+/// the last one), each key once with its last value, and an index from key to op. Iterating and committing walk the ops in order
 /// without a lookup per key.
 #[derive(Debug, Default)]
 struct Staged {
@@ -1106,11 +1106,18 @@ impl StagedStore {
     /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
     /// it back if that record ends in the dead-letter topic.
     pub fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
-        let before = self.pending.get(key).cloned();
-        self.stage_copy(key, value);
-        let (key, written) = {
-            let i = self.pending.index[key];
-            self.pending.ops[i].clone()
+        let written = value.map(|v| self.arena.copy(v));
+        let (key, before) = match self.pending.index.get(key) {
+            Some(&i) => {
+                let op = &mut self.pending.ops[i];
+                let before = std::mem::replace(&mut op.1, written.clone());
+                (op.0.clone(), Some(before))
+            }
+            None => {
+                let key = self.arena.copy(key);
+                self.pending.insert_new(key.clone(), written.clone());
+                (key, None)
+            }
         };
         self.owned.push(Owned {
             owner,
@@ -1165,6 +1172,13 @@ impl StagedStore {
         out
     }
 
+    /// Forget which source records the staged writes stand for: they can no longer be
+    /// withdrawn (the task calls it after each record when no stage can fail a record
+    /// later, at the commit).
+    pub fn settle(&mut self) {
+        self.owned.clear();
+    }
+
     /// Whether a write of `key` is staged (in the open commit).
     pub fn is_staged(&self, key: &[u8]) -> bool {
         self.pending.get(key).is_some()
@@ -1182,7 +1196,8 @@ impl StagedStore {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
 
-    /// The staged writes in first-write order, without removing them.
+    /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
+    /// removing them.
     pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
     }
