@@ -202,3 +202,36 @@ fn a_record_dead_lettered_by_a_map_or_route_leaves_no_mark() {
         assert_eq!((c.passed, c.duplicates, c.dead_lettered), (5, 1, 2));
     }
 }
+
+#[test]
+fn a_withdrawn_mark_does_not_count_against_max_keys() {
+    // max_keys 2: a, then b (dead-lettered by the map: its mark withdrawn), then c. Two
+    // keys are kept, so a (the oldest) is not evicted and stays a duplicate.
+    let map = MapSpec::new().set("/ok", |r| {
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap_or_default())
+            .map_err(|e| e.to_string())?;
+        if v["id"] == "b" {
+            return Err("refused".into());
+        }
+        Ok(serde_json::json!(true))
+    });
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup(
+            "dedup",
+            DedupSpec::new(KeySource::JsonPointer("/id".into())).with_max_keys(2),
+        )
+        .map("check", map)
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    d.pipe(id("a", 1000)).unwrap();
+    d.pipe(id("b", 1001)).unwrap();
+    d.pipe(id("c", 1002)).unwrap();
+    d.pipe(id("a", 1003)).unwrap();
+    assert_eq!(d.output("out").len(), 2, "{:?}", d.output_values("out"));
+    assert_eq!(d.counts().duplicates, 1);
+    assert!(d.dedup_entry("dedup", 0, b"a").unwrap().is_some());
+    assert_eq!(d.dedup_entry("dedup", 0, b"b").unwrap(), None);
+}
