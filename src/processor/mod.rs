@@ -154,6 +154,28 @@ pub trait Processor: Send {
     /// processed again. Drop anything derived from them. Default: nothing.
     fn on_abort(&mut self) {}
 
+    /// The open commit's staged writes were applied (its outputs are durable). Drop
+    /// anything kept for that commit only. Default: nothing.
+    fn on_commit(&mut self) {}
+
+    /// Writes staged in `store` for source records that were then dead-lettered further
+    /// down were taken back ([`crate::state::StagedStore::withdraw`]): the marks of failed
+    /// effects. Called on every stage; a stage may send records on again with
+    /// [`Context::forward`] (they run through the stages after it, in this commit).
+    /// Returns the records it meant to send on again that failed, with the reason, for the
+    /// dead-letter topic. Default: nothing.
+    ///
+    /// # Errors
+    /// A system failure (a store failure) that must stop the commit.
+    fn on_withdrawn(
+        &mut self,
+        _store: &str,
+        _withdrawn: &[crate::state::Withdrawn],
+        _ctx: &mut Context<'_>,
+    ) -> Result<Vec<(Record, RecordError)>, Error> {
+        Ok(Vec::new())
+    }
+
     /// Finish the work still running for records already handed to [`Processor::process`]
     /// (external effects in flight), forwarding the records that may go on. Called before
     /// every commit, so no offset is committed ahead of its record's effect. Returns the

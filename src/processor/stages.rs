@@ -120,7 +120,8 @@ impl StageMetrics {
 }
 
 /// The stateful dedup stage: looks the key up in its store, applies [`decide`], stages the
-/// new entry (applied by the runtime only once the output is durable), forwards firsts.
+/// new entry (applied by the runtime only once the output is durable, and withdrawn if the
+/// record is dead-lettered further down), forwards firsts.
 pub struct Dedup {
     name: String,
     store: String,
@@ -136,6 +137,13 @@ pub struct Dedup {
     topology: String,
     book: Option<KeyBook>,
     checks: u64,
+    /// Keep the twins dropped against a mark staged in the open commit (an external sink
+    /// further down can fail that mark's record only at the commit).
+    hold_twins: bool,
+    /// Twins held. Cleared at every commit and abort.
+    held: Vec<Held>,
+    /// Judging a held twin again: the decision it got when it came (counted then).
+    reviving: Option<Decision>,
 }
 
 /// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
@@ -234,8 +242,33 @@ impl Dedup {
             topology: topology.to_string(),
             book: None,
             checks: 0,
+            hold_twins: false,
+            held: Vec::new(),
+            reviving: None,
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
         }
+    }
+}
+
+/// A twin dropped against a mark staged in the open commit.
+struct Held {
+    key: Vec<u8>,
+    /// Source offset of the record the mark stands for.
+    owner: i64,
+    record: Record,
+    /// Duplicate, or a conflict dropped.
+    decision: Decision,
+}
+
+impl Dedup {
+    /// Keep the twins (duplicates and dropped conflicts) of a mark staged in the open
+    /// commit until the commit, so that if the mark is withdrawn (its record failed in an
+    /// external sink further down, known only when the sink is flushed) the first twin is
+    /// judged again and passes in its place. Default off: without an external sink after
+    /// the stage a record fails while it is processed, before any twin arrives.
+    pub fn holding_twins(mut self, on: bool) -> Self {
+        self.hold_twins = on;
+        self
     }
 }
 
@@ -243,6 +276,57 @@ impl Processor for Dedup {
     fn on_abort(&mut self) {
         // The key book counted staged writes that are gone: rebuild it from the store.
         self.book = None;
+        self.held.clear();
+    }
+
+    fn on_commit(&mut self) {
+        self.held.clear();
+    }
+
+    /// The marks of dead-lettered records were withdrawn: the key book forgets them, and
+    /// the twins held against each are judged again, in order: the first passes (a new
+    /// mark, forwarded), the others are its duplicates.
+    fn on_withdrawn(
+        &mut self,
+        store_name: &str,
+        withdrawn: &[crate::state::Withdrawn],
+        ctx: &mut Context<'_>,
+    ) -> Result<Vec<(Record, RecordError)>, crate::error::Error> {
+        if store_name != self.store {
+            return Ok(Vec::new());
+        }
+        let mut failed = Vec::new();
+        for w in withdrawn {
+            let store = ctx.store(&self.store)?;
+            if let Some(book) = &mut self.book {
+                if let Some(v) = &w.written {
+                    book.removed(&w.key, &decode_entry(store, v)?);
+                }
+                if let Some(v) = store.lookup(&w.key)? {
+                    book.added(&w.key, None, &decode_entry(store, &v)?);
+                }
+            }
+            tracing::debug!(store = %self.store, offset = w.owner, "dedup mark withdrawn: its record was dead-lettered");
+            if self.held.is_empty() {
+                continue;
+            }
+            let (twins, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                .into_iter()
+                .partition(|h| h.owner == w.owner && h.key[..] == w.key[..]);
+            self.held = rest;
+            for h in twins {
+                self.reviving = Some(h.decision);
+                let keep = h.record.clone();
+                let r = self.process(h.record, ctx);
+                self.reviving = None;
+                match r {
+                    Ok(()) => {}
+                    Err(StageError::Record(e)) => failed.push((keep, e)),
+                    Err(StageError::Fatal(e)) => return Err(e),
+                }
+            }
+        }
+        Ok(failed)
     }
 
     /// The expiry sweep: looks at up to [`SWEEP_BATCH`] entries from where the last sweep
@@ -336,7 +420,9 @@ impl Processor for Dedup {
             entry
                 .encode(&mut self.value_buf)
                 .expect("a Vec grows to fit any entry");
-            store.stage_copy(&self.key_buf, Some(&self.value_buf));
+            // A mark that stands for this source record: withdrawn if it is dead-lettered
+            // further down (see `Processor::on_withdrawn`).
+            store.stage_for(record.source.offset, &self.key_buf, Some(&self.value_buf));
             // Bound the keys: evict the oldest first-seen entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {
@@ -351,8 +437,43 @@ impl Processor for Dedup {
                 book.gauge.set(book.count as f64);
             }
         }
+        // A twin of a mark staged in this commit: kept until the commit, in case that mark
+        // is withdrawn.
+        let hold = self.hold_twins
+            && match decision {
+                Decision::Duplicate => true,
+                Decision::Conflict => self.spec.on_conflict == ConflictPolicy::Drop,
+                _ => false,
+            }
+            && store.is_staged(&self.key_buf);
+        if hold {
+            if let Some(first) = &prev {
+                self.held.push(Held {
+                    key: self.key_buf.clone(),
+                    owner: first.source_offset,
+                    record: record.clone(),
+                    decision: self.reviving.unwrap_or(decision),
+                });
+            }
+        }
         if let Some(t) = started {
             self.metrics.check.record(t.elapsed().as_secs_f64());
+        }
+        if let Some(first) = self.reviving {
+            // Counted as a duplicate (or conflict) when it came, and sent to the duplicates
+            // topic then, if any: only a pass is news (the run totals move it over; the
+            // metric counters only count up).
+            if decision.passes() {
+                self.metrics.passed.increment(1);
+                let c = ctx.counts();
+                c.passed += 1;
+                match first {
+                    Decision::Conflict => c.conflicts = c.conflicts.saturating_sub(1),
+                    _ => c.duplicates = c.duplicates.saturating_sub(1),
+                }
+                ctx.forward(record);
+            }
+            return Ok(());
         }
         match decision {
             Decision::First | Decision::Renewed => {

@@ -48,6 +48,9 @@ pub struct Task {
     pointers: std::sync::Arc<[String]>,
     pointer_tokens: Vec<Vec<String>>,
     tables: crate::state::table::Tables,
+    /// An external sink may fail a record at the commit (when its effects are flushed), so
+    /// the marks staged for each record stay withdrawable until then.
+    fails_late: bool,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -93,6 +96,10 @@ impl Task {
                 .map(|p| crate::processor::json_scan::tokens(p))
                 .collect(),
             tables: Default::default(),
+            fails_late: topology
+                .stages()
+                .iter()
+                .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
         })
     }
 
@@ -192,6 +199,7 @@ impl Task {
         // stages emitted for it (a route or sink before the failing stage) are withdrawn,
         // and its dead letter is its only output.
         let mark = out.len();
+        let mut refused = false;
         'stages: for (_, node) in self.nodes.iter_mut() {
             self.next.clear();
             for rec in self.cur.drain(..) {
@@ -215,6 +223,7 @@ impl Task {
                         // Leaving the loop drops the drain, and with it any other record
                         // of this source record.
                         self.next.clear();
+                        refused = true;
                         break 'stages;
                     }
                     Err(StageError::Fatal(e)) => return Err(e),
@@ -226,6 +235,21 @@ impl Task {
             }
         }
         self.cur.clear();
+        if refused {
+            // Its dedup marks stand for nothing: withdrawn in this commit (a twin judged
+            // again may run on).
+            self.drive(
+                std::collections::VecDeque::from([effects::Work::Withdraw(offset)]),
+                wall_ms,
+                out,
+            )?;
+        }
+        if !self.fails_late {
+            // Nothing can dead-letter this record any more: its marks stand.
+            for s in self.stores.values_mut() {
+                s.settle();
+            }
+        }
         self.position = Some(offset + 1);
         Ok(())
     }
@@ -276,6 +300,9 @@ impl Task {
     pub fn commit_state(&mut self, changelog_offset: impl Fn(&str) -> Option<i64>) -> Result<()> {
         for (name, s) in self.stores.iter_mut() {
             s.commit(changelog_offset(name))?;
+        }
+        for (_, n) in self.nodes.iter_mut() {
+            n.on_commit();
         }
         Ok(())
     }

@@ -193,8 +193,8 @@ pub const RESIDENT_ENTRIES: usize = 262_144;
 /// bounds a sustained run while bursts up to this size run at memory speed.
 pub const UNPERSISTED_OPS: usize = 262_144;
 
-/// The writes of one commit: the ops in first-write order, each key once with its last
-/// value, and an index from key to op. Iterating and committing walk the ops in order
+/// The writes of one commit: the ops in first-write order (a withdrawn op is replaced by
+/// the last one), each key once with its last value, and an index from key to op. Iterating and committing walk the ops in order
 /// without a lookup per key.
 #[derive(Debug, Default)]
 struct Staged {
@@ -228,10 +228,48 @@ impl Staged {
         self.ops.len()
     }
 
+    /// Take `key` out of the batch (its op is replaced by the last one: keys are unique
+    /// in a batch, so their order carries no meaning).
+    fn remove(&mut self, key: &[u8]) {
+        let Some(i) = self.index.remove(key) else {
+            return;
+        };
+        self.ops.swap_remove(i);
+        if let Some((moved, _)) = self.ops.get(i) {
+            if let Some(slot) = self.index.get_mut(moved) {
+                *slot = i;
+            }
+        }
+    }
+
     fn clear(&mut self) {
         self.index.clear();
         self.ops.clear();
     }
+}
+
+/// A staged write that stands for one source record (a dedup mark), kept until the commit
+/// so that [`StagedStore::withdraw`] can take it back if that record is dead-lettered.
+#[derive(Debug)]
+struct Owned {
+    /// Source offset of the record the write stands for.
+    owner: i64,
+    key: Bytes,
+    /// The value staged.
+    written: Option<Bytes>,
+    /// What the batch held for the key before: `None` if nothing was staged for it.
+    before: Option<Option<Bytes>>,
+}
+
+/// A staged write taken back by [`StagedStore::withdraw`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// Source offset of the record the write stood for.
+    pub owner: i64,
+    /// The key.
+    pub key: Bytes,
+    /// The value that was staged (`None`: a delete).
+    pub written: Option<Bytes>,
 }
 
 /// How far the writer got with one store's batches.
@@ -940,6 +978,8 @@ pub struct StagedStore {
     arena: Arena,
     /// Changelog records of the restore step in progress.
     restored: Vec<(Bytes, Option<Bytes>)>,
+    /// The staged writes that stand for a source record, in staging order.
+    owned: Vec<Owned>,
 }
 
 /// Keys and values copied into shared blocks: one allocation per block instead of one per
@@ -979,6 +1019,7 @@ impl StagedStore {
             behind,
             arena: Arena::new(),
             restored: Vec::new(),
+            owned: Vec::new(),
         }
     }
 
@@ -1061,6 +1102,88 @@ impl StagedStore {
         }
     }
 
+    /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
+    /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
+    /// it back if that record ends in the dead-letter topic.
+    pub fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
+        let written = value.map(|v| self.arena.copy(v));
+        let (key, before) = match self.pending.index.get(key) {
+            Some(&i) => {
+                let op = &mut self.pending.ops[i];
+                let before = std::mem::replace(&mut op.1, written.clone());
+                (op.0.clone(), Some(before))
+            }
+            None => {
+                let key = self.arena.copy(key);
+                self.pending.insert_new(key.clone(), written.clone());
+                (key, None)
+            }
+        };
+        self.owned.push(Owned {
+            owner,
+            key,
+            written,
+            before,
+        });
+    }
+
+    /// Take back the writes staged with [`StagedStore::stage_for`] for the source record
+    /// at offset `owner`, which was dead-lettered: each key gets back what the batch held
+    /// for it before (nothing staged, or the earlier staged value), so the commit writes
+    /// no changelog record and no engine write for it. A write that a later one replaced
+    /// (the key written again since) stays replaced, and the later write, if withdrawn in
+    /// turn, goes back to what the key held before both. Returns the writes taken back.
+    pub fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
+        let mut out = Vec::new();
+        if !self.owned.iter().any(|o| o.owner == owner) {
+            return out;
+        }
+        let mut i = self.owned.len();
+        while i > 0 {
+            i -= 1;
+            if self.owned[i].owner != owner {
+                continue;
+            }
+            let o = self.owned.remove(i);
+            if self.pending.get(&o.key) == Some(&o.written) {
+                match &o.before {
+                    None => self.pending.remove(&o.key),
+                    Some(v) => {
+                        if let Some(slot) = self.pending.get_mut(&o.key) {
+                            *slot = v.clone();
+                        }
+                    }
+                }
+                out.push(Withdrawn {
+                    owner,
+                    key: o.key,
+                    written: o.written,
+                });
+            } else {
+                // Replaced since: the later writes of the key now stand on what this one
+                // stood on.
+                for later in self.owned[i..].iter_mut() {
+                    if later.key == o.key && later.before.as_ref() == Some(&o.written) {
+                        later.before = o.before.clone();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Forget which source records the staged writes stand for: they can no longer be
+    /// withdrawn (the task calls it after each record when no stage can fail a record
+    /// later, at the commit).
+    pub fn settle(&mut self) {
+        self.owned.clear();
+    }
+
+    /// Whether a write of `key` is staged (in the open commit).
+    pub fn is_staged(&self, key: &[u8]) -> bool {
+        self.pending.get(key).is_some()
+    }
+
     /// Number of staged keys.
     pub fn pending_len(&self) -> usize {
         self.pending.len()
@@ -1073,7 +1196,8 @@ impl StagedStore {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
 
-    /// The staged writes in first-write order, without removing them.
+    /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
+    /// removing them.
     pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
     }
@@ -1131,6 +1255,7 @@ impl StagedStore {
     pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         let cap = self.pending.len().clamp(4096, 1 << 20);
         let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
+        self.owned.clear();
         if staged.ops.is_empty() && changelog_offset.is_none() {
             return match &self.behind {
                 Some(b) => b.error(self.inner.name()),
@@ -1202,6 +1327,7 @@ impl StagedStore {
     /// Drop the staged writes (the commit failed or was aborted).
     pub fn abort(&mut self) {
         self.pending.clear();
+        self.owned.clear();
     }
 
     /// Forget what is held in memory of the committed state and look at the engine again;
@@ -1251,6 +1377,48 @@ mod tests {
         );
         drop(held);
         StateDirLock::acquire(dir.path()).expect("free again once released");
+    }
+
+    #[test]
+    fn withdrawn_writes_leave_nothing_to_commit_and_later_writes_stand() {
+        let backend = MemoryBackend::default();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
+        s.stage(b"old".to_vec(), Some(b"0".to_vec()));
+        s.commit(Some(0)).unwrap();
+        // Owner 1 marks a and renews old; owner 2 marks b; owner 3 marks a again.
+        s.stage_for(1, b"a", Some(b"1a"));
+        s.stage_for(1, b"old", Some(b"1old"));
+        s.stage_for(2, b"b", Some(b"2b"));
+        s.stage(b"swept".to_vec(), None);
+        s.stage_for(3, b"a", Some(b"3a"));
+        // Owner 1: `a` was replaced by owner 3 (stays), `old` goes back to its committed value.
+        let w = s.withdraw(1);
+        assert_eq!(w.len(), 1);
+        assert_eq!(&w[0].key[..], b"old");
+        assert_eq!(s.get(b"old").unwrap(), Some(b"0".to_vec()));
+        assert_eq!(s.get(b"a").unwrap(), Some(b"3a".to_vec()));
+        // Owner 3 stood on owner 1's write, which is gone: `a` goes back to nothing.
+        assert_eq!(s.withdraw(3).len(), 1);
+        assert_eq!(s.get(b"a").unwrap(), None);
+        assert!(s.withdraw(3).is_empty(), "nothing left to take back");
+        let staged: Vec<(Vec<u8>, Option<Vec<u8>>)> = s
+            .pending()
+            .map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec)))
+            .collect();
+        assert_eq!(
+            staged,
+            vec![
+                (b"b".to_vec(), Some(b"2b".to_vec())),
+                (b"swept".to_vec(), None)
+            ]
+        );
+        s.commit(Some(1)).unwrap();
+        assert_eq!(s.engine().get(b"b").unwrap(), Some(b"2b".to_vec()));
+        assert_eq!(s.engine().get(b"a").unwrap(), None);
+        assert_eq!(s.engine().get(b"old").unwrap(), Some(b"0".to_vec()));
+        // After the commit nothing is withdrawable.
+        assert!(s.withdraw(2).is_empty());
+        assert_eq!(s.engine().get(b"b").unwrap(), Some(b"2b".to_vec()));
     }
 
     #[test]

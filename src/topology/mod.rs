@@ -173,7 +173,13 @@ impl Topology {
             .map(|(i, s)| {
                 let n = s.name.as_str();
                 let p: Box<dyn Processor> = match &s.kind {
-                    StageKind::Dedup(spec) => Box::new(Dedup::new(t, n, n, spec.clone())),
+                    StageKind::Dedup(spec) => Box::new(
+                        Dedup::new(t, n, n, spec.clone()).holding_twins(
+                            self.stages[i + 1..]
+                                .iter()
+                                .any(|s| matches!(s.kind, StageKind::External(_))),
+                        ),
+                    ),
                     StageKind::Sink(spec) => {
                         Box::new(TopicSink::new(n, spec, json, i != last).with_codecs(
                             self.source.format.clone(),
