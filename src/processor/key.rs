@@ -5,8 +5,10 @@ use super::record::Record;
 /// The source of a dedup (or idempotency) key.
 ///
 /// Keys are raw bytes: a header or Kafka key is taken byte for byte, never decoded. A JSON
-/// string is taken as its UTF-8 bytes; a JSON number as its decimal text (so `"42"` and `42`
-/// name the same key). Any other JSON type is an error, as is a missing field.
+/// string is taken as its UTF-8 bytes; a JSON number as its exact text as written, whatever
+/// its size (so `"42"` and `42` name the same key, while `1`, `1.0` and `1e0` are three
+/// keys, and `18446744073709551616` and `18446744073709551617` are two). Any other JSON type
+/// is an error, as is a missing field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeySource {
     /// A JSON pointer (RFC 6901) into the decoded value, e.g. `/id`.
@@ -126,8 +128,7 @@ impl KeySource {
                         Ok(())
                     }
                     Some(serde_json::Value::Number(n)) => {
-                        use std::io::Write;
-                        let _ = write!(out, "{n}");
+                        number_text(record, ptr, n, out);
                         Ok(())
                     }
                     Some(other) => Err(KeyError::WrongType(format!(
@@ -167,6 +168,35 @@ impl KeySource {
             }
         }
     }
+}
+
+/// Append the exact text of number `n`, found at `ptr` in the record view.
+///
+/// A 64-bit integer has one text. Any other number went through `f64` when the view was
+/// parsed, which loses its text (`2^64 + 1` reads as `2^64`, `1.00` as `1.0`): it is read
+/// again from the value bytes as written, when they hold a number of the same value at
+/// `ptr` (a number a stage left alone); a number a stage computed is written as `f64`
+/// prints it.
+fn number_text(record: &Record, ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) {
+    use std::io::Write;
+    if n.is_i64() || n.is_u64() {
+        let _ = write!(out, "{n}");
+        return;
+    }
+    if let Some(bytes) = record.value.as_deref() {
+        let toks = [super::json_scan::tokens(ptr)];
+        if let Ok(found) = super::json_scan::scan(bytes, &toks) {
+            if let [super::json_scan::Scalar::Num(text)] = found.as_slice() {
+                let same =
+                    text.parse::<f64>().ok().map(f64::to_bits) == n.as_f64().map(f64::to_bits);
+                if same {
+                    out.extend_from_slice(text.as_bytes());
+                    return;
+                }
+            }
+        }
+    }
+    let _ = write!(out, "{n}");
 }
 
 /// The JSON type name of a value, for error messages.
@@ -215,6 +245,27 @@ mod tests {
             b"abc"
         );
         assert_eq!(key(&p, &rec(serde_json::json!({"id": 42}))).unwrap(), b"42");
+    }
+
+    #[test]
+    fn numbers_in_a_view_keep_the_text_they_were_read_with() {
+        let p = KeySource::JsonPointer("/id".into());
+        for text in [
+            "18446744073709551617",
+            "1.00",
+            "1e0",
+            "-0",
+            "0.10000000000000001",
+        ] {
+            let bytes = format!(r#"{{"id":{text}}}"#);
+            let mut r = rec(serde_json::from_str(&bytes).unwrap());
+            r.value = Some(bytes.clone().into());
+            assert_eq!(key(&p, &r).unwrap(), text.as_bytes(), "{bytes}");
+        }
+        // A number a stage computed (not in the bytes as read): as f64 prints it.
+        let mut r = rec(serde_json::json!({"id": 2.5}));
+        r.value = Some(r#"{"id":"other"}"#.into());
+        assert_eq!(key(&p, &r).unwrap(), b"2.5");
     }
 
     #[test]

@@ -173,7 +173,8 @@ impl EffectSpec {
 /// Where idempotency keys are recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreSpec {
-    /// No protection: effects are at-least-once.
+    /// No protection: effects are at-least-once, and reported `unprotected` (outcome
+    /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
     /// one instance only. Bound to a state dir before it runs ([`bind_state_dir`]: `App::run`

@@ -9,7 +9,8 @@
 //!
 //! Records whose effect is done or skipped go on to the next stage, if any, with the headers
 //! `onceflow.effect.outcome` (`done`, `skipped_duplicate`, `unprotected`) and
-//! `onceflow.effect.result` (the stored result).
+//! `onceflow.effect.result` (the stored result). `unprotected` means the effect ran with no
+//! idempotency record: `store: none`, or an unreachable store under `fail_open`.
 
 use super::effects::{Effector, Prepared};
 use super::protocol::{run_once, EffectError, Outcome};
@@ -109,7 +110,8 @@ impl Shared {
             return Ok(eff.run_with_inbox(table, &self.scope, &key, &prep).await?);
         }
         if matches!(self.spec.store, StoreSpec::None) {
-            return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+            // No store, no protection: reported as such, never as `done`.
+            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
         }
         if matches!(self.spec.store, StoreSpec::Sled { .. }) {
             // A setting, not an outage: no retry.
@@ -145,7 +147,8 @@ impl Shared {
             }
         };
         let Some(store) = store else {
-            return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+            // Only `none` has no store here (postgres returned above): unprotected.
+            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
         };
         if self.redis_transaction {
             let prefix = self.redis_prefix();
@@ -252,7 +255,9 @@ impl ExternalSink {
                     Outcome::Done(_) => 0,
                     Outcome::SkippedDuplicate(_) => 1,
                     Outcome::Unprotected(_) => {
-                        tracing::warn!(sink = %s.name, "effect ran unprotected (idempotency store unreachable, fail_open)");
+                        if !matches!(s.spec.store, StoreSpec::None) {
+                            tracing::warn!(sink = %s.name, "effect ran unprotected (idempotency store unreachable, fail_open)");
+                        }
                         2
                     }
                 };
