@@ -59,7 +59,9 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use onceflow::processor::stages::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    use onceflow::processor::stages::{
+        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+    };
     use onceflow::runtime::task::dlq_headers;
     use onceflow::testing::{TestDriver, TestRecord};
 
@@ -122,6 +124,7 @@ mod tests {
             .collect();
         let of = |partition: &str, offset: &str| {
             vec![
+                (DUPLICATE_KIND.to_string(), "duplicate".to_string()),
                 (DUPLICATE_OF_PARTITION.to_string(), partition.to_string()),
                 (DUPLICATE_OF_OFFSET.to_string(), offset.to_string()),
             ]

@@ -30,9 +30,9 @@ pub const RESULT_HEADER: &str = "onceflow.effect.result";
 
 struct Shared {
     name: String,
-    /// `<topology>/<sink>`: the namespace of this sink's keys in its store (sled tree, Redis
-    /// prefix, inbox rows), so sinks of the same name in other topologies sharing the store
-    /// never see each other's keys.
+    /// `<topology>/<sink>` ([`super::idempotency_scope`]): the namespace of this sink's keys
+    /// in its store (sled tree, Redis prefix, inbox rows), so sinks of the same name in other
+    /// topologies sharing the store never see each other's keys.
     scope: String,
     spec: ExternalSinkSpec,
     effector: Result<Effector, String>,
@@ -99,7 +99,7 @@ impl Shared {
             StoreSpec::Redis {
                 prefix: Some(p), ..
             } => p.clone(),
-            _ => format!("onceflow:{}:", self.scope),
+            _ => super::redis_prefix(&self.scope),
         }
     }
 
@@ -199,7 +199,7 @@ impl ExternalSink {
         ExternalSink {
             shared: Arc::new(Shared {
                 name: name.to_string(),
-                scope: format!("{topology}/{name}"),
+                scope: super::idempotency_scope(topology, name),
                 spec: spec.clone(),
                 effector,
                 store: OnceCell::new(),
