@@ -127,10 +127,7 @@ impl KeySource {
                         out.extend_from_slice(s.as_bytes());
                         Ok(())
                     }
-                    Some(serde_json::Value::Number(n)) => {
-                        number_text(record, ptr, n, out);
-                        Ok(())
-                    }
+                    Some(serde_json::Value::Number(n)) => number_text(ptr, n, out),
                     Some(other) => Err(KeyError::WrongType(format!(
                         "key field {ptr} is {}, expected a string or a number",
                         json_type(other)
@@ -170,33 +167,31 @@ impl KeySource {
     }
 }
 
-/// Append the exact text of number `n`, found at `ptr` in the record view.
+/// Append the text of number `n`, found at `ptr` in the record view (a view exists when
+/// the source is not JSON, or a stage such as `map` rewrote the value; otherwise keys come
+/// from the scanned fields, with their exact text).
 ///
 /// A 64-bit integer has one text. Any other number went through `f64` when the view was
-/// parsed, which loses its text (`2^64 + 1` reads as `2^64`, `1.00` as `1.0`): it is read
-/// again from the value bytes as written, when they hold a number of the same value at
-/// `ptr` (a number a stage left alone); a number a stage computed is written as `f64`
-/// prints it.
-fn number_text(record: &Record, ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) {
+/// made: a fraction is written as `f64` prints it; an integer beyond 64 bits is refused, as
+/// its digits are lost (`2^64 + 1` reads as `2^64`) and two ids must not become one key.
+///
+/// # Errors
+/// [`KeyError::WrongType`] for an integer beyond 64 bits.
+fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), KeyError> {
     use std::io::Write;
-    if n.is_i64() || n.is_u64() {
-        let _ = write!(out, "{n}");
-        return;
-    }
-    if let Some(bytes) = record.value.as_deref() {
-        let toks = [super::json_scan::tokens(ptr)];
-        if let Ok(found) = super::json_scan::scan(bytes, &toks) {
-            if let [super::json_scan::Scalar::Num(text)] = found.as_slice() {
-                let same =
-                    text.parse::<f64>().ok().map(f64::to_bits) == n.as_f64().map(f64::to_bits);
-                if same {
-                    out.extend_from_slice(text.as_bytes());
-                    return;
-                }
-            }
-        }
+    let v = n.as_f64().unwrap_or(0.0);
+    if !(n.is_i64() || n.is_u64())
+        && v.fract() == 0.0
+        // Not a 64-bit integer, yet integral past 2^53: written as an integer beyond 64
+        // bits (or a float such as 1e20); f64 no longer tells its digits apart.
+        && v.abs() >= 9_007_199_254_740_992.0
+    {
+        return Err(KeyError::WrongType(format!(
+            "key field {ptr} is an integer beyond 64 bits, whose exact digits an earlier stage lost when it rewrote the value; dedup before that stage, or send the id as a string"
+        )));
     }
     let _ = write!(out, "{n}");
+    Ok(())
 }
 
 /// The JSON type name of a value, for error messages.
@@ -248,24 +243,28 @@ mod tests {
     }
 
     #[test]
-    fn numbers_in_a_view_keep_the_text_they_were_read_with() {
+    fn numbers_in_a_view_beyond_64_bits_are_refused() {
         let p = KeySource::JsonPointer("/id".into());
-        for text in [
-            "18446744073709551617",
-            "1.00",
-            "1e0",
-            "-0",
-            "0.10000000000000001",
-        ] {
-            let bytes = format!(r#"{{"id":{text}}}"#);
-            let mut r = rec(serde_json::from_str(&bytes).unwrap());
-            r.value = Some(bytes.clone().into());
-            assert_eq!(key(&p, &r).unwrap(), text.as_bytes(), "{bytes}");
+        let k = |v: serde_json::Value| key(&p, &rec(v));
+        assert_eq!(
+            k(serde_json::json!({"id": u64::MAX})).unwrap(),
+            b"18446744073709551615"
+        );
+        assert_eq!(
+            k(serde_json::json!({"id": i64::MIN})).unwrap(),
+            b"-9223372036854775808"
+        );
+        assert_eq!(k(serde_json::json!({"id": 2.5})).unwrap(), b"2.5");
+        assert_eq!(k(serde_json::json!({"id": 1.0})).unwrap(), b"1.0");
+        for big in [18446744073709551616.0, -9223372036854775809.0, 1e20, 1e300] {
+            assert!(
+                matches!(
+                    k(serde_json::json!({"id": big})),
+                    Err(KeyError::WrongType(_))
+                ),
+                "{big}"
+            );
         }
-        // A number a stage computed (not in the bytes as read): as f64 prints it.
-        let mut r = rec(serde_json::json!({"id": 2.5}));
-        r.value = Some(r#"{"id":"other"}"#.into());
-        assert_eq!(key(&p, &r).unwrap(), b"2.5");
     }
 
     #[test]
