@@ -249,7 +249,8 @@ impl<'de> Visitor<'de> for Value<'_, '_> {
     fn visit_f64<E>(self, v: f64) -> Result<Option<u64>, E> {
         Ok(self.scalar(|| {
             // Compare by value: an integral f64 that fits 64 bits hashes as that integer.
-            if v.fract() == 0.0 && v >= -9.223_372_036_854_776e18 && v < 1.844_674_407_370_955_2e19
+            if v.fract() == 0.0
+                && (-9.223_372_036_854_776e18..1.844_674_407_370_955_2e19).contains(&v)
             {
                 if v < 0.0 {
                     hash_int(&(v as i64).to_string())
