@@ -8,8 +8,9 @@
 //! client retries and relays. First occurrences of an `event_id` within 24 hours (event
 //! time) go to `analytics.unique`; every repeat goes to the side topic
 //! `analytics.duplicates` as it was read (key, value, headers, timestamp) plus the headers
-//! `onceflow.duplicate.of.partition` / `onceflow.duplicate.of.offset` naming the first
-//! occurrence, so duplicate rates can be measured per client. An event without an
+//! `onceflow.duplicate.kind: duplicate` and `onceflow.duplicate.of.partition` /
+//! `onceflow.duplicate.of.offset` naming the first occurrence, so duplicate rates can be
+//! measured per client. An event without an
 //! `event_id` goes to the dead-letter topic with the reason.
 //!
 //! ```text

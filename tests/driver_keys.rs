@@ -372,3 +372,50 @@ fn fingerprint_fields_are_validated_with_their_place() {
         "{text}"
     );
 }
+
+/// The same through the Rust builder: `DedupSpec::with_fingerprint_fields`, checked by
+/// `build()` (a bytes source has no fields; `duplicates_to` needs its topic).
+#[test]
+fn fingerprint_fields_from_the_builder() {
+    use onceflow::processor::fingerprint::FingerprintFields;
+    use onceflow::processor::key::KeySource;
+    use onceflow::processor::stages::{ConflictPolicy, DedupSpec};
+    use onceflow::topology::{Format, TopologyBuilder};
+    let spec = |format: Format, side: Option<&str>| {
+        let mut s = DedupSpec::new(KeySource::JsonPointer("/id".into())).with_fingerprint_fields(
+            FingerprintFields::ignore(["/payload/commits/*/author/email"]),
+        );
+        s.on_conflict = ConflictPolicy::DuplicatesTo;
+        s.duplicates_to = side.map(str::to_string);
+        TopologyBuilder::new("t")
+            .source("in", format)
+            .dedup("dedup", s)
+            .sink("out", "out")
+            .build()
+    };
+    let errs: Vec<String> = spec(Format::Bytes, None)
+        .unwrap_err()
+        .iter()
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errs.contains(&"topology error in dedup: field `fingerprint`: fingerprint fields need a source with fields (json, string, protobuf), but the source format is bytes".to_string()),
+        "{errs:?}"
+    );
+    assert!(
+        errs.contains(&"topology error in dedup: field `on_conflict`: duplicates_to needs a duplicates_to topic".to_string()),
+        "{errs:?}"
+    );
+    let mut d = TestDriver::new(spec(Format::Json, Some("dups")).unwrap());
+    let got = judge(
+        &mut d,
+        &[
+            push("e1", "0f1e2d@users.noreply", "add"),
+            push("e1", "ann@example.com", "add tests"),
+        ],
+    );
+    assert_eq!(
+        got,
+        (vec!["duplicate".to_string(), "conflict".into()], (1, 1))
+    );
+}
