@@ -8,8 +8,9 @@
 //! client retries and relays. First occurrences of an `event_id` within 24 hours (event
 //! time) go to `analytics.unique`; every repeat goes to the side topic
 //! `analytics.duplicates` as it was read (key, value, headers, timestamp) plus the headers
-//! `onceflow.duplicate.of.partition` / `onceflow.duplicate.of.offset` naming the first
-//! occurrence, so duplicate rates can be measured per client. An event without an
+//! `onceflow.duplicate.kind: duplicate` and `onceflow.duplicate.of.partition` /
+//! `onceflow.duplicate.of.offset` naming the first occurrence, so duplicate rates can be
+//! measured per client. An event without an
 //! `event_id` goes to the dead-letter topic with the reason.
 //!
 //! ```text
@@ -59,7 +60,9 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use onceflow::processor::stages::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    use onceflow::processor::stages::{
+        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+    };
     use onceflow::runtime::task::dlq_headers;
     use onceflow::testing::{TestDriver, TestRecord};
 
@@ -122,6 +125,7 @@ mod tests {
             .collect();
         let of = |partition: &str, offset: &str| {
             vec![
+                (DUPLICATE_KIND.to_string(), "duplicate".to_string()),
                 (DUPLICATE_OF_PARTITION.to_string(), partition.to_string()),
                 (DUPLICATE_OF_OFFSET.to_string(), offset.to_string()),
             ]

@@ -342,16 +342,6 @@ impl Compiler {
         }
     }
 
-    fn boolean(&mut self, n: &Node, place: &str, field: &str) -> Option<bool> {
-        match &n.val {
-            Val::Bool(b) => Some(*b),
-            other => {
-                self.wrong_type(n.pos, place, Some(field), "true or false", other);
-                None
-            }
-        }
-    }
-
     fn duration_ms(&mut self, n: &Node, place: &str, field: &str) -> Option<i64> {
         let Val::Str(s) = &n.val else {
             self.wrong_type(
@@ -952,18 +942,27 @@ impl Compiler {
             }
         }
         if let Some(n) = f.get("fingerprint") {
-            match self.boolean(n, place, "fingerprint") {
-                Some(b) => spec.fingerprint = b,
+            match self.fingerprint(n, place) {
+                Some((on, fields)) => {
+                    spec.fingerprint = on;
+                    spec.fingerprint_fields = fields;
+                }
                 None => ok = false,
             }
         }
         if let Some(n) = f.get("on_conflict") {
             match self
-                .choice(n, place, "on_conflict", &["drop", "pass", "dead_letter"])
+                .choice(
+                    n,
+                    place,
+                    "on_conflict",
+                    &["drop", "pass", "dead_letter", "duplicates_to"],
+                )
                 .as_deref()
             {
                 Some("pass") => spec.on_conflict = ConflictPolicy::Pass,
                 Some("dead_letter") => spec.on_conflict = ConflictPolicy::DeadLetter,
+                Some("duplicates_to") => spec.on_conflict = ConflictPolicy::DuplicatesTo,
                 Some(_) => spec.on_conflict = ConflictPolicy::Drop,
                 None => ok = false,
             }
@@ -975,6 +974,80 @@ impl Compiler {
             }
         }
         ok.then_some(spec)
+    }
+
+    /// `fingerprint: true | false | { cover: [pointers], ignore: [pointers] }`: whether it is
+    /// on, and the fields it is taken over (`None`: the value bytes).
+    fn fingerprint(
+        &mut self,
+        n: &Node,
+        place: &str,
+    ) -> Option<(
+        bool,
+        Option<crate::processor::fingerprint::FingerprintFields>,
+    )> {
+        const FIELD: &str = "fingerprint";
+        let entries = match &n.val {
+            Val::Bool(b) => return Some((*b, None)),
+            Val::Map(es) => es,
+            other => {
+                self.wrong_type(
+                    n.pos,
+                    place,
+                    Some(FIELD),
+                    "true, false or { cover: [json pointers], ignore: [json pointers] }",
+                    other,
+                );
+                return None;
+            }
+        };
+        let mut fields = crate::processor::fingerprint::FingerprintFields::default();
+        for (k, _, v) in entries {
+            let list = match k.as_str() {
+                "cover" => &mut fields.cover,
+                "ignore" => &mut fields.ignore,
+                other => {
+                    self.err(
+                        n.pos,
+                        place,
+                        Some(FIELD),
+                        format!("unknown field `{other}`, expected cover or ignore"),
+                    );
+                    return None;
+                }
+            };
+            let Val::Seq(items) = &v.val else {
+                self.err(
+                    n.pos,
+                    place,
+                    Some(FIELD),
+                    format!(
+                        "{k}: expected a list of JSON pointers, found {}",
+                        v.val.type_name()
+                    ),
+                );
+                return None;
+            };
+            for item in items {
+                match &item.val {
+                    Val::Str(p) => list.push(p.clone()),
+                    other => {
+                        self.err(
+                            n.pos,
+                            place,
+                            Some(FIELD),
+                            format!("{k}: expected a JSON pointer, found {}", other.type_name()),
+                        );
+                        return None;
+                    }
+                }
+            }
+        }
+        if let Err(r) = fields.validate() {
+            self.err(n.pos, place, Some(FIELD), r);
+            return None;
+        }
+        Some((true, Some(fields)))
     }
 
     fn filter(&mut self, f: &Fields<'_>, place: &str) -> Option<FilterSpec> {

@@ -2,6 +2,11 @@
 //! JSON pointers, without building a tree: the source's decode step for topologies whose
 //! stages only read fields by pointer (a dedup key), at a fraction of the cost of
 //! `serde_json::Value` (no allocation but the picked strings).
+//!
+//! Numbers are picked as their exact text: an integer that fits 64 bits is read as one
+//! (its text is the only way to write it), any other number (beyond 64 bits, a fraction,
+//! an exponent, `-0`) is read again from the bytes as written, so two numbers that round
+//! to the same `f64` (2^64 and 2^64 + 1) never give the same text.
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
@@ -15,7 +20,8 @@ pub enum Scalar {
     Null,
     /// A string.
     Str(String),
-    /// A number, as `serde_json::Number` prints it.
+    /// A number, its exact text as written (`1.0` stays `1.0`, `18446744073709551617`
+    /// stays itself).
     Num(String),
     /// A boolean, array or object (named for error messages).
     Other(&'static str),
@@ -49,23 +55,76 @@ pub fn scan(bytes: &[u8], pointers: &[Vec<String>]) -> Result<Vec<Scalar>, serde
     Walk {
         paths: &paths,
         found: &mut found,
+        raw: false,
     }
     .deserialize(&mut de)?;
     de.end()?;
+    // Numbers that did not come as 64-bit integers were marked with an empty text: read
+    // their exact text in a second pass over the (now known valid) bytes, for those
+    // pointers only.
+    if found
+        .iter()
+        .any(|f| matches!(f, Scalar::Num(t) if t.is_empty()))
+    {
+        let lossy: Vec<(usize, &[String])> = paths
+            .iter()
+            .filter(|(i, _)| matches!(&found[*i], Scalar::Num(t) if t.is_empty()))
+            .copied()
+            .collect();
+        let mut exact = vec![Scalar::Missing; pointers.len()];
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        Walk {
+            paths: &lossy,
+            found: &mut exact,
+            raw: true,
+        }
+        .deserialize(&mut de)?;
+        for (i, _) in lossy {
+            found[i] = std::mem::replace(&mut exact[i], Scalar::Missing);
+        }
+    }
     Ok(found)
 }
 
 /// Walks one value; `paths` are the pointers (rest of their tokens) that lead into it.
+/// With `raw`, a value where a pointer ends is read as its JSON text (numbers keep it).
 struct Walk<'a, 'p> {
     paths: &'a [(usize, &'p [String])],
     found: &'a mut [Scalar],
+    raw: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for Walk<'_, '_> {
     type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+    fn deserialize<D: Deserializer<'de>>(mut self, d: D) -> Result<(), D::Error> {
         if self.paths.is_empty() {
             d.deserialize_ignored_any(IgnoredAny)?;
+            return Ok(());
+        }
+        if self.raw && self.paths.iter().any(|(_, rest)| rest.is_empty()) {
+            use serde::de::Error as _;
+            let raw = <&serde_json::value::RawValue as serde::Deserialize>::deserialize(d)?;
+            let text = raw.get();
+            if text.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+                self.set(Scalar::Num(text.to_string()));
+            }
+            // Pointers that go on into this value (an object or array): walk its text.
+            let deeper: Vec<(usize, &[String])> = self
+                .paths
+                .iter()
+                .filter(|(_, rest)| !rest.is_empty())
+                .copied()
+                .collect();
+            if !deeper.is_empty() {
+                let mut de = serde_json::Deserializer::from_str(text);
+                Walk {
+                    paths: &deeper,
+                    found: self.found,
+                    raw: true,
+                }
+                .deserialize(&mut de)
+                .map_err(D::Error::custom)?;
+            }
             return Ok(());
         }
         d.deserialize_any(self)
@@ -126,11 +185,9 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
         self.set(Scalar::Num(v.to_string()));
         Ok(())
     }
-    fn visit_f64<E>(mut self, v: f64) -> Result<(), E> {
-        let text = serde_json::Number::from_f64(v)
-            .map(|n| n.to_string())
-            .unwrap_or_default();
-        self.set(Scalar::Num(text));
+    fn visit_f64<E>(mut self, _: f64) -> Result<(), E> {
+        // Not a 64-bit integer: its exact text is read by the raw pass (see `scan`).
+        self.set(Scalar::Num(String::new()));
         Ok(())
     }
     fn visit_str<E>(mut self, v: &str) -> Result<(), E> {
@@ -158,6 +215,7 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
             map.next_value_seed(Walk {
                 paths: &sub,
                 found: self.found,
+                raw: self.raw,
             })?;
         }
         Ok(())
@@ -181,6 +239,7 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
                 .next_element_seed(Walk {
                     paths: &sub,
                     found: self.found,
+                    raw: self.raw,
                 })?
                 .is_none()
             {
@@ -260,6 +319,57 @@ mod tests {
                 .to_string();
             assert_eq!(ours, theirs, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn numbers_keep_their_exact_text() {
+        for text in [
+            "0",
+            "-0",
+            "9007199254740993",
+            "9223372036854775808",
+            "18446744073709551615",
+            "18446744073709551616",
+            "18446744073709551617",
+            "-9223372036854775809",
+            "123456789012345678901234567890",
+            "1.0",
+            "1.00",
+            "1e0",
+            "1E+2",
+            "0.10000000000000001",
+            "-2.5e-300",
+        ] {
+            let doc = format!(r#"{{"id":{text},"a":[{text},{{"b":{text}}}],"s":"x"}}"#);
+            let ptrs = ["/id", "/a/0", "/a/1/b", "/s"].map(tokens);
+            let got = scan(doc.as_bytes(), &ptrs).unwrap();
+            let num = Scalar::Num(text.to_string());
+            assert_eq!(
+                got,
+                vec![num.clone(), num.clone(), num, Scalar::Str("x".into())],
+                "{doc}"
+            );
+        }
+        // A pointer into an object next to one at the object itself, both past a big number.
+        let doc = r#"{"o":{"n":18446744073709551617,"m":1.50},"o2":2}"#;
+        let got = scan(
+            doc.as_bytes(),
+            &[tokens("/o"), tokens("/o/n"), tokens("/o/m")],
+        )
+        .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                Scalar::Other("an object"),
+                Scalar::Num("18446744073709551617".into()),
+                Scalar::Num("1.50".into())
+            ]
+        );
+        // Repeated keys: the last occurrence wins, whatever the number.
+        let got = scan(br#"{"id":2,"id":1.50}"#, &[tokens("/id")]).unwrap();
+        assert_eq!(got, vec![Scalar::Num("1.50".into())]);
+        let got = scan(br#"{"id":1.50,"id":2}"#, &[tokens("/id")]).unwrap();
+        assert_eq!(got, vec![Scalar::Num("2".into())]);
     }
 
     proptest! {

@@ -5,8 +5,10 @@ use super::record::Record;
 /// The source of a dedup (or idempotency) key.
 ///
 /// Keys are raw bytes: a header or Kafka key is taken byte for byte, never decoded. A JSON
-/// string is taken as its UTF-8 bytes; a JSON number as its decimal text (so `"42"` and `42`
-/// name the same key). Any other JSON type is an error, as is a missing field.
+/// string is taken as its UTF-8 bytes; a JSON number as its exact text as written, whatever
+/// its size (so `"42"` and `42` name the same key, while `1`, `1.0` and `1e0` are three
+/// keys, and `18446744073709551616` and `18446744073709551617` are two). Any other JSON type
+/// is an error, as is a missing field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeySource {
     /// A JSON pointer (RFC 6901) into the decoded value, e.g. `/id`.
@@ -125,11 +127,7 @@ impl KeySource {
                         out.extend_from_slice(s.as_bytes());
                         Ok(())
                     }
-                    Some(serde_json::Value::Number(n)) => {
-                        use std::io::Write;
-                        let _ = write!(out, "{n}");
-                        Ok(())
-                    }
+                    Some(serde_json::Value::Number(n)) => number_text(ptr, n, out),
                     Some(other) => Err(KeyError::WrongType(format!(
                         "key field {ptr} is {}, expected a string or a number",
                         json_type(other)
@@ -167,6 +165,33 @@ impl KeySource {
             }
         }
     }
+}
+
+/// Append the text of number `n`, found at `ptr` in the record view (a view exists when
+/// the source is not JSON, or a stage such as `map` rewrote the value; otherwise keys come
+/// from the scanned fields, with their exact text).
+///
+/// A 64-bit integer has one text. Any other number went through `f64` when the view was
+/// made: a fraction is written as `f64` prints it; an integer beyond 64 bits is refused, as
+/// its digits are lost (`2^64 + 1` reads as `2^64`) and two ids must not become one key.
+///
+/// # Errors
+/// [`KeyError::WrongType`] for an integer beyond 64 bits.
+fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), KeyError> {
+    use std::io::Write;
+    let v = n.as_f64().unwrap_or(0.0);
+    if !(n.is_i64() || n.is_u64())
+        && v.fract() == 0.0
+        // Not a 64-bit integer, yet integral past 2^53: written as an integer beyond 64
+        // bits (or a float such as 1e20); f64 no longer tells its digits apart.
+        && v.abs() >= 9_007_199_254_740_992.0
+    {
+        return Err(KeyError::WrongType(format!(
+            "key field {ptr} is an integer beyond 64 bits, whose exact digits an earlier stage lost when it rewrote the value; dedup before that stage, or send the id as a string"
+        )));
+    }
+    let _ = write!(out, "{n}");
+    Ok(())
 }
 
 /// The JSON type name of a value, for error messages.
@@ -215,6 +240,31 @@ mod tests {
             b"abc"
         );
         assert_eq!(key(&p, &rec(serde_json::json!({"id": 42}))).unwrap(), b"42");
+    }
+
+    #[test]
+    fn numbers_in_a_view_beyond_64_bits_are_refused() {
+        let p = KeySource::JsonPointer("/id".into());
+        let k = |v: serde_json::Value| key(&p, &rec(v));
+        assert_eq!(
+            k(serde_json::json!({"id": u64::MAX})).unwrap(),
+            b"18446744073709551615"
+        );
+        assert_eq!(
+            k(serde_json::json!({"id": i64::MIN})).unwrap(),
+            b"-9223372036854775808"
+        );
+        assert_eq!(k(serde_json::json!({"id": 2.5})).unwrap(), b"2.5");
+        assert_eq!(k(serde_json::json!({"id": 1.0})).unwrap(), b"1.0");
+        for big in [18446744073709551616.0, -9223372036854775809.0, 1e20, 1e300] {
+            assert!(
+                matches!(
+                    k(serde_json::json!({"id": big})),
+                    Err(KeyError::WrongType(_))
+                ),
+                "{big}"
+            );
+        }
     }
 
     #[test]

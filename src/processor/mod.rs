@@ -9,6 +9,7 @@ pub mod codec;
 pub mod dedup;
 pub mod enrich;
 pub mod expr;
+pub mod fingerprint;
 pub mod json_scan;
 pub mod key;
 pub mod record;

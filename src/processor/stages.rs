@@ -3,6 +3,7 @@
 
 use super::dedup::{decide, Decision, DedupEntry, Observation, Policy};
 use super::expr::{plan, Bindings, BytesFn};
+use super::fingerprint::{FingerprintFields, Fingerprinter};
 use super::key::KeySource;
 use super::{Context, OutRecord, Processor, Record, StageError};
 use crate::error::RecordError;
@@ -29,6 +30,21 @@ pub enum ConflictPolicy {
     Drop,
     /// Send it to the dead-letter topic.
     DeadLetter,
+    /// Send it to the stage's `duplicates_to` topic, with the header
+    /// `onceflow.duplicate.kind: conflict` (duplicates there carry `duplicate`).
+    DuplicatesTo,
+}
+
+impl ConflictPolicy {
+    /// Name as written in topology files: `drop`, `pass`, `dead_letter`, `duplicates_to`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConflictPolicy::Pass => "pass",
+            ConflictPolicy::Drop => "drop",
+            ConflictPolicy::DeadLetter => "dead_letter",
+            ConflictPolicy::DuplicatesTo => "duplicates_to",
+        }
+    }
 }
 
 /// Settings of a dedup stage.
@@ -42,6 +58,11 @@ pub struct DedupSpec {
     pub time: TimeSource,
     /// Store a payload fingerprint and report same-key-other-payload as a conflict.
     pub fingerprint: bool,
+    /// What the fingerprint is taken over: `None` (the default), the value bytes as read;
+    /// otherwise the JSON fields covered or ignored (see [`FingerprintFields`]), so that a
+    /// re-serialized copy, or one differing only in an ignored field, is a duplicate. Needs
+    /// `fingerprint` and a source with a record view (json, string, protobuf).
+    pub fingerprint_fields: Option<FingerprintFields>,
     /// What to do with a conflict.
     pub on_conflict: ConflictPolicy,
     /// Grace after the TTL, in ms (default 1 h): the sweep deletes an entry once the
@@ -64,6 +85,7 @@ impl DedupSpec {
             ttl_ms: 24 * 3600 * 1000,
             time: TimeSource::Event,
             fingerprint: false,
+            fingerprint_fields: None,
             on_conflict: ConflictPolicy::Drop,
             grace_ms: 3600 * 1000,
             max_keys: None,
@@ -74,6 +96,13 @@ impl DedupSpec {
     /// Send duplicates to `topic` instead of dropping them.
     pub fn with_duplicates_to(mut self, topic: impl Into<String>) -> Self {
         self.duplicates_to = Some(topic.into());
+        self
+    }
+
+    /// Turn the fingerprint on, taken over `fields` (see [`FingerprintFields`]).
+    pub fn with_fingerprint_fields(mut self, fields: FingerprintFields) -> Self {
+        self.fingerprint = true;
+        self.fingerprint_fields = Some(fields);
         self
     }
 
@@ -144,6 +173,8 @@ pub struct Dedup {
     held: Vec<Held>,
     /// Judging a held twin again: the decision it got when it came (counted then).
     reviving: Option<Decision>,
+    /// Compiled `fingerprint_fields`.
+    fingerprinter: Option<Fingerprinter>,
 }
 
 /// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
@@ -230,6 +261,10 @@ fn decode_entry(
 impl Dedup {
     /// A dedup stage `name` keeping its entries in store `store`.
     pub fn new(topology: &str, name: &str, store: &str, spec: DedupSpec) -> Self {
+        let fingerprinter = spec
+            .fingerprint_fields
+            .as_ref()
+            .map(FingerprintFields::compile);
         Dedup {
             name: name.to_string(),
             store: store.to_string(),
@@ -245,6 +280,7 @@ impl Dedup {
             hold_twins: false,
             held: Vec::new(),
             reviving: None,
+            fingerprinter,
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
         }
     }
@@ -382,14 +418,24 @@ impl Processor for Dedup {
         } else if time_ms > self.top_times[1] {
             self.top_times[1] = time_ms;
         }
+        let fingerprint = match (self.spec.fingerprint, &self.fingerprinter) {
+            (false, _) => None,
+            (true, None) => Some(xxhash_rust::xxh3::xxh3_64(
+                record.value.as_deref().unwrap_or_default(),
+            )),
+            (true, Some(f)) => match fields_fingerprint(f, &record) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    self.metrics.error.increment(1);
+                    return Err(RecordError::new(&self.name, e).into());
+                }
+            },
+        };
         let obs = Observation {
             time_ms,
             partition: record.source.partition,
             offset: record.source.offset,
-            fingerprint: self
-                .spec
-                .fingerprint
-                .then(|| xxhash_rust::xxh3::xxh3_64(record.value.as_deref().unwrap_or_default())),
+            fingerprint,
         };
         let policy = Policy {
             ttl_ms: self.spec.ttl_ms,
@@ -485,26 +531,7 @@ impl Processor for Dedup {
                 self.metrics.duplicate.increment(1);
                 ctx.counts().duplicates += 1;
                 if let Some(side) = &self.spec.duplicates_to {
-                    let mut headers = record.headers;
-                    if let Some(first) = &prev {
-                        let h = |s: String| Some(bytes::Bytes::from(s.into_bytes()));
-                        headers.push((
-                            DUPLICATE_OF_PARTITION.into(),
-                            h(first.source_partition.to_string()),
-                        ));
-                        headers.push((
-                            DUPLICATE_OF_OFFSET.into(),
-                            h(first.source_offset.to_string()),
-                        ));
-                    }
-                    ctx.emit(OutRecord {
-                        topic: side.clone(),
-                        partition: None,
-                        key: record.key,
-                        value: record.value,
-                        headers,
-                        timestamp: record.timestamp,
-                    });
+                    side_output(side, record, prev.as_ref(), "duplicate", ctx);
                 }
             }
             Decision::Conflict => {
@@ -513,6 +540,12 @@ impl Processor for Dedup {
                 match self.spec.on_conflict {
                     ConflictPolicy::Pass => ctx.forward(record),
                     ConflictPolicy::Drop => {}
+                    ConflictPolicy::DuplicatesTo => {
+                        // build() refuses this policy without a duplicates_to topic.
+                        if let Some(side) = &self.spec.duplicates_to {
+                            side_output(side, record, prev.as_ref(), "conflict", ctx);
+                        }
+                    }
                     ConflictPolicy::DeadLetter => {
                         return Err(RecordError::new(
                             &self.name,
@@ -527,6 +560,59 @@ impl Processor for Dedup {
     }
 }
 
+/// The fingerprint of `record` over chosen fields: of its view when a stage made one (the
+/// view is what the record says now), else of its value bytes.
+fn fields_fingerprint(f: &Fingerprinter, record: &Record) -> Result<u64, String> {
+    if let Some(v) = &record.json {
+        return Ok(f.of_value(v));
+    }
+    match record.value.as_deref() {
+        None => Err("fingerprint: the value is null".into()),
+        Some(b) => f
+            .of_bytes(b)
+            .map_err(|e| format!("fingerprint: the value is not JSON: {e}")),
+    }
+}
+
+/// Write `record` to the duplicate topic `side` as read, with headers naming the first
+/// occurrence and `kind` (`duplicate` or `conflict`).
+fn side_output(
+    side: &str,
+    record: Record,
+    first: Option<&DedupEntry>,
+    kind: &'static str,
+    ctx: &mut Context<'_>,
+) {
+    let mut headers = record.headers;
+    let h = |s: String| Some(bytes::Bytes::from(s.into_bytes()));
+    headers.push((
+        DUPLICATE_KIND.into(),
+        Some(bytes::Bytes::from_static(kind.as_bytes())),
+    ));
+    if let Some(first) = first {
+        headers.push((
+            DUPLICATE_OF_PARTITION.into(),
+            h(first.source_partition.to_string()),
+        ));
+        headers.push((
+            DUPLICATE_OF_OFFSET.into(),
+            h(first.source_offset.to_string()),
+        ));
+    }
+    ctx.emit(OutRecord {
+        topic: side.to_string(),
+        partition: None,
+        key: record.key,
+        value: record.value,
+        headers,
+        timestamp: record.timestamp,
+    });
+}
+
+/// Header of a record on a dedup stage's duplicate topic: `duplicate` (same key, same
+/// payload or no fingerprint) or `conflict` (same key, other fingerprint; with
+/// `on_conflict: duplicates_to`).
+pub const DUPLICATE_KIND: &str = "onceflow.duplicate.kind";
 /// Header of a record on a dedup stage's duplicate topic: the source partition of the
 /// first occurrence (decimal text).
 pub const DUPLICATE_OF_PARTITION: &str = "onceflow.duplicate.of.partition";

@@ -11,7 +11,11 @@
 //!   row and the transaction is rolled back. Exactly once for the database.
 //! - `store: sled` / `store: redis`: the reservation protocol of [`protocol`]: reserve (in
 //!   flight, with a lease), run the effect, mark it completed with its result.
-//! - `store: none`: no protection (at-least-once), for measurements and idempotent targets.
+//! - `store: none`: no protection (at-least-once), for measurements and idempotent targets;
+//!   its effects are reported `unprotected`.
+//!
+//! Each sink's keys live in their own namespace, [`idempotency_scope`]`(topology, sink)`,
+//! which no other pair of names can produce.
 //!
 //! A `redis` sink whose store is `redis` with the same URL runs its command and the
 //! completed record in one MULTI/EXEC, so a lost reply can be settled by reading the record
@@ -173,7 +177,8 @@ impl EffectSpec {
 /// Where idempotency keys are recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreSpec {
-    /// No protection: effects are at-least-once.
+    /// No protection: effects are at-least-once, and reported `unprotected` (outcome
+    /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
     /// one instance only. Bound to a state dir before it runs ([`bind_state_dir`]: `App::run`
@@ -432,6 +437,40 @@ pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Ve
         }
     }
     errs
+}
+
+/// The namespace of sink `sink`'s idempotency keys in topology `topology`:
+/// `<topology>/<sink>`, the sled tree (`idempotency:<scope>`), the inbox row's scope column
+/// and, in Redis, the default key prefix [`redis_prefix`].
+///
+/// Scopes never collide: `build()` allows only `[A-Za-z0-9._-]` in topology and stage
+/// names, so neither can hold the `/` between them or the `:` that ends a Redis prefix;
+/// and for any other name (a sink made outside `build()`) `%`, `/` and `:` are written
+/// `%25`, `%2F`, `%3A`, so that topology `T` / sink `hook` and topology `T/hook:k` /
+/// sink `s` get different scopes whatever their keys (names allowed by `build()` are left
+/// as they are, so existing keys stay found).
+pub fn idempotency_scope(topology: &str, sink: &str) -> String {
+    fn escaped(name: &str, out: &mut String) {
+        for c in name.chars() {
+            match c {
+                '%' => out.push_str("%25"),
+                '/' => out.push_str("%2F"),
+                ':' => out.push_str("%3A"),
+                c => out.push(c),
+            }
+        }
+    }
+    let mut s = String::with_capacity(topology.len() + sink.len() + 1);
+    escaped(topology, &mut s);
+    s.push('/');
+    escaped(sink, &mut s);
+    s
+}
+
+/// The default prefix of a sink's Redis idempotency keys: `onceflow:<scope>:` (see
+/// [`idempotency_scope`]); a key is the prefix followed by its bytes.
+pub fn redis_prefix(scope: &str) -> String {
+    format!("onceflow:{scope}:")
 }
 
 /// The default directory of the sled idempotency store of application `application_id`

@@ -129,7 +129,8 @@ pub enum Outcome {
     Done(Vec<u8>),
     /// The key was completed before (a redelivery or a twin); the stored result.
     SkippedDuplicate(Vec<u8>),
-    /// The store was unreachable and the policy is fail_open: the effect ran unprotected.
+    /// The effect ran with no idempotency record: the sink has `store: none`, or the store
+    /// was unreachable and the policy is fail_open. A redelivery may run it again.
     Unprotected(Vec<u8>),
 }
 

@@ -9,7 +9,8 @@
 //!
 //! Records whose effect is done or skipped go on to the next stage, if any, with the headers
 //! `onceflow.effect.outcome` (`done`, `skipped_duplicate`, `unprotected`) and
-//! `onceflow.effect.result` (the stored result).
+//! `onceflow.effect.result` (the stored result). `unprotected` means the effect ran with no
+//! idempotency record: `store: none`, or an unreachable store under `fail_open`.
 
 use super::effects::{Effector, Prepared};
 use super::protocol::{run_once, EffectError, Outcome};
@@ -29,9 +30,9 @@ pub const RESULT_HEADER: &str = "onceflow.effect.result";
 
 struct Shared {
     name: String,
-    /// `<topology>/<sink>`: the namespace of this sink's keys in its store (sled tree, Redis
-    /// prefix, inbox rows), so sinks of the same name in other topologies sharing the store
-    /// never see each other's keys.
+    /// `<topology>/<sink>` ([`super::idempotency_scope`]): the namespace of this sink's keys
+    /// in its store (sled tree, Redis prefix, inbox rows), so sinks of the same name in other
+    /// topologies sharing the store never see each other's keys.
     scope: String,
     spec: ExternalSinkSpec,
     effector: Result<Effector, String>,
@@ -98,7 +99,7 @@ impl Shared {
             StoreSpec::Redis {
                 prefix: Some(p), ..
             } => p.clone(),
-            _ => format!("onceflow:{}:", self.scope),
+            _ => super::redis_prefix(&self.scope),
         }
     }
 
@@ -109,7 +110,8 @@ impl Shared {
             return Ok(eff.run_with_inbox(table, &self.scope, &key, &prep).await?);
         }
         if matches!(self.spec.store, StoreSpec::None) {
-            return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+            // No store, no protection: reported as such, never as `done`.
+            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
         }
         if matches!(self.spec.store, StoreSpec::Sled { .. }) {
             // A setting, not an outage: no retry.
@@ -145,7 +147,8 @@ impl Shared {
             }
         };
         let Some(store) = store else {
-            return eff.run(Some(&key), &prep).await.map(Outcome::Done);
+            // Only `none` has no store here (postgres returned above): unprotected.
+            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
         };
         if self.redis_transaction {
             let prefix = self.redis_prefix();
@@ -196,7 +199,7 @@ impl ExternalSink {
         ExternalSink {
             shared: Arc::new(Shared {
                 name: name.to_string(),
-                scope: format!("{topology}/{name}"),
+                scope: super::idempotency_scope(topology, name),
                 spec: spec.clone(),
                 effector,
                 store: OnceCell::new(),
@@ -252,7 +255,9 @@ impl ExternalSink {
                     Outcome::Done(_) => 0,
                     Outcome::SkippedDuplicate(_) => 1,
                     Outcome::Unprotected(_) => {
-                        tracing::warn!(sink = %s.name, "effect ran unprotected (idempotency store unreachable, fail_open)");
+                        if !matches!(s.spec.store, StoreSpec::None) {
+                            tracing::warn!(sink = %s.name, "effect ran unprotected (idempotency store unreachable, fail_open)");
+                        }
                         2
                     }
                 };

@@ -45,7 +45,13 @@ fn settings(kind: &StageKind) -> String {
                 d.time
             );
             if d.fingerprint {
-                let _ = write!(s, " fingerprint on_conflict={:?}", d.on_conflict);
+                match &d.fingerprint_fields {
+                    Some(f) => {
+                        let _ = write!(s, " fingerprint({})", f.describe());
+                    }
+                    None => s.push_str(" fingerprint"),
+                }
+                let _ = write!(s, " on_conflict={}", d.on_conflict.name());
             }
             if let Some(m) = d.max_keys {
                 let _ = write!(s, " max_keys={m}");

@@ -345,7 +345,7 @@ impl TopologyBuilder {
     /// topology files, which map them to a line and column).
     ///
     /// # Errors
-    /// Every problem found: no source, an empty or invalid topic name, an invalid or
+    /// Every problem found: no source, an empty or invalid topology name (`[A-Za-z0-9._-]`), an invalid topic name, an invalid or
     /// duplicate stage name, a TTL that is not positive, a JSON-pointer key or a map stage
     /// on a non-JSON source, a bad field pointer, a sink without topics, a route without
     /// branches, no sink or route at all.
@@ -378,6 +378,20 @@ impl TopologyBuilder {
         }
         if self.name.trim().is_empty() {
             errors.push(top(Some("name"), "must not be empty".into()));
+        } else if !self
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        {
+            // A `/` or `:` in the name could forge another sink's idempotency scope
+            // (`<topology>/<sink>`, Redis prefix `onceflow:<topology>/<sink>:`).
+            errors.push(top(
+                Some("name"),
+                format!(
+                    "{:?}: use only ASCII letters, digits, '-', '_' and '.' (it scopes the idempotency keys of its sinks, `<topology>/<sink>`)",
+                    self.name
+                ),
+            ));
         }
         let source = match self.source.clone() {
             Some(s) => {
@@ -453,6 +467,33 @@ impl TopologyBuilder {
                         if let Err(r) = check_topic_name(t) {
                             err("duplicates_to", r);
                         }
+                    }
+                    if let Some(f) = &d.fingerprint_fields {
+                        if let Err(r) = f.validate() {
+                            err("fingerprint", r);
+                        } else if !d.fingerprint {
+                            err(
+                                "fingerprint",
+                                "fingerprint fields are given but the fingerprint is off".into(),
+                            );
+                        }
+                        if let Some(s) = source.as_ref().filter(|s| !s.format.has_view()) {
+                            err(
+                                "fingerprint",
+                                format!(
+                                    "fingerprint fields need a source with fields (json, string, protobuf), but the source format is {}",
+                                    s.format.name()
+                                ),
+                            );
+                        }
+                    }
+                    if d.on_conflict == crate::processor::stages::ConflictPolicy::DuplicatesTo
+                        && d.duplicates_to.is_none()
+                    {
+                        err(
+                            "on_conflict",
+                            "duplicates_to needs a duplicates_to topic".into(),
+                        );
                     }
                 }
                 StageKind::Sink(k) => {

@@ -1,0 +1,169 @@
+//! Issue 11, item 5: idempotency-key scopes cannot collide. A sink's keys live under
+//! `<topology>/<sink>`; with plain concatenation, topology `T` / sink `hook` / key
+//! `k/s:order-5` and topology `T/hook:k` / sink `s` / key `order-5` made the same Redis key,
+//! and topology `a/b` / sink `c` and topology `a` / sink `b/c` the same sled tree and inbox
+//! scope: the second effect was skipped as done. Here: such topology names are refused by
+//! `build()`, and the scope itself keeps them apart in sled, Redis and the PostgreSQL inbox.
+
+mod sink_support;
+
+use onceflow::processor::{Record, SourceMeta};
+use onceflow::sink::effects::Effector;
+use onceflow::sink::store::{IdempotencyStore, RedisStore, SledStore};
+use onceflow::sink::{idempotency_scope, redis_prefix, EffectSpec, PostgresSpec, Secret};
+use onceflow::topology::{Format, TopologyBuilder};
+use sink_support::{postgres_url, redis_url};
+use std::time::Duration;
+
+/// Two (topology, sink, key) triples that plain concatenation confused.
+fn pairs(tag: &str) -> Vec<[(String, String, Vec<u8>); 2]> {
+    let t = |s: &str| s.replace('T', &format!("T{tag}"));
+    vec![
+        [
+            (t("T"), "hook".into(), b"k/s:order-5".to_vec()),
+            (t("T/hook:k"), "s".into(), b"order-5".to_vec()),
+        ],
+        [
+            (t("a/b"), "c".into(), b"order-5".to_vec()),
+            (t("a"), "b/c".into(), b"order-5".to_vec()),
+        ],
+    ]
+}
+
+fn tag() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
+#[test]
+fn a_topology_name_that_could_forge_a_scope_is_refused() {
+    let errs = TopologyBuilder::new("T/hook:k")
+        .source("in", Format::Json)
+        .sink("out", "out")
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        errs.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+        vec!["topology error in topology: field `name`: \"T/hook:k\": use only ASCII letters, digits, '-', '_' and '.' (it scopes the idempotency keys of its sinks, `<topology>/<sink>`)"]
+    );
+    let e = onceflow::dsl::parse(
+        "t.yaml",
+        "name: \"T/hook:k\"\nsource: { topic: in }\nstages:\n  - sink: { topic: out }\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        e,
+        "t.yaml:1:1: topology, field `name`: \"T/hook:k\": use only ASCII letters, digits, '-', '_' and '.' (it scopes the idempotency keys of its sinks, `<topology>/<sink>`)"
+    );
+}
+
+#[test]
+fn scopes_of_names_build_allows_are_unchanged() {
+    // Existing keys must stay found after an upgrade.
+    assert_eq!(idempotency_scope("orders-a", "hook"), "orders-a/hook");
+    assert_eq!(
+        redis_prefix(&idempotency_scope("t", "hook")),
+        "onceflow:t/hook:"
+    );
+}
+
+#[test]
+fn colliding_pairs_stay_apart_in_sled() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
+        let a = SledStore::open(dir.path(), &idempotency_scope(&t1, &s1)).unwrap();
+        let b = SledStore::open(dir.path(), &idempotency_scope(&t2, &s2)).unwrap();
+        rt.block_on(async {
+            a.complete(&k1, b"done by the first", Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(
+                b.lookup(&k2).await.unwrap(),
+                None,
+                "{t2}/{s2} sees the key of {t1}/{s1}"
+            );
+        });
+    }
+}
+
+#[test]
+fn colliding_pairs_stay_apart_in_redis() {
+    let Some(url) = redis_url() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
+        rt.block_on(async {
+            let store = |t: String, s: String| {
+                let url = url.clone();
+                async move {
+                    let prefix = redis_prefix(&idempotency_scope(&t, &s));
+                    RedisStore::connect(&url, prefix.as_bytes(), Duration::from_secs(2))
+                        .await
+                        .unwrap()
+                }
+            };
+            let a = store(t1.clone(), s1.clone()).await;
+            let b = store(t2.clone(), s2.clone()).await;
+            a.complete(&k1, b"done by the first", Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(
+                b.lookup(&k2).await.unwrap(),
+                None,
+                "{t2}/{s2} sees the key of {t1}/{s1}"
+            );
+        });
+    }
+}
+
+#[test]
+fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
+    let Some(url) = postgres_url() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let table = "onceflow_inbox_scopes".to_string();
+    let spec = EffectSpec::Postgres(PostgresSpec {
+        url: Secret::Inline(url),
+        sql: "SELECT 1".into(),
+        params: vec![],
+    });
+    let eff = Effector::new("pg", &spec, Duration::from_secs(5)).unwrap();
+    let record = Record {
+        key: None,
+        value: Some(r#"{"id":5}"#.into()),
+        headers: vec![],
+        timestamp: Some(0),
+        json: None,
+        fields: None,
+        source: SourceMeta {
+            topic: "in".into(),
+            partition: 0,
+            offset: 0,
+        },
+    };
+    let prep = eff.prepare(&record).unwrap();
+    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
+        rt.block_on(async {
+            let first = eff
+                .run_with_inbox(&table, &idempotency_scope(&t1, &s1), &k1, &prep)
+                .await
+                .unwrap();
+            assert_eq!(first.label(), "done");
+            let second = eff
+                .run_with_inbox(&table, &idempotency_scope(&t2, &s2), &k2, &prep)
+                .await
+                .unwrap();
+            assert_eq!(
+                second.label(),
+                "done",
+                "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
+            );
+        });
+    }
+}
