@@ -401,7 +401,7 @@ impl StateTools {
                         Offset::Beginning
                     }
                 };
-                read_changelog(c, &store.changelog, p, start, end, &mut |k, v, off| {
+                read_changelog(c, &store.changelog, p, start, end, |k, v, off| {
                     if key.is_none_or(|want| want == k) {
                         tail.insert(k.to_vec(), (v.map(<[u8]>::to_vec), off));
                     }
@@ -430,7 +430,7 @@ impl StateTools {
                         }
                     }
                     Some(_) => {}
-                    None => scan_tree(t.as_ref(), &mut |k, v| {
+                    None => scan_tree(t.as_ref(), |k, v| {
                         if tail.contains_key(k) {
                             return Ok(());
                         }
@@ -599,7 +599,7 @@ impl StateTools {
                 p,
                 Offset::Beginning,
                 end,
-                &mut |k, v, _| {
+                |k, v, _| {
                     if wanted.contains(k) {
                         live.insert(k.to_vec(), v.is_some());
                     }
@@ -837,7 +837,7 @@ impl rdkafka::producer::ProducerContext for SeedDeliveries {
 /// Visit the committed data entries of a local tree in key order, a page at a time.
 fn scan_tree(
     tree: &dyn KeyValueStore,
-    f: &mut dyn FnMut(&[u8], &[u8]) -> Result<()>,
+    mut f: impl FnMut(&[u8], &[u8]) -> Result<()>,
 ) -> Result<()> {
     let mut after: Option<Vec<u8>> = None;
     loop {
@@ -861,7 +861,7 @@ fn read_changelog(
     p: i32,
     start: Offset,
     end: i64,
-    f: &mut dyn FnMut(&[u8], Option<&[u8]>, i64) -> Result<()>,
+    mut f: impl FnMut(&[u8], Option<&[u8]>, i64) -> Result<()>,
 ) -> Result<()> {
     if let Offset::Offset(s) = start {
         if s >= end {
