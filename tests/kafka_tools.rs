@@ -373,6 +373,21 @@ fn reset_lists_in_a_dry_run_refuses_while_running_and_deletes_topics_offsets_and
         &[],
     );
     running.wait_for_log("partitions assigned", Duration::from_secs(60));
+    // The running instance holds its state dir: `state get` answers from the changelog,
+    // `--from local` says why it cannot.
+    let b = names.state.path().join("b");
+    let (code, stdout, stderr) = tool(&names, &b, &["state", "get"], &["y", "--json"]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let v = &json_lines(&stdout)[0];
+    assert_eq!(ident(v), (1, "y".into(), "utf8".into(), T0, 1, 1));
+    assert!(v["changelog_offset"].is_i64(), "{v}");
+    let (code, _, stderr) = tool(&names, &b, &["state", "get"], &["y", "--from", "local"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("locked by another onceflow process"),
+        "{stderr}"
+    );
+
     let (code, stdout, stderr) = tool(&names, &state, &["reset"], &[]);
     assert_eq!(code, 2, "{stdout}{stderr}");
     assert!(stderr.contains("refusing to reset"), "{stderr}");
