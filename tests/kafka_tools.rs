@@ -291,6 +291,40 @@ fn state_seed_is_refused_while_instances_run_and_every_later_run_sees_the_seeds(
         assert_eq!(v["source_topic"], Value::Null);
         assert_eq!(v["first_seen_ms"].as_i64(), Some(T0 + HOUR / 2));
     }
+    // The instance's own state dir predates the seeds: on disk alone it has not seen them,
+    // brought up to date from the changelog (the default) it has.
+    let own = names.state_dir();
+    let (code, stdout, _) = tool(
+        &names,
+        &own,
+        &["state", "get"],
+        &["seed-1", "--from", "local"],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    let (code, stdout, _) = tool(&names, &own, &["state", "get"], &["seed-1", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(json_lines(&stdout).len(), 2, "{stdout}");
+    let (code, stdout, stderr) = tool(&names, &own, &["state", "dump"], &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let mut rows: Vec<_> = json_lines(&stdout).iter().map(ident).collect();
+    rows.sort();
+    let s = |p: i64, k: &str, enc: &str| (p, k.to_string(), enc.to_string(), T0 + HOUR / 2, p, -1);
+    let mut seeded_rows = vec![
+        (0, "a".to_string(), "utf8".to_string(), T0, 0, 0),
+        s(0, "seed-1", "utf8"),
+        s(0, "seed-2", "utf8"),
+        s(1, "a", "utf8"),
+        s(1, "seed-1", "utf8"),
+        s(1, "seed-2", "utf8"),
+    ];
+    // The base64 seed was written now, with the default first-seen time.
+    let b64: Vec<_> = rows.iter().filter(|r| r.2 == "base64").cloned().collect();
+    assert_eq!(b64.len(), 1, "{stdout}");
+    assert_eq!((b64[0].0, b64[0].1.as_str(), b64[0].5), (1, "/w==", -1));
+    rows.retain(|r| r.2 != "base64");
+    seeded_rows.sort();
+    assert_eq!(rows, seeded_rows);
+
     // "a" kept its own entry (source offset 0), not overwritten by the seed.
     let (_, stdout, _) = tool(
         &names,
@@ -379,7 +413,7 @@ fn reset_lists_in_a_dry_run_refuses_while_running_and_deletes_topics_offsets_and
     let (code, stdout, stderr) = tool(&names, &b, &["state", "get"], &["y", "--json"]);
     assert_eq!(code, 0, "{stdout}{stderr}");
     let v = &json_lines(&stdout)[0];
-    assert_eq!(ident(v), (1, "y".into(), "utf8".into(), T0, 1, 1));
+    assert_eq!(ident(v), (1, "y".into(), "utf8".into(), T0, 1, 0));
     assert!(v["changelog_offset"].is_i64(), "{v}");
     let (code, _, stderr) = tool(&names, &b, &["state", "get"], &["y", "--from", "local"]);
     assert_eq!(code, 2);
