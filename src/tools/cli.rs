@@ -424,3 +424,41 @@ fn reset_cmd(args: ResetArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_files_are_read_as_raw_lines_or_base64_with_line_numbers_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("keys");
+        std::fs::write(&f, b"a\r\n\nb \n\xff\xfe\nlast").unwrap();
+        assert_eq!(
+            read_keys(&f, false).unwrap(),
+            vec![
+                b"a".to_vec(),
+                b"b ".to_vec(),
+                b"\xff\xfe".to_vec(),
+                b"last".to_vec()
+            ],
+            "CRLF and blank lines handled, bytes kept as they are"
+        );
+        std::fs::write(&f, "/w==\nnot base64!\n").unwrap();
+        let e = read_keys(&f, true).unwrap_err().to_string();
+        assert!(e.contains("keys:2: not valid base64"), "{e}");
+        std::fs::write(&f, "/w==\r\n").unwrap();
+        assert_eq!(read_keys(&f, true).unwrap(), vec![vec![0xff]]);
+    }
+
+    #[test]
+    fn first_seen_takes_rfc3339_or_millis() {
+        assert_eq!(parse_time("1764547200000").unwrap(), 1_764_547_200_000);
+        assert_eq!(
+            parse_time("2025-12-01T00:00:00Z").unwrap(),
+            1_764_547_200_000
+        );
+        let e = parse_time("yesterday").unwrap_err().to_string();
+        assert!(e.contains("--first-seen"), "{e}");
+    }
+}

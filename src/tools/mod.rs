@@ -91,17 +91,15 @@ pub fn show_key(key: &[u8]) -> (String, &'static str) {
     }
 }
 
-/// A time in ms since the epoch as RFC 3339 UTC with milliseconds.
+/// A time in ms since the epoch as RFC 3339 UTC with milliseconds; a time outside
+/// 1970..=9999 (which RFC 3339 formatting cannot show) as `<ms> ms since the epoch`.
 pub fn format_ms(ms: i64) -> String {
-    let t = if ms >= 0 {
-        std::time::UNIX_EPOCH.checked_add(Duration::from_millis(ms as u64))
-    } else {
-        std::time::UNIX_EPOCH.checked_sub(Duration::from_millis(ms.unsigned_abs()))
-    };
-    match t {
-        Some(t) => humantime::format_rfc3339_millis(t).to_string(),
-        None => format!("{ms} ms since the epoch"),
+    const MAX: i64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    if !(0..=MAX).contains(&ms) {
+        return format!("{ms} ms since the epoch");
     }
+    let t = std::time::UNIX_EPOCH + Duration::from_millis(ms as u64);
+    humantime::format_rfc3339_millis(t).to_string()
 }
 
 impl FoundEntry {
@@ -924,4 +922,70 @@ fn read_changelog(
     })();
     let _ = consumer.unassign();
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_show_as_utf8_when_valid_else_base64_never_lossy() {
+        assert_eq!(show_key(b"order-1"), ("order-1".to_string(), "utf8"));
+        assert_eq!(show_key(b""), (String::new(), "utf8"));
+        assert_eq!(show_key(b"\xff\x00a"), ("/wBh".to_string(), "base64"));
+        // Invalid UTF-8 that a lossy decode would turn into U+FFFD stays distinct.
+        assert_ne!(show_key(b"\xff"), show_key("\u{fffd}".as_bytes()));
+    }
+
+    #[test]
+    fn times_format_as_rfc3339_utc_with_millis() {
+        assert_eq!(format_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(format_ms(1_764_547_200_123), "2025-12-01T00:00:00.123Z");
+        // Out of RFC 3339's range: shown as a number, never a panic.
+        assert_eq!(format_ms(-1_000), "-1000 ms since the epoch");
+        assert_eq!(
+            format_ms(i64::MAX),
+            format!("{} ms since the epoch", i64::MAX)
+        );
+        assert_eq!(format_ms(253_402_300_799_999), "9999-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn an_entry_as_json_names_its_source_and_expiry() {
+        let store = StoreInfo {
+            name: "dedup".into(),
+            changelog: "app-dedup-changelog".into(),
+            ttl_ms: 3_600_000,
+            grace_ms: 60_000,
+        };
+        let found = FoundEntry {
+            partition: 2,
+            key: b"k".to_vec(),
+            entry: DedupEntry {
+                first_seen_ms: 0,
+                source_partition: 2,
+                source_offset: 7,
+                fingerprint: Some(255),
+            },
+            changelog_offset: Some(3),
+        };
+        let v = found.to_json(&store, "events");
+        assert_eq!(v["source_topic"], "events");
+        assert_eq!(v["source_offset"], 7);
+        assert_eq!(v["seeded"], false);
+        assert_eq!(v["expires_at_ms"], 3_600_000);
+        assert_eq!(v["swept_after"], "1970-01-01T01:01:00.000Z");
+        assert_eq!(v["fingerprint"], "00000000000000ff");
+        assert_eq!(v["changelog_offset"], 3);
+        let seeded = FoundEntry {
+            entry: DedupEntry {
+                source_offset: SEEDED_OFFSET,
+                ..found.entry.clone()
+            },
+            ..found
+        };
+        let v = seeded.to_json(&store, "events");
+        assert_eq!(v["seeded"], true);
+        assert!(v["source_topic"].is_null());
+    }
 }
