@@ -263,6 +263,15 @@ fn state_seed_is_refused_while_instances_run_and_every_later_run_sees_the_seeds(
         stdout.contains("keys=3 written=5 kept_existing=1 partitions=0,1"),
         "{stdout}"
     );
+    // Again: every key has its entry now, nothing is written.
+    let (code, stdout, stderr) = tool(
+        &names,
+        &other,
+        &["state", "seed"],
+        &[seeds.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("written=0 kept_existing=6"), "{stdout}");
     let (code, stdout, stderr) = tool(
         &names,
         &other,

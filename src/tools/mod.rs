@@ -988,4 +988,16 @@ mod tests {
         assert_eq!(v["seeded"], true);
         assert!(v["source_topic"].is_null());
     }
+
+    #[test]
+    fn stored_partitions_lists_a_stores_trees_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = SledBackend::open(dir.path()).unwrap();
+        for (store, p) in [("dedup", 0), ("dedup", 2), ("dedup-x", 1), ("other", 5)] {
+            b.open(store, p).unwrap();
+        }
+        assert_eq!(b.stored_partitions("dedup"), vec![0, 2]);
+        assert_eq!(b.stored_partitions("dedup-x"), vec![1]);
+        assert_eq!(b.stored_partitions("none"), Vec::<i32>::new());
+    }
 }
