@@ -16,6 +16,7 @@ pub mod runtime;
 pub mod sink;
 pub mod state;
 pub mod testing;
+pub mod tools;
 pub mod topology;
 
 pub use error::{Error, RecordError, Result};

@@ -52,6 +52,11 @@ enum Command {
         #[arg(long, default_value = "onceflow")]
         application_id: String,
     },
+    /// Inspect or seed a dedup store: `state get`, `state dump`, `state seed`.
+    State(onceflow::tools::cli::StateArgs),
+    /// Delete an application's internal topics, group offsets and local state
+    /// (--dry-run lists them); refused while instances run.
+    Reset(onceflow::tools::cli::ResetArgs),
 }
 
 fn init_logging() {
@@ -101,6 +106,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
     match cli.command {
+        Command::State(args) => onceflow::tools::cli::state_main(args),
+        Command::Reset(args) => onceflow::tools::cli::reset_main(args),
         Command::Validate { topology } => match onceflow::dsl::load(&topology) {
             Ok(_) => {
                 println!("{}: ok", topology.display());

@@ -194,6 +194,24 @@ impl SledBackend {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The partitions of `store` that have a tree in this database, ascending. Read-only:
+    /// for inspection tools, which must not create trees.
+    pub fn stored_partitions(&self, store: &str) -> Vec<i32> {
+        let prefix = format!("{store}-");
+        let mut out: Vec<i32> = self
+            .db
+            .tree_names()
+            .iter()
+            .filter_map(|n| {
+                let rest = n.strip_prefix(prefix.as_bytes())?;
+                std::str::from_utf8(rest).ok()?.parse::<i32>().ok()
+            })
+            .filter(|p| *p >= 0)
+            .collect();
+        out.sort_unstable();
+        out
+    }
 }
 
 impl StateBackend for SledBackend {
