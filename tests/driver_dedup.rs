@@ -438,7 +438,10 @@ fn a_crash_at_every_failpoint_loses_nothing() {
     for g in GUARANTEES {
         for point in onceflow::runtime::commit::commit_failpoints(g) {
             for wipe in [false, true] {
-                let ctx = format!("{g:?} at {point}{}", if wipe { " + wiped state" } else { "" });
+                let ctx = format!(
+                    "{g:?} at {point}{}",
+                    if wipe { " + wiped state" } else { "" }
+                );
                 let mut d = by_id(g, 10 * MIN).auto_commit(false);
                 let batches: [&[&str]; 3] = [
                     &["a", "b", "a", "c"],
@@ -486,7 +489,11 @@ fn a_crash_at_every_failpoint_loses_nothing() {
                     d.pipe(ev(id, 2)).unwrap();
                 }
                 d.commit().unwrap();
-                assert_eq!(out_ids(&d).len(), before, "{ctx}: repeats after recovery pass");
+                assert_eq!(
+                    out_ids(&d).len(),
+                    before,
+                    "{ctx}: repeats after recovery pass"
+                );
             }
         }
     }

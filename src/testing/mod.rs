@@ -101,6 +101,9 @@ pub struct TestDriver {
     tables: TableState,
 }
 
+/// A changelog record sent and not yet durable: (store, partition), key, value.
+type InFlightChangelog = ((String, i32), Vec<u8>, Option<Vec<u8>>);
+
 /// The driver's log: what a broker holds, in memory.
 ///
 /// Outputs and changelog records sent are in flight until acknowledged (at_least_once) or
@@ -112,7 +115,7 @@ struct MemoryLog {
     changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
     committed: BTreeMap<i32, i64>,
     in_flight: Vec<OutRecord>,
-    in_flight_changelog: Vec<((String, i32), Vec<u8>, Option<Vec<u8>>)>,
+    in_flight_changelog: Vec<InFlightChangelog>,
     txn_offsets: Vec<(i32, i64)>,
     armed: Option<String>,
 }
