@@ -9,6 +9,7 @@ use onceflow::topology::{Format, Topology, TopologyBuilder};
 use std::time::Duration;
 
 use onceflow::config::Guarantee;
+use onceflow::runtime::commit;
 
 /// Every test body runs once per guarantee: the driver commits with the runtime's protocol
 /// under each.
@@ -436,7 +437,7 @@ fn out_ids(d: &TestDriver) -> Vec<String> {
 #[test]
 fn a_crash_at_every_failpoint_loses_nothing() {
     for g in GUARANTEES {
-        for point in onceflow::runtime::commit::commit_failpoints(g) {
+        for point in commit::commit_failpoints(g) {
             for wipe in [false, true] {
                 let ctx = format!(
                     "{g:?} at {point}{}",
@@ -502,9 +503,9 @@ fn a_crash_at_every_failpoint_loses_nothing() {
 #[test]
 fn crash_at_refuses_a_point_of_the_other_guarantee() {
     let mut d = by_id(Guarantee::AtLeastOnce, MIN);
-    assert!(d.crash_at("eos.before_commit").is_err());
-    assert!(d.crash_at("commit.after_flush").is_ok());
+    assert!(d.crash_at(commit::EOS_BEFORE_COMMIT).is_err());
+    assert!(d.crash_at(commit::AFTER_FLUSH).is_ok());
     let mut d = by_id(Guarantee::ExactlyOnceV2, MIN);
-    assert!(d.crash_at("commit.after_flush").is_err());
-    assert!(d.crash_at("eos.after_commit").is_ok());
+    assert!(d.crash_at(commit::AFTER_FLUSH).is_err());
+    assert!(d.crash_at(commit::EOS_AFTER_COMMIT).is_ok());
 }
