@@ -509,3 +509,31 @@ fn crash_at_refuses_a_point_of_the_other_guarantee() {
     assert!(d.crash_at(commit::AFTER_FLUSH).is_err());
     assert!(d.crash_at(commit::EOS_AFTER_COMMIT).is_ok());
 }
+
+/// exactly_once_v2: a transaction that fails to commit (abortable) is aborted, its staged
+/// marks dropped, and its records read again from the committed offsets; the next commit
+/// gives each id once.
+#[test]
+fn an_aborted_transaction_rewinds_and_repeats_nothing() {
+    let mut d = by_id(Guarantee::ExactlyOnceV2, 10 * MIN).auto_commit(false);
+    for id in ["a", "b", "a"] {
+        d.pipe(ev(id, 1)).unwrap();
+    }
+    d.commit().unwrap();
+    for id in ["c", "b", "d", "c"] {
+        d.pipe(ev(id, 1)).unwrap();
+    }
+    d.fail_next_transaction();
+    d.commit().unwrap();
+    assert_eq!(
+        out_ids(&d),
+        ["a", "b"],
+        "nothing of the aborted transaction"
+    );
+    assert_eq!(d.committed_offset(0), Some(3));
+    // The rewound records were processed again: had the aborted marks stayed, c and d
+    // would be dropped as duplicates now, and lost.
+    d.commit().unwrap();
+    assert_eq!(out_ids(&d), ["a", "b", "c", "d"]);
+    assert_eq!(d.committed_offset(0), Some(7));
+}

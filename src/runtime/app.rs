@@ -102,6 +102,8 @@ struct Engine {
     topology: Topology,
     config: Config,
     source_topic: String,
+    /// The source topic, shared by every record read (no copy per record).
+    source_name: Arc<str>,
     /// `<application.id>-<instance id>`, for error messages.
     transactional_id: String,
     backend: SledBackend,
@@ -202,7 +204,7 @@ impl Engine {
                 .map_err(Error::kafka("pause"))?;
             return Ok(());
         }
-        let record = to_record(m, &self.source_topic);
+        let record = to_record(m, &self.source_name);
         task.process(record, wall_clock_ms(), &mut self.out)?;
         let mut log = kafka_log!(self, consumer, CommitMode::Async);
         self.protocol.processed(&mut log, &mut self.out)
@@ -258,7 +260,8 @@ fn wall_clock_ms() -> i64 {
         .unwrap_or(0)
 }
 
-fn to_record(m: &BorrowedMessage<'_>, topic: &str) -> Record {
+/// The record of `m`; the topic name is shared, not copied.
+fn to_record(m: &BorrowedMessage<'_>, topic: &Arc<str>) -> Record {
     let headers = match m.headers() {
         None => Vec::new(),
         Some(h) => h
@@ -274,7 +277,7 @@ fn to_record(m: &BorrowedMessage<'_>, topic: &str) -> Record {
         json: None,
         fields: None,
         source: SourceMeta {
-            topic: topic.into(),
+            topic: topic.clone(),
             partition: m.partition(),
             offset: m.offset(),
         },
@@ -324,6 +327,7 @@ impl App {
             topology,
             config: self.config.clone(),
             source_topic: self.topology.source().topic.clone(),
+            source_name: self.topology.source().topic.as_str().into(),
             transactional_id: self.config.transactional_id(),
             backend,
             producer,

@@ -45,9 +45,11 @@
 //!   exactly once checked) and, on the broker, tests/kafka_crash_harness.rs.
 //! - **Abort and rewind** (exactly_once_v2): a failed transaction (not fenced) is aborted,
 //!   every staged write dropped, and each partition rewinds to its committed offset
-//!   ([`Outcome::Aborted`]). A fenced producer (another instance took the
+//!   ([`Outcome::Aborted`]). Test: `an_aborted_transaction_rewinds_and_repeats_nothing`
+//!   (tests/driver_dedup.rs). A fenced producer (another instance took the
 //!   transactional.id, or the group moved on) is [`crate::Error::Fenced`]: the instance
-//!   stops. Test: tests/kafka_eos.rs.
+//!   stops. Test: `a_zombie_is_fenced_and_its_late_writes_never_appear`
+//!   (tests/kafka_eos.rs).
 
 use crate::config::Guarantee;
 use crate::error::{Error, Result};

@@ -118,6 +118,8 @@ struct MemoryLog {
     in_flight_changelog: Vec<InFlightChangelog>,
     txn_offsets: Vec<(i32, i64)>,
     armed: Option<String>,
+    /// Refuse the next transaction commit with an abortable error.
+    fail_commit: bool,
 }
 
 impl MemoryLog {
@@ -183,6 +185,11 @@ impl CommitLog for MemoryLog {
     }
 
     fn commit_transaction(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.fail_commit) {
+            return Err(crate::Error::Broker(
+                "transaction commit refused (injected by the test driver)".into(),
+            ));
+        }
         self.land();
         for (p, o) in std::mem::take(&mut self.txn_offsets) {
             self.committed.insert(p, o);
@@ -415,6 +422,13 @@ impl TestDriver {
         }
         self.log.armed = Some(name.to_string());
         Ok(())
+    }
+
+    /// exactly_once_v2: the next transaction commit fails with an abortable error, so the
+    /// protocol aborts it, drops the staged state and reads again from the committed
+    /// offsets (as the runtime seeks back).
+    pub fn fail_next_transaction(&mut self) {
+        self.log.fail_commit = true;
     }
 
     /// The failpoint the driver last died at ([`Self::crash_at`]).
