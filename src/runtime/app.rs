@@ -1,6 +1,6 @@
 //! The Kafka runtime's wiring: clients, tasks and the run loop that owns them.
 //!
-//! One thread runs the loop and owns every piece of state ([`Engine`]): tasks, stores,
+//! One thread runs the loop and owns every piece of state (`Engine`): tasks, stores,
 //! clients, the commit protocol. Nothing is shared with callbacks, so no lock is taken per
 //! record: rebalances arrive as events over a channel (`kafka::consumer`) and are carried
 //! out between two `poll`s (`rebalance.rs`). The ordered steps of a commit, for both
