@@ -8,10 +8,20 @@ use onceflow::testing::{TestDriver, TestRecord};
 use onceflow::topology::{Format, TopologyBuilder};
 use std::time::Duration;
 
+use onceflow::config::Guarantee;
+
+/// Every test body runs once per guarantee: the driver commits with the runtime's protocol
+/// under each.
+const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2];
+
+fn driver_for(g: Guarantee, t: onceflow::topology::Topology) -> TestDriver {
+    TestDriver::new(t).guarantee(g)
+}
+
 const MIN: i64 = 60_000;
 const T: i64 = 1_420_070_400_000;
 
-fn driver(key: KeySource, format: Format, ttl_ms: i64, grace_ms: i64) -> TestDriver {
+fn driver(g: Guarantee, key: KeySource, format: Format, ttl_ms: i64, grace_ms: i64) -> TestDriver {
     let mut spec = DedupSpec::new(key);
     spec.ttl_ms = ttl_ms;
     spec.grace_ms = grace_ms;
@@ -21,11 +31,12 @@ fn driver(key: KeySource, format: Format, ttl_ms: i64, grace_ms: i64) -> TestDri
         .sink("out", "out")
         .build()
         .unwrap();
-    TestDriver::new(t)
+    driver_for(g, t)
 }
 
-fn by_id(ttl_ms: i64, grace_ms: i64) -> TestDriver {
+fn by_id(g: Guarantee, ttl_ms: i64, grace_ms: i64) -> TestDriver {
     driver(
+        g,
         KeySource::JsonPointer("/id".into()),
         Format::Json,
         ttl_ms,
@@ -53,254 +64,274 @@ fn ids(d: &TestDriver) -> Vec<String> {
 
 #[test]
 fn a_restore_completes_before_the_first_record_is_processed() {
-    let mut d = by_id(24 * 60 * MIN, 60 * MIN);
-    for i in 1..=5 {
-        d.pipe(ev(&format!("a{i}"), T)).unwrap();
+    for g in GUARANTEES {
+        let mut d = by_id(g, 24 * 60 * MIN, 60 * MIN);
+        for i in 1..=5 {
+            d.pipe(ev(&format!("a{i}"), T)).unwrap();
+        }
+        d.wipe_state();
+        for i in 1..=5 {
+            d.pipe(ev(&format!("a{i}"), T + MIN)).unwrap();
+        }
+        assert_eq!(ids(&d), vec!["a1@0", "a2@0", "a3@0", "a4@0", "a5@0"]);
+        assert_eq!(d.restored_records(), 5);
     }
-    d.wipe_state();
-    for i in 1..=5 {
-        d.pipe(ev(&format!("a{i}"), T + MIN)).unwrap();
-    }
-    assert_eq!(ids(&d), vec!["a1@0", "a2@0", "a3@0", "a4@0", "a5@0"]);
-    assert_eq!(d.restored_records(), 5);
 }
 
 #[test]
 fn b_renewals_restore_in_log_order() {
-    let mut d = by_id(10 * MIN, 60 * MIN);
-    d.pipe(ev("k", T)).unwrap();
-    d.pipe(ev("k", T + 11 * MIN)).unwrap();
-    d.pipe(ev("k", T + 12 * MIN)).unwrap();
-    d.wipe_state();
-    d.pipe(ev("k", T + 13 * MIN)).unwrap();
-    d.pipe(ev("m", T + 13 * MIN)).unwrap();
-    assert_eq!(ids(&d), vec!["k@0", "k@11", "m@13"]);
+    for g in GUARANTEES {
+        let mut d = by_id(g, 10 * MIN, 60 * MIN);
+        d.pipe(ev("k", T)).unwrap();
+        d.pipe(ev("k", T + 11 * MIN)).unwrap();
+        d.pipe(ev("k", T + 12 * MIN)).unwrap();
+        d.wipe_state();
+        d.pipe(ev("k", T + 13 * MIN)).unwrap();
+        d.pipe(ev("m", T + 13 * MIN)).unwrap();
+        assert_eq!(ids(&d), vec!["k@0", "k@11", "m@13"]);
+    }
 }
 
 #[test]
 fn put_tombstone_put_of_one_key_restore_in_log_order() {
-    // Grace 0: the sweep deletes k once stream time passes T + 10m.
-    let mut d = by_id(10 * MIN, 0);
-    d.pipe(ev("k", T)).unwrap();
-    d.pipe(ev("x", T + 20 * MIN)).unwrap();
-    d.pipe(ev("y", T + 21 * MIN)).unwrap(); // second-highest time T+20m > T+10m: sweep k
-    d.pipe(ev("k", T + 22 * MIN)).unwrap(); // no entry: first again
-    let k_log: Vec<Option<i64>> = d
-        .changelog("dedup", 0)
-        .iter()
-        .filter(|r| r.key == b"k")
-        .map(|r| {
-            r.value.as_ref().map(|v| {
-                use prost::Message;
-                onceflow::processor::dedup::DedupEntry::decode(v.as_slice())
-                    .unwrap()
-                    .first_seen_ms
+    for g in GUARANTEES {
+        // Grace 0: the sweep deletes k once stream time passes T + 10m.
+        let mut d = by_id(g, 10 * MIN, 0);
+        d.pipe(ev("k", T)).unwrap();
+        d.pipe(ev("x", T + 20 * MIN)).unwrap();
+        d.pipe(ev("y", T + 21 * MIN)).unwrap(); // second-highest time T+20m > T+10m: sweep k
+        d.pipe(ev("k", T + 22 * MIN)).unwrap(); // no entry: first again
+        let k_log: Vec<Option<i64>> = d
+            .changelog("dedup", 0)
+            .iter()
+            .filter(|r| r.key == b"k")
+            .map(|r| {
+                r.value.as_ref().map(|v| {
+                    use prost::Message;
+                    onceflow::processor::dedup::DedupEntry::decode(v.as_slice())
+                        .unwrap()
+                        .first_seen_ms
+                })
             })
-        })
-        .collect();
-    assert_eq!(
-        k_log,
-        vec![Some(T), None, Some(T + 22 * MIN)],
-        "put, tombstone, put"
-    );
-    d.wipe_state();
-    d.pipe(ev("k", T + 23 * MIN)).unwrap(); // restored put wins over the tombstone
-    assert_eq!(ids(&d), vec!["k@0", "x@20", "y@21", "k@22"]);
-    let e = d.dedup_entry("dedup", 0, b"k").unwrap().unwrap();
-    assert_eq!(e.first_seen_ms, T + 22 * MIN);
+            .collect();
+        assert_eq!(
+            k_log,
+            vec![Some(T), None, Some(T + 22 * MIN)],
+            "put, tombstone, put"
+        );
+        d.wipe_state();
+        d.pipe(ev("k", T + 23 * MIN)).unwrap(); // restored put wins over the tombstone
+        assert_eq!(ids(&d), vec!["k@0", "x@20", "y@21", "k@22"]);
+        let e = d.dedup_entry("dedup", 0, b"k").unwrap().unwrap();
+        assert_eq!(e.first_seen_ms, T + 22 * MIN);
+    }
 }
 
 #[test]
 fn c_keys_sharing_prefixes_survive_a_restore_distinct() {
-    let mut d = driver(
-        KeySource::Header("msg-id".into()),
-        Format::Bytes,
-        60 * MIN,
-        60 * MIN,
-    );
-    let keys = ["a", "aa", "a:", "a:b", "ab", "ord:4", "ord:42", "ord:42:x"];
-    for k in keys {
-        d.pipe(TestRecord::json(k).header("msg-id", k).timestamp(T))
-            .unwrap();
+    for g in GUARANTEES {
+        let mut d = driver(
+            g,
+            KeySource::Header("msg-id".into()),
+            Format::Bytes,
+            60 * MIN,
+            60 * MIN,
+        );
+        let keys = ["a", "aa", "a:", "a:b", "ab", "ord:4", "ord:42", "ord:42:x"];
+        for k in keys {
+            d.pipe(TestRecord::json(k).header("msg-id", k).timestamp(T))
+                .unwrap();
+        }
+        d.wipe_state();
+        d.pipe(
+            TestRecord::json("again")
+                .header("msg-id", "ord:4")
+                .timestamp(T),
+        )
+        .unwrap();
+        let out: Vec<String> = d.output_values("out");
+        assert_eq!(out, keys.iter().map(|k| k.to_string()).collect::<Vec<_>>());
+        assert_eq!(d.restored_records(), 8);
     }
-    d.wipe_state();
-    d.pipe(
-        TestRecord::json("again")
-            .header("msg-id", "ord:4")
-            .timestamp(T),
-    )
-    .unwrap();
-    let out: Vec<String> = d.output_values("out");
-    assert_eq!(out, keys.iter().map(|k| k.to_string()).collect::<Vec<_>>());
-    assert_eq!(d.restored_records(), 8);
 }
 
 #[test]
 fn d_non_utf8_keys_survive_a_restore_and_stay_distinct() {
-    let mut d = driver(
-        KeySource::Header("msg-id".into()),
-        Format::Bytes,
-        60 * MIN,
-        60 * MIN,
-    );
-    let raw: [&[u8]; 5] = [&[0x00], &[0xFF], &[0xC3, 0x28], &[0xC3, 0xA9], &[0x85]];
-    for (i, k) in raw.iter().enumerate() {
+    for g in GUARANTEES {
+        let mut d = driver(
+            g,
+            KeySource::Header("msg-id".into()),
+            Format::Bytes,
+            60 * MIN,
+            60 * MIN,
+        );
+        let raw: [&[u8]; 5] = [&[0x00], &[0xFF], &[0xC3, 0x28], &[0xC3, 0xA9], &[0x85]];
+        for (i, k) in raw.iter().enumerate() {
+            d.pipe(
+                TestRecord::json(format!("r{i}"))
+                    .header("msg-id", k.to_vec())
+                    .timestamp(T),
+            )
+            .unwrap();
+        }
+        d.wipe_state();
+        for (i, k) in raw.iter().enumerate() {
+            d.pipe(
+                TestRecord::json(format!("again{i}"))
+                    .header("msg-id", k.to_vec())
+                    .timestamp(T),
+            )
+            .unwrap();
+        }
         d.pipe(
-            TestRecord::json(format!("r{i}"))
-                .header("msg-id", k.to_vec())
+            TestRecord::json("fffd")
+                .header("msg-id", vec![0xEF, 0xBF, 0xBD])
                 .timestamp(T),
         )
         .unwrap();
-    }
-    d.wipe_state();
-    for (i, k) in raw.iter().enumerate() {
         d.pipe(
-            TestRecord::json(format!("again{i}"))
-                .header("msg-id", k.to_vec())
+            TestRecord::json("qmark")
+                .header("msg-id", b"?".to_vec())
                 .timestamp(T),
         )
         .unwrap();
+        assert_eq!(
+            d.output_values("out"),
+            vec!["r0", "r1", "r2", "r3", "r4", "fffd", "qmark"]
+        );
     }
-    d.pipe(
-        TestRecord::json("fffd")
-            .header("msg-id", vec![0xEF, 0xBF, 0xBD])
-            .timestamp(T),
-    )
-    .unwrap();
-    d.pipe(
-        TestRecord::json("qmark")
-            .header("msg-id", b"?".to_vec())
-            .timestamp(T),
-    )
-    .unwrap();
-    assert_eq!(
-        d.output_values("out"),
-        vec!["r0", "r1", "r2", "r3", "r4", "fffd", "qmark"]
-    );
 }
 
 #[test]
 fn a_rebalance_in_the_middle_of_a_restore_resumes_where_it_stopped() {
-    let mut d = by_id(24 * 60 * MIN, 60 * MIN);
-    for i in 0..50 {
-        d.pipe(ev(&format!("e{i}"), T)).unwrap();
+    for g in GUARANTEES {
+        let mut d = by_id(g, 24 * 60 * MIN, 60 * MIN);
+        for i in 0..50 {
+            d.pipe(ev(&format!("e{i}"), T)).unwrap();
+        }
+        d.wipe_state();
+        d.restore_partially(0, 20).unwrap(); // assigned, 20 of 50 restored, revoked
+        assert_eq!(d.restored_records(), 20);
+        for i in 0..50 {
+            d.pipe(ev(&format!("e{i}"), T + MIN)).unwrap(); // assigned again: the rest restores
+        }
+        assert_eq!(
+            d.restored_records(),
+            50,
+            "the second restore starts at the checkpoint, not at 0"
+        );
+        assert_eq!(d.output("out").len(), 50, "no record passed twice");
     }
-    d.wipe_state();
-    d.restore_partially(0, 20).unwrap(); // assigned, 20 of 50 restored, revoked
-    assert_eq!(d.restored_records(), 20);
-    for i in 0..50 {
-        d.pipe(ev(&format!("e{i}"), T + MIN)).unwrap(); // assigned again: the rest restores
-    }
-    assert_eq!(
-        d.restored_records(),
-        50,
-        "the second restore starts at the checkpoint, not at 0"
-    );
-    assert_eq!(d.output("out").len(), 50, "no record passed twice");
 }
 
 #[test]
 fn the_sweep_is_bounded_per_commit() {
-    let mut d = by_id(MIN, 0).auto_commit(false);
-    let n = SWEEP_BATCH * 2 + 500;
-    for i in 0..n {
-        d.pipe(ev(&format!("s{i:05}"), T)).unwrap();
-    }
-    d.commit().unwrap();
-    d.pipe(ev("late1", T + 10 * MIN)).unwrap();
-    d.pipe(ev("late2", T + 10 * MIN)).unwrap();
-    let tombstones = |d: &TestDriver| {
-        d.changelog("dedup", 0)
-            .iter()
-            .filter(|r| r.value.is_none())
-            .count()
-    };
-    d.commit().unwrap();
-    assert_eq!(
-        tombstones(&d),
-        SWEEP_BATCH,
-        "one commit sweeps at most SWEEP_BATCH entries"
-    );
-    d.commit().unwrap();
-    assert_eq!(tombstones(&d), SWEEP_BATCH, "no record, no commit work");
-    for round in 0..3 {
-        d.pipe(ev(&format!("tick{round}"), T + 10 * MIN)).unwrap();
+    for g in GUARANTEES {
+        let mut d = by_id(g, MIN, 0).auto_commit(false);
+        let n = SWEEP_BATCH * 2 + 500;
+        for i in 0..n {
+            d.pipe(ev(&format!("s{i:05}"), T)).unwrap();
+        }
         d.commit().unwrap();
+        d.pipe(ev("late1", T + 10 * MIN)).unwrap();
+        d.pipe(ev("late2", T + 10 * MIN)).unwrap();
+        let tombstones = |d: &TestDriver| {
+            d.changelog("dedup", 0)
+                .iter()
+                .filter(|r| r.value.is_none())
+                .count()
+        };
+        d.commit().unwrap();
+        assert_eq!(
+            tombstones(&d),
+            SWEEP_BATCH,
+            "one commit sweeps at most SWEEP_BATCH entries"
+        );
+        d.commit().unwrap();
+        assert_eq!(tombstones(&d), SWEEP_BATCH, "no record, no commit work");
+        for round in 0..3 {
+            d.pipe(ev(&format!("tick{round}"), T + 10 * MIN)).unwrap();
+            d.commit().unwrap();
+        }
+        assert_eq!(
+            tombstones(&d),
+            n,
+            "every expired entry is swept in the end, live ones stay"
+        );
+        assert!(d.dedup_entry("dedup", 0, b"late1").unwrap().is_some());
     }
-    assert_eq!(
-        tombstones(&d),
-        n,
-        "every expired entry is swept in the end, live ones stay"
-    );
-    assert!(d.dedup_entry("dedup", 0, b"late1").unwrap().is_some());
 }
 
 #[test]
 fn neither_downtime_nor_one_far_future_timestamp_expires_live_state() {
-    let mut d = by_id(10 * MIN, 0);
-    d.pipe(ev("k", T)).unwrap();
-    d.advance_wall_clock(Duration::from_secs(30 * 24 * 3600)); // a month of downtime
-    d.pipe(ev("far", T + 365 * 24 * 60 * MIN)).unwrap(); // one bogus timestamp
-    d.pipe(ev("k", T + 5 * MIN)).unwrap();
-    assert_eq!(ids(&d), vec!["k@0", "far@525600"]);
-    assert!(d.dedup_entry("dedup", 0, b"k").unwrap().is_some());
+    for g in GUARANTEES {
+        let mut d = by_id(g, 10 * MIN, 0);
+        d.pipe(ev("k", T)).unwrap();
+        d.advance_wall_clock(Duration::from_secs(30 * 24 * 3600)); // a month of downtime
+        d.pipe(ev("far", T + 365 * 24 * 60 * MIN)).unwrap(); // one bogus timestamp
+        d.pipe(ev("k", T + 5 * MIN)).unwrap();
+        assert_eq!(ids(&d), vec!["k@0", "far@525600"]);
+        assert!(d.dedup_entry("dedup", 0, b"k").unwrap().is_some());
+    }
 }
 
 #[test]
 fn max_keys_evicts_the_oldest_with_a_tombstone_and_a_metric() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-    let recorder = DebuggingRecorder::new();
-    let snap = recorder.snapshotter();
-    let (out, log) = metrics::with_local_recorder(&recorder, || {
-        let spec = DedupSpec::new(KeySource::JsonPointer("/id".into())).with_max_keys(3);
-        let t = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .dedup("dedup", spec)
-            .sink("out", "out")
-            .build()
-            .unwrap();
-        let mut d = TestDriver::new(t);
-        d.pipe(ev("c", T + 2 * MIN)).unwrap();
-        d.pipe(ev("a", T)).unwrap();
-        d.pipe(ev("b", T + MIN)).unwrap();
-        d.pipe(ev("d", T + 3 * MIN)).unwrap(); // 4 keys: a (oldest first-seen) goes
-        d.pipe(ev("b", T + 4 * MIN)).unwrap(); // still kept: duplicate
-        d.pipe(ev("a", T + 5 * MIN)).unwrap(); // evicted: passes again, evicting b
-                                               // The eviction survives a restore: it is in the changelog as a tombstone.
-        d.wipe_state();
-        d.pipe(ev("b", T + 6 * MIN)).unwrap();
-        let log: Vec<(String, bool)> = d
-            .changelog("dedup", 0)
-            .iter()
-            .map(|r| (String::from_utf8(r.key.clone()).unwrap(), r.value.is_some()))
-            .collect();
-        (ids(&d), log)
-    });
-    assert_eq!(out, vec!["c@2", "a@0", "b@1", "d@3", "a@5", "b@6"]);
-    let s = |k: &str, put: bool| (k.to_string(), put);
-    assert_eq!(
-        log,
-        vec![
-            s("c", true),
-            s("a", true),
-            s("b", true),
-            s("d", true),
-            s("a", false),
-            s("a", true),
-            s("b", false),
-            s("b", true),
-            s("c", false)
-        ]
-    );
-    let mut evicted = 0;
-    let mut keys = None;
-    for (key, _, _, value) in snap.snapshot().into_vec() {
-        match (key.key().name(), value) {
-            ("onceflow_dedup_evicted_total", DebugValue::Counter(n)) => evicted += n,
-            ("onceflow_dedup_keys", DebugValue::Gauge(g)) => keys = Some(g.into_inner()),
-            _ => {}
+    for g in GUARANTEES {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snap = recorder.snapshotter();
+        let (out, log) = metrics::with_local_recorder(&recorder, || {
+            let spec = DedupSpec::new(KeySource::JsonPointer("/id".into())).with_max_keys(3);
+            let t = TopologyBuilder::new("t")
+                .source("in", Format::Json)
+                .dedup("dedup", spec)
+                .sink("out", "out")
+                .build()
+                .unwrap();
+            let mut d = driver_for(g, t);
+            d.pipe(ev("c", T + 2 * MIN)).unwrap();
+            d.pipe(ev("a", T)).unwrap();
+            d.pipe(ev("b", T + MIN)).unwrap();
+            d.pipe(ev("d", T + 3 * MIN)).unwrap(); // 4 keys: a (oldest first-seen) goes
+            d.pipe(ev("b", T + 4 * MIN)).unwrap(); // still kept: duplicate
+            d.pipe(ev("a", T + 5 * MIN)).unwrap(); // evicted: passes again, evicting b
+                                                   // The eviction survives a restore: it is in the changelog as a tombstone.
+            d.wipe_state();
+            d.pipe(ev("b", T + 6 * MIN)).unwrap();
+            let log: Vec<(String, bool)> = d
+                .changelog("dedup", 0)
+                .iter()
+                .map(|r| (String::from_utf8(r.key.clone()).unwrap(), r.value.is_some()))
+                .collect();
+            (ids(&d), log)
+        });
+        assert_eq!(out, vec!["c@2", "a@0", "b@1", "d@3", "a@5", "b@6"]);
+        let s = |k: &str, put: bool| (k.to_string(), put);
+        assert_eq!(
+            log,
+            vec![
+                s("c", true),
+                s("a", true),
+                s("b", true),
+                s("d", true),
+                s("a", false),
+                s("a", true),
+                s("b", false),
+                s("b", true),
+                s("c", false)
+            ]
+        );
+        let mut evicted = 0;
+        let mut keys = None;
+        for (key, _, _, value) in snap.snapshot().into_vec() {
+            match (key.key().name(), value) {
+                ("onceflow_dedup_evicted_total", DebugValue::Counter(n)) => evicted += n,
+                ("onceflow_dedup_keys", DebugValue::Gauge(g)) => keys = Some(g.into_inner()),
+                _ => {}
+            }
         }
+        assert_eq!(evicted, 3);
+        assert_eq!(keys, Some(3.0));
     }
-    assert_eq!(evicted, 3);
-    assert_eq!(keys, Some(3.0));
 }

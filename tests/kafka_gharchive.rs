@@ -143,7 +143,7 @@ fn kill_at_failpoint_and_restart(failpoint: &str) -> usize {
 #[test]
 fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
     // Outputs durable, no changelog, no state, no offsets: the batch is processed again.
-    let twice = kill_at_failpoint_and_restart("commit.after_flush");
+    let twice = kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_FLUSH);
     assert!(
         twice > 0,
         "the kill after the flush must leave a durable, uncommitted batch"
@@ -153,12 +153,18 @@ fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
 #[test]
 fn sigkill_after_changelog_repeats_nothing() {
     // The changelog holds the batch's marks: the restart restores them, nothing repeats.
-    assert_eq!(kill_at_failpoint_and_restart("commit.after_changelog"), 0);
+    assert_eq!(
+        kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_CHANGELOG),
+        0
+    );
 }
 
 #[test]
 fn sigkill_after_state_repeats_nothing() {
-    assert_eq!(kill_at_failpoint_and_restart("commit.after_state"), 0);
+    assert_eq!(
+        kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_STATE),
+        0
+    );
 }
 
 #[test]

@@ -1,32 +1,67 @@
-//! The source consumer: a `BaseConsumer` whose rebalance callbacks go to a listener.
+//! The source consumer: a `BaseConsumer` whose rebalances come to the run loop as events
+//! over a channel.
 //!
-//! librdkafka calls the rebalance callback from inside `poll`, on the polling thread, so
-//! the listener runs between two records, never in the middle of one. On revocation the
-//! listener commits the revoked partitions' work synchronously before they are given up
-//! (what Kafka Streams does in `onPartitionsRevoked`); on assignment it only creates tasks.
+//! librdkafka serves a rebalance from inside `poll`, on the polling thread, and `poll`
+//! returns right after it. The context does not touch the run loop's state: it sends a
+//! [`RebalanceEvent`] and leaves the assignment change to the run loop, which, as soon as
+//! `poll` returns, commits the revoked partitions' work and then unassigns them (what Kafka
+//! Streams does in `onPartitionsRevoked`), or assigns new partitions and pauses them until
+//! their restore is done. librdkafka waits for that assign / unassign call. While
+//! deferral is off ([`SourceContext::defer_rebalances`]; on close, for example) the
+//! context changes the assignment itself.
 
 use crate::config::Config;
 use crate::error::Result;
-use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
-use rdkafka::ClientContext;
-use std::sync::{Arc, OnceLock};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, TopicPartitionList};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 
-/// Receives the partitions assigned to and revoked from this instance.
-pub trait RebalanceListener: Send + Sync {
-    /// Partitions are about to be taken away: finish their work and commit it now.
-    fn on_revoke(&self, consumer: &SourceConsumer, partitions: &[i32]);
-    /// Partitions were assigned: set up their tasks.
-    fn on_assign(&self, consumer: &SourceConsumer, partitions: &[i32]);
+/// A rebalance, for the run loop to carry out.
+pub enum RebalanceEvent {
+    /// Partitions were assigned; the run loop must assign them
+    /// ([`apply_assign`]), pause them and set up their tasks.
+    Assigned(TopicPartitionList),
+    /// Partitions are being taken away; the run loop must finish and commit their work
+    /// (or, when `lost`, abort it: the group moved on without this instance), then
+    /// unassign them ([`apply_revoke`]).
+    Revoked {
+        /// The partitions.
+        partitions: TopicPartitionList,
+        /// The assignment was lost (session timeout), not handed over.
+        lost: bool,
+    },
 }
 
-/// Consumer context forwarding rebalances to the [`RebalanceListener`].
-#[derive(Default)]
+impl RebalanceEvent {
+    /// The partitions of the event.
+    pub fn partitions(&self) -> Vec<i32> {
+        let tpl = match self {
+            RebalanceEvent::Assigned(t) => t,
+            RebalanceEvent::Revoked { partitions, .. } => partitions,
+        };
+        tpl.elements().iter().map(|e| e.partition()).collect()
+    }
+}
+
+/// Consumer context sending rebalances to the run loop.
 pub struct SourceContext {
-    listener: OnceLock<Arc<dyn RebalanceListener>>,
+    events: mpsc::Sender<RebalanceEvent>,
+    deferred: AtomicBool,
 }
 
 /// The consumer type of the runtime.
 pub type SourceConsumer = BaseConsumer<SourceContext>;
+
+impl SourceContext {
+    /// Whether rebalances go to the run loop (true) or are carried out by the context at
+    /// once (false: before the run loop starts and after it ends, so closing the consumer
+    /// never waits for a loop that is gone).
+    pub fn defer_rebalances(&self, on: bool) {
+        self.deferred.store(on, Ordering::SeqCst);
+    }
+}
 
 impl ClientContext for SourceContext {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
@@ -42,33 +77,64 @@ impl ClientContext for SourceContext {
     }
 }
 
-fn partitions(r: &Rebalance<'_>) -> Vec<i32> {
-    match r {
-        Rebalance::Assign(tpl) | Rebalance::Revoke(tpl) => {
-            tpl.elements().iter().map(|e| e.partition()).collect()
-        }
-        Rebalance::Error(_) => Vec::new(),
+/// Carry out an assignment: incremental under the cooperative protocol, whole otherwise.
+///
+/// # Errors
+/// [`crate::Error::Kafka`] when librdkafka refuses it.
+pub fn apply_assign(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
+    match consumer.rebalance_protocol() {
+        RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
+        _ => consumer.assign(tpl),
     }
+    .map_err(crate::Error::kafka("assign"))
+}
+
+/// Carry out a revocation: incremental under the cooperative protocol, everything
+/// otherwise.
+///
+/// # Errors
+/// [`crate::Error::Kafka`] when librdkafka refuses it.
+pub fn apply_revoke(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
+    match consumer.rebalance_protocol() {
+        RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
+        _ => consumer.unassign(),
+    }
+    .map_err(crate::Error::kafka("unassign"))
 }
 
 impl ConsumerContext for SourceContext {
-    fn pre_rebalance(&self, consumer: &SourceConsumer, r: &Rebalance<'_>) {
-        match r {
-            Rebalance::Revoke(_) => {
-                if let Some(l) = self.listener.get() {
-                    l.on_revoke(consumer, &partitions(r));
-                }
+    fn rebalance(
+        &self,
+        consumer: &SourceConsumer,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let event = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                Some(RebalanceEvent::Assigned(tpl.clone()))
             }
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
-            Rebalance::Assign(_) => {}
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => Some(RebalanceEvent::Revoked {
+                partitions: tpl.clone(),
+                lost: consumer.assignment_lost(),
+            }),
+            other => {
+                tracing::warn!(error = ?other, "rebalance error");
+                None
+            }
+        };
+        let assign = matches!(event, Some(RebalanceEvent::Assigned(_)));
+        if let Some(ev) = event {
+            if self.deferred.load(Ordering::SeqCst) && self.events.send(ev).is_ok() {
+                return;
+            }
         }
-    }
-
-    fn post_rebalance(&self, consumer: &SourceConsumer, r: &Rebalance<'_>) {
-        if let Rebalance::Assign(_) = r {
-            if let Some(l) = self.listener.get() {
-                l.on_assign(consumer, &partitions(r));
-            }
+        let done = if assign {
+            apply_assign(consumer, tpl)
+        } else {
+            apply_revoke(consumer, tpl)
+        };
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "rebalance");
         }
     }
 }
@@ -76,17 +142,20 @@ impl ConsumerContext for SourceContext {
 /// Create the source consumer: group `application.id`, manual commits, `read_committed`,
 /// `auto.offset.reset=earliest`; then the user's `kafka.*` and `kafka.consumer.*`.
 ///
-/// `partition_eof` turns on librdkafka's end-of-partition events (used by `--stop-at-end`).
+/// `partition_eof` turns on librdkafka's end-of-partition events (used by `--stop-at-end`);
+/// rebalances are sent to `events` while [`SourceContext::defer_rebalances`] is on.
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
 pub fn create(
     cfg: &Config,
     partition_eof: bool,
-    listener: Arc<dyn RebalanceListener>,
+    events: mpsc::Sender<RebalanceEvent>,
 ) -> Result<SourceConsumer> {
-    let ctx = SourceContext::default();
-    let _ = ctx.listener.set(listener);
+    let ctx = SourceContext {
+        events,
+        deferred: AtomicBool::new(false),
+    };
     crate::kafka::client_config(
         cfg,
         &[

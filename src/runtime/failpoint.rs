@@ -8,35 +8,15 @@
 //! `@n` fires on the n-th hit (default 1).
 //! Off, a failpoint costs one relaxed atomic load.
 //!
-//! Points of the at_least_once commit protocol (see `runtime::app`):
-//! - `commit.before_flush`: records processed and queued, outputs not yet acknowledged;
-//! - `commit.after_flush`: outputs durable, changelog not written, offsets not committed;
-//! - `commit.after_changelog`: changelog durable, local state not applied;
-//! - `commit.after_state`: state applied and fsynced, offsets not committed.
-//!
-//! Points of the exactly_once_v2 commit (one transaction per commit interval):
-//! - `eos.after_produce`: outputs in the open transaction, changelog not produced;
-//! - `eos.after_changelog`: changelog produced, offsets not added;
-//! - `eos.before_commit`: offsets added, transaction not committed;
-//! - `eos.after_commit`: transaction committed, sled batch not applied;
-//! - `restore.during`: a restore batch applied, the restore not finished.
+//! The names, and where in the commit each point is, are in [`super::commit`]
+//! ([`super::commit::FAILPOINTS`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// Failpoint names, to validate `ONCEFLOW_FAILPOINTS`.
-pub const NAMES: &[&str] = &[
-    "commit.before_flush",
-    "commit.after_flush",
-    "commit.after_changelog",
-    "commit.after_state",
-    "eos.after_produce",
-    "eos.after_changelog",
-    "eos.before_commit",
-    "eos.after_commit",
-    "restore.during",
-];
+pub const NAMES: &[&str] = super::commit::FAILPOINTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {

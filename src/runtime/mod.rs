@@ -1,7 +1,9 @@
-//! The runtime: tasks, the Kafka run loop and its commit protocol, shutdown.
+//! The runtime: tasks, the commit protocol (`commit`), the Kafka run loop, shutdown.
 
 pub mod app;
+pub mod commit;
 pub mod failpoint;
+pub mod log;
 pub mod table;
 pub mod task;
 

@@ -39,6 +39,7 @@
 
 use crate::config::Config;
 use crate::kafka::admin::Admin;
+use crate::runtime::commit;
 use crate::state::restore::changelog_topic;
 use crate::testing::{gharchive, kafka};
 use rand::rngs::StdRng;
@@ -59,11 +60,11 @@ pub const PARTITIONS: usize = 4;
 
 /// The failpoints a run may kill an instance at.
 pub const FAILPOINTS: &[&str] = &[
-    "eos.after_produce",
-    "eos.after_changelog",
-    "eos.before_commit",
-    "eos.after_commit",
-    "restore.during",
+    commit::EOS_AFTER_PRODUCE,
+    commit::EOS_AFTER_CHANGELOG,
+    commit::EOS_BEFORE_COMMIT,
+    commit::EOS_AFTER_COMMIT,
+    commit::RESTORE_DURING,
 ];
 
 /// Name of the dedup stage (and store) of the harness topology.
@@ -390,7 +391,7 @@ enum KillPlan {
 static HARNESSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Failpoints of the opt-in kind `zombie`.
-const ZOMBIE_POINTS: &[&str] = &["eos.after_changelog", "eos.before_commit"];
+const ZOMBIE_POINTS: &[&str] = &[commit::EOS_AFTER_CHANGELOG, commit::EOS_BEFORE_COMMIT];
 
 /// Sets its flag when dropped.
 struct SetOnDrop(Arc<AtomicBool>);
@@ -776,7 +777,7 @@ impl<'a> Run<'a> {
                     .find(|f| *f == kind)
                     .expect("a failpoint");
                 let n = self.rng.random_range(1..=4u32);
-                if name == "restore.during" {
+                if name == commit::RESTORE_DURING {
                     KillPlan::RestoreDuring(self.moment(), n)
                 } else {
                     KillPlan::Failpoint(name, n)
@@ -838,7 +839,8 @@ impl<'a> Run<'a> {
             }
             KillPlan::RestoreDuring(after, n) => {
                 self.report.kill = format!(
-                    "restore.during=kill@{n}+wipe(after moment@{:.2}s)",
+                    "{}=kill@{n}+wipe(after moment@{:.2}s)",
+                    commit::RESTORE_DURING,
                     after.as_secs_f64()
                 );
                 // Something to restore: every changelog partition has records.
@@ -850,20 +852,20 @@ impl<'a> Run<'a> {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 std::thread::sleep(after);
-                self.kill_now(victim, "moment before restore.during")?;
+                self.kill_now(victim, "moment before the restore")?;
                 self.wipe(victim)?;
                 // Small fetches and a small prefetch queue, so that the restore takes
                 // several steps and the n-th restore batch exists (by default one step
                 // takes a whole changelog partition).
                 self.start(
                     victim,
-                    Some(&format!("restore.during=kill@{n}")),
+                    Some(&format!("{}=kill@{n}", commit::RESTORE_DURING)),
                     &[
                         ("kafka.consumer.max.partition.fetch.bytes", "4096".into()),
                         ("kafka.consumer.queued.max.messages.kbytes", "1".into()),
                     ],
                 )?;
-                self.report.fired = self.await_failpoint(victim, "restore.during")?;
+                self.report.fired = self.await_failpoint(victim, commit::RESTORE_DURING)?;
             }
         }
         killed.store(true, Ordering::SeqCst);

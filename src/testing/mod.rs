@@ -14,9 +14,11 @@
 //! assert_eq!(d.output("out").len(), 1);
 //! ```
 
+use crate::config::Guarantee;
 use crate::error::Result;
 use crate::processor::dedup::DedupEntry;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
+use crate::runtime::commit::{self, CommitLog, Outcome, Protocol};
 use crate::runtime::Task;
 use crate::state::restore::ChangelogRecord;
 use crate::state::{MemoryBackend, StateBackend};
@@ -76,45 +78,180 @@ impl TestRecord {
 
 /// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
 /// outputs become visible when committed (by default after every piped record).
+///
+/// The driver commits with the runtime's own commit protocol ([`crate::runtime::commit`])
+/// over an in-memory log, under at_least_once (default) or exactly_once_v2
+/// ([`TestDriver::guarantee`]), and can die at any failpoint of a commit
+/// ([`TestDriver::crash_at`]) and come back ([`TestDriver::restart`]).
 pub struct TestDriver {
     topology: Topology,
     backend: MemoryBackend,
     tasks: BTreeMap<i32, Task>,
-    next_offset: BTreeMap<i32, i64>,
-    committed_offset: BTreeMap<i32, i64>,
+    /// Every piped record per partition (offset = index), to replay after a crash.
+    inputs: BTreeMap<i32, Vec<Record>>,
     clock_ms: i64,
-    pending: Vec<OutRecord>,
-    outputs: Vec<OutRecord>,
+    log: MemoryLog,
+    protocol: Protocol,
+    out: Vec<OutRecord>,
     auto_commit: bool,
     dlq_topic: String,
     counts: Counts,
-    changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
     restored: u64,
-    uncommitted: usize,
+    crashed_at: Option<&'static str>,
     tables: TableState,
 }
 
+/// A changelog record sent and not yet durable: (store, partition), key, value.
+type InFlightChangelog = ((String, i32), Vec<u8>, Option<Vec<u8>>);
+
+/// The driver's log: what a broker holds, in memory.
+///
+/// Outputs and changelog records sent are in flight until acknowledged (at_least_once) or
+/// until their transaction commits (exactly_once_v2); a crash loses what is in flight, an
+/// abort drops the transaction.
+#[derive(Default)]
+struct MemoryLog {
+    outputs: Vec<OutRecord>,
+    changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
+    committed: BTreeMap<i32, i64>,
+    in_flight: Vec<OutRecord>,
+    in_flight_changelog: Vec<InFlightChangelog>,
+    txn_offsets: Vec<(i32, i64)>,
+    armed: Option<String>,
+    /// Refuse the next transaction commit with an abortable error.
+    fail_commit: bool,
+}
+
+impl MemoryLog {
+    /// Make what is in flight durable (an acknowledgement, or a transaction's commit).
+    fn land(&mut self) {
+        self.outputs.append(&mut self.in_flight);
+        for (at, key, value) in self.in_flight_changelog.drain(..) {
+            let l = self.changelog.entry(at).or_default();
+            let offset = l.len() as i64;
+            l.push(ChangelogRecord { key, value, offset });
+        }
+    }
+
+    /// The process died: nothing in flight arrives, an open transaction is gone.
+    fn lose_in_flight(&mut self) {
+        self.in_flight.clear();
+        self.in_flight_changelog.clear();
+        self.txn_offsets.clear();
+    }
+}
+
+impl CommitLog for MemoryLog {
+    fn send_output(&mut self, rec: &OutRecord) -> Result<()> {
+        self.in_flight.push(rec.clone());
+        Ok(())
+    }
+
+    fn send_changelog(
+        &mut self,
+        store: &str,
+        partition: i32,
+        key: &[u8],
+        value: Option<&[u8]>,
+        _timestamp_ms: i64,
+    ) -> Result<()> {
+        self.in_flight_changelog.push((
+            (store.to_string(), partition),
+            key.to_vec(),
+            value.map(<[u8]>::to_vec),
+        ));
+        Ok(())
+    }
+
+    fn await_acks(&mut self) -> Result<()> {
+        self.land();
+        Ok(())
+    }
+
+    fn changelog_end(&self, store: &str, partition: i32) -> Option<i64> {
+        self.changelog
+            .get(&(store.to_string(), partition))
+            .filter(|l| !l.is_empty())
+            .map(|l| l.len() as i64)
+    }
+
+    fn begin_transaction(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
+        self.txn_offsets.extend_from_slice(offsets);
+        Ok(())
+    }
+
+    fn commit_transaction(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.fail_commit) {
+            return Err(crate::Error::Broker(
+                "transaction commit refused (injected by the test driver)".into(),
+            ));
+        }
+        self.land();
+        for (p, o) in std::mem::take(&mut self.txn_offsets) {
+            self.committed.insert(p, o);
+        }
+        Ok(())
+    }
+
+    fn abort_transaction(&mut self) -> Result<()> {
+        self.lose_in_flight();
+        Ok(())
+    }
+
+    fn commit_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
+        self.committed.extend(offsets.iter().copied());
+        Ok(())
+    }
+
+    fn committed_offsets(&mut self, partitions: &[i32]) -> Result<BTreeMap<i32, Option<i64>>> {
+        Ok(partitions
+            .iter()
+            .map(|p| (*p, self.committed.get(p).copied()))
+            .collect())
+    }
+
+    fn failpoint(&mut self, name: &'static str) -> bool {
+        if self.armed.as_deref() == Some(name) {
+            self.armed = None;
+            return true;
+        }
+        false
+    }
+}
+
 impl TestDriver {
-    /// A driver for `topology`; the dead-letter topic is `test.dlq`, the clock starts at 0.
+    /// A driver for `topology`; the dead-letter topic is `test.dlq`, the clock starts at 0,
+    /// the guarantee is at_least_once.
     pub fn new(topology: Topology) -> Self {
+        let protocol = Protocol::new(Guarantee::AtLeastOnce, topology.name());
         TestDriver {
             topology,
             backend: MemoryBackend::default(),
             tasks: BTreeMap::new(),
-            next_offset: BTreeMap::new(),
-            committed_offset: BTreeMap::new(),
+            inputs: BTreeMap::new(),
             clock_ms: 0,
-            pending: Vec::new(),
-            outputs: Vec::new(),
+            log: MemoryLog::default(),
+            protocol,
+            out: Vec::new(),
             auto_commit: true,
             dlq_topic: "test.dlq".into(),
             counts: Counts::default(),
-            changelog: BTreeMap::new(),
             restored: 0,
-            uncommitted: 0,
+            crashed_at: None,
             tables: TableState::default(),
         }
         .with_tables()
+    }
+
+    /// Commit under `guarantee` (default at_least_once). Under exactly_once_v2 outputs,
+    /// changelog records and offsets commit in one transaction; set it before piping.
+    pub fn guarantee(mut self, guarantee: Guarantee) -> Self {
+        self.protocol = Protocol::new(guarantee, self.topology.name());
+        self
     }
 
     /// Bind the topology's local sink stores (the sled idempotency store) to state dir
@@ -151,6 +288,7 @@ impl TestDriver {
             .with_tables(self.tables.handles.clone());
         for store in self.topology.stores() {
             let log = self
+                .log
                 .changelog
                 .get(&(store.clone(), partition))
                 .cloned()
@@ -185,9 +323,10 @@ impl TestDriver {
         self.restored
     }
 
-    /// The in-memory changelog of `store`'s `partition`.
+    /// The in-memory changelog of `store`'s `partition` (durable records only).
     pub fn changelog(&self, store: &str, partition: i32) -> &[ChangelogRecord] {
-        self.changelog
+        self.log
+            .changelog
             .get(&(store.to_string(), partition))
             .map(Vec::as_slice)
             .unwrap_or_default()
@@ -198,8 +337,8 @@ impl TestDriver {
     /// # Errors
     /// A store failure from the task.
     pub fn pipe(&mut self, r: TestRecord) -> Result<i64> {
-        let offset = *self.next_offset.entry(r.partition).or_insert(0);
-        self.next_offset.insert(r.partition, offset + 1);
+        let input = self.inputs.entry(r.partition).or_default();
+        let offset = input.len() as i64;
         let rec = Record {
             key: r.key,
             value: r.value,
@@ -213,68 +352,125 @@ impl TestDriver {
                 offset,
             },
         };
-        let clock = self.clock_ms;
-        let mut out = Vec::new();
-        self.sync_tables()?;
-        self.task(r.partition)?.process(rec, clock, &mut out)?;
-        self.pending.extend(out);
-        self.uncommitted += 1;
-        if self.auto_commit {
-            self.commit()?;
-        }
+        input.push(rec.clone());
+        self.process(rec)?;
         Ok(offset)
     }
 
-    /// Commit, in the runtime's order: outputs become visible, the sweep runs, staged writes
-    /// go to the in-memory changelog, state is applied with its changelog offset, offsets are
-    /// recorded.
+    /// Process one source record and send its outputs; commit if auto-commit is on.
+    fn process(&mut self, rec: Record) -> Result<()> {
+        let clock = self.clock_ms;
+        self.sync_tables()?;
+        let mut out = std::mem::take(&mut self.out);
+        let done = self
+            .task(rec.source.partition)
+            .and_then(|t| t.process(rec, clock, &mut out))
+            .and_then(|()| self.protocol.processed(&mut self.log, &mut out));
+        self.out = out;
+        done?;
+        if self.auto_commit {
+            self.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Commit with the runtime's commit protocol ([`crate::runtime::commit`]): external
+    /// effects finish, outputs become durable (visible), the sweep runs, staged writes go to
+    /// the in-memory changelog, state is applied with its changelog offset, offsets are
+    /// recorded (under exactly_once_v2 in one transaction). If a failpoint armed with
+    /// [`Self::crash_at`] is reached, the driver dies there, as [`Self::crash`] describes,
+    /// and [`Self::crashed_at`] names the point.
     ///
     /// # Errors
     /// A store failure.
     pub fn commit(&mut self) -> Result<()> {
-        // As the runtime: no record since the last commit, nothing to do.
-        if self.uncommitted == 0 {
-            return Ok(());
-        }
-        self.uncommitted = 0;
         let clock = self.clock_ms;
-        for t in self.tasks.values_mut() {
-            t.flush_effects(clock, &mut self.pending)?;
-            t.punctuate(clock)?;
-        }
-        self.outputs.append(&mut self.pending);
-        for (p, t) in self.tasks.iter_mut() {
-            let mut written = std::collections::BTreeSet::new();
-            let log = &mut self.changelog;
-            t.for_each_staged_write(|store, k, v| {
-                let l = log.entry((store.to_string(), *p)).or_default();
-                l.push(ChangelogRecord {
-                    key: k.to_vec(),
-                    value: v.map(<[u8]>::to_vec),
-                    offset: l.len() as i64,
-                });
-                written.insert(store.to_string());
-            });
-            let ends: BTreeMap<String, i64> = written
-                .into_iter()
-                .map(|s| {
-                    let end = log.get(&(s.clone(), *p)).map_or(0, |l| l.len() as i64);
-                    (s, end)
-                })
-                .collect();
-            t.commit_state(|s| ends.get(s).copied())?;
-            if let Some(pos) = t.position() {
-                self.committed_offset.insert(*p, pos);
+        match self
+            .protocol
+            .commit(&mut self.log, &mut self.tasks, clock)?
+        {
+            Outcome::Nothing => return Ok(()),
+            Outcome::Committed => {}
+            Outcome::Crashed(name) => {
+                self.crash();
+                self.crashed_at = Some(name);
+            }
+            Outcome::Aborted(seek) => {
+                // As the runtime: read again from the committed offsets.
+                for (p, off) in seek {
+                    self.replay(p, off.unwrap_or(0))?;
+                }
             }
         }
         self.backend.flush()
     }
 
-    /// Simulate a crash before the commit: staged state and unwritten outputs are lost and
-    /// the tasks are closed; the next record reopens them from the stores.
+    /// Arm failpoint `name` of the commit protocol: the next commit that reaches it dies
+    /// there (once). Names: [`crate::runtime::commit::commit_failpoints`] of the driver's
+    /// guarantee.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] for a name that is not a commit failpoint of the guarantee.
+    pub fn crash_at(&mut self, name: &str) -> Result<()> {
+        let known = commit::commit_failpoints(self.protocol.guarantee());
+        if !known.contains(&name) {
+            return Err(crate::Error::Config(format!(
+                "failpoint {name:?} is not a commit failpoint of {:?}; known: {}",
+                self.protocol.guarantee(),
+                known.join(", ")
+            )));
+        }
+        self.log.armed = Some(name.to_string());
+        Ok(())
+    }
+
+    /// exactly_once_v2: the next transaction commit fails with an abortable error, so the
+    /// protocol aborts it, drops the staged state and reads again from the committed
+    /// offsets (as the runtime seeks back).
+    pub fn fail_next_transaction(&mut self) {
+        self.log.fail_commit = true;
+    }
+
+    /// The failpoint the driver last died at ([`Self::crash_at`]).
+    pub fn crashed_at(&self) -> Option<&'static str> {
+        self.crashed_at
+    }
+
+    /// Come back after a crash, as a restarted instance: every partition reads again from
+    /// its committed offset to the last piped record (its tasks restore their stores from
+    /// the changelog first). With auto-commit each record is committed; otherwise call
+    /// [`Self::commit`].
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn restart(&mut self) -> Result<()> {
+        let parts: Vec<i32> = self.inputs.keys().copied().collect();
+        for p in parts {
+            let from = self.log.committed.get(&p).copied().unwrap_or(0);
+            self.replay(p, from)?;
+        }
+        Ok(())
+    }
+
+    fn replay(&mut self, partition: i32, from: i64) -> Result<()> {
+        let records: Vec<Record> = self
+            .inputs
+            .get(&partition)
+            .map(|v| v.iter().skip(from.max(0) as usize).cloned().collect())
+            .unwrap_or_default();
+        for r in records {
+            self.process(r)?;
+        }
+        Ok(())
+    }
+
+    /// Simulate a crash before the commit: staged state, unacknowledged outputs and an
+    /// open transaction are lost and the tasks are closed; the next record reopens them
+    /// from the stores (restoring from the changelog what they miss).
     pub fn crash(&mut self) {
-        self.pending.clear();
-        self.uncommitted = 0;
+        self.out.clear();
+        self.protocol.forget();
+        self.log.lose_in_flight();
         for t in self.tasks.values_mut() {
             t.abort(None);
             self.counts.add(t.counts());
@@ -302,9 +498,14 @@ impl TestDriver {
         self.clock_ms
     }
 
-    /// Committed outputs written to `topic`, in order.
+    /// Durable outputs written to `topic`, in order (at_least_once: acknowledged;
+    /// exactly_once_v2: committed, what a read_committed consumer sees).
     pub fn output(&self, topic: &str) -> Vec<&OutRecord> {
-        self.outputs.iter().filter(|r| r.topic == topic).collect()
+        self.log
+            .outputs
+            .iter()
+            .filter(|r| r.topic == topic)
+            .collect()
     }
 
     /// Committed outputs' values written to `topic`, as UTF-8 text (lossy: for assertions).
@@ -317,14 +518,12 @@ impl TestDriver {
 
     /// Committed dead letters.
     pub fn dead_letters(&self) -> Vec<&OutRecord> {
-        self.output(&self.dlq_topic.clone())
-            .into_iter()
-            .collect::<Vec<_>>()
+        self.output(&self.dlq_topic)
     }
 
     /// The committed offset of `partition` (offset of the next record to read).
     pub fn committed_offset(&self, partition: i32) -> Option<i64> {
-        self.committed_offset.get(&partition).copied()
+        self.log.committed.get(&partition).copied()
     }
 
     /// The dedup entry of `key` in `store` for `partition`, as committed or staged.

@@ -1,0 +1,492 @@
+//! The commit protocol: its ordered steps, written once for both guarantees.
+//!
+//! [`Protocol`] drives the tasks ([`Task`]) and a log ([`CommitLog`]) through one commit.
+//! The Kafka runtime's log is the output producer and the source consumer
+//! (`runtime::log::KafkaLog`); the broker-free [`crate::testing::TestDriver`] has an
+//! in-memory log. Both run this code, so the driver tests check the protocol the runtime
+//! runs, and the driver can crash at every failpoint ([`TestDriver::crash_at`]).
+//!
+//! # The steps of one commit
+//! Between commits each processed record's outputs and dead letters are sent at once
+//! ([`Protocol::send`]); under exactly_once_v2 the first send opens the transaction. Then:
+//!
+//! 1. **sinks**: every task finishes its external effects in flight; their dead letters
+//!    and downstream outputs are sent too, so no offset is committed ahead of its effect;
+//! 2. **outputs durable** (at_least_once: await every acknowledgement; exactly_once_v2:
+//!    they are in the open transaction) — failpoints `commit.before_flush` /
+//!    `eos.after_produce` before, `commit.after_flush` after (at_least_once);
+//! 3. **sweep**: the stages' periodic work (the expiry sweep) stages its deletes;
+//! 4. **changelog**: every staged write is sent to its store's changelog topic
+//!    (tombstones for deletes), stamped with the commit's wall-clock time, and (at_least_once)
+//!    acknowledged — failpoint `commit.after_changelog` / `eos.after_changelog`;
+//! 5. **offsets and state**:
+//!    - at_least_once: apply each task's staged writes to its store in one batch with the
+//!      changelog offset they reached (`commit.after_state`), then commit the source
+//!      offsets;
+//!    - exactly_once_v2: send the source offsets to the transaction with the group
+//!      metadata (KIP-447; `eos.before_commit`), commit the transaction
+//!      (`eos.after_commit`), then apply the staged writes.
+//!
+//! # Guarantees, and the tests that fail when they break
+//! - **A mark never hides a lost output.** State (changelog record or store write) is
+//!   written only after the outputs it stands for are durable: at_least_once by the order
+//!   2 → 4 → 5, exactly_once_v2 because everything commits in one transaction and the
+//!   store is written after it. Tests: `a_mark_never_hides_a_lost_output` and
+//!   `a_crash_at_every_failpoint_loses_nothing` (tests/driver_dedup.rs).
+//! - **The changelog holds at least what the store holds** (4 before 5), so a lost state
+//!   dir, or a store write lost in a crash, is restored. Test:
+//!   `a_crash_at_every_failpoint_loses_nothing` (`commit.after_changelog`,
+//!   `eos.after_commit`).
+//! - **at_least_once**: a crash anywhere before the offsets are committed replays the
+//!   records since the last commit: their outputs may repeat, never get lost. Test:
+//!   `a_crash_at_every_failpoint_loses_nothing`.
+//! - **exactly_once_v2**: read_committed readers see each output once, whatever failpoint
+//!   the instance dies at. Tests: `a_crash_at_every_failpoint_loses_nothing` (driver,
+//!   exactly once checked) and, on the broker, tests/kafka_crash_harness.rs.
+//! - **Abort and rewind** (exactly_once_v2): a failed transaction (not fenced) is aborted,
+//!   every staged write dropped, and each partition rewinds to its committed offset
+//!   ([`Outcome::Aborted`]). Test: `an_aborted_transaction_rewinds_and_repeats_nothing`
+//!   (tests/driver_dedup.rs). A fenced producer (another instance took the
+//!   transactional.id, or the group moved on) is [`crate::Error::Fenced`]: the instance
+//!   stops. Test: `a_zombie_is_fenced_and_its_late_writes_never_appear`
+//!   (tests/kafka_eos.rs).
+
+use crate::config::Guarantee;
+use crate::error::{Error, Result};
+use crate::processor::OutRecord;
+use crate::runtime::Task;
+use std::collections::BTreeMap;
+
+#[cfg(doc)]
+use crate::testing::TestDriver;
+
+/// Failpoint: at_least_once, outputs sent, not yet acknowledged.
+pub const BEFORE_FLUSH: &str = "commit.before_flush";
+/// Failpoint: at_least_once, outputs durable; no changelog, no offsets.
+pub const AFTER_FLUSH: &str = "commit.after_flush";
+/// Failpoint: at_least_once, changelog durable; store not written, no offsets.
+pub const AFTER_CHANGELOG: &str = "commit.after_changelog";
+/// Failpoint: at_least_once, store written; offsets not committed.
+pub const AFTER_STATE: &str = "commit.after_state";
+/// Failpoint: exactly_once_v2, outputs in the open transaction, changelog not sent.
+pub const EOS_AFTER_PRODUCE: &str = "eos.after_produce";
+/// Failpoint: exactly_once_v2, changelog sent in the transaction, offsets not added.
+pub const EOS_AFTER_CHANGELOG: &str = "eos.after_changelog";
+/// Failpoint: exactly_once_v2, offsets added, transaction not committed.
+pub const EOS_BEFORE_COMMIT: &str = "eos.before_commit";
+/// Failpoint: exactly_once_v2, transaction committed, store not written.
+pub const EOS_AFTER_COMMIT: &str = "eos.after_commit";
+/// Failpoint of the restore (not of a commit): a restore batch applied, the restore not
+/// finished.
+pub const RESTORE_DURING: &str = "restore.during";
+
+/// Every failpoint name, to validate `ONCEFLOW_FAILPOINTS`.
+pub const FAILPOINTS: &[&str] = &[
+    BEFORE_FLUSH,
+    AFTER_FLUSH,
+    AFTER_CHANGELOG,
+    AFTER_STATE,
+    EOS_AFTER_PRODUCE,
+    EOS_AFTER_CHANGELOG,
+    EOS_BEFORE_COMMIT,
+    EOS_AFTER_COMMIT,
+    RESTORE_DURING,
+];
+
+/// The failpoints of one guarantee's commit, in the order a commit passes them.
+pub fn commit_failpoints(g: Guarantee) -> &'static [&'static str] {
+    match g {
+        Guarantee::AtLeastOnce => &[BEFORE_FLUSH, AFTER_FLUSH, AFTER_CHANGELOG, AFTER_STATE],
+        Guarantee::ExactlyOnceV2 => &[
+            EOS_AFTER_PRODUCE,
+            EOS_AFTER_CHANGELOG,
+            EOS_BEFORE_COMMIT,
+            EOS_AFTER_COMMIT,
+        ],
+    }
+}
+
+/// The log a commit writes to: output and changelog topics, transactions, source offsets.
+///
+/// Offsets are `(source partition, offset of the next record to read)`.
+pub trait CommitLog {
+    /// Queue one output or dead-letter record (inside the open transaction, if any).
+    ///
+    /// # Errors
+    /// The record is refused (unknown topic, too large; fenced under exactly_once_v2).
+    fn send_output(&mut self, rec: &OutRecord) -> Result<()>;
+
+    /// Queue one changelog record of `store`'s `partition` (`value` `None`: a tombstone),
+    /// stamped `timestamp_ms`.
+    ///
+    /// # Errors
+    /// As [`CommitLog::send_output`].
+    fn send_changelog(
+        &mut self,
+        store: &str,
+        partition: i32,
+        key: &[u8],
+        value: Option<&[u8]>,
+        timestamp_ms: i64,
+    ) -> Result<()>;
+
+    /// Wait until every queued record is acknowledged.
+    ///
+    /// # Errors
+    /// A record that could not be delivered (the commit stops: nothing after it happens).
+    fn await_acks(&mut self) -> Result<()>;
+
+    /// The changelog offset after the last acknowledged (or committed) record of `store`'s
+    /// `partition`: what the store checkpoints; `None` when nothing was written.
+    fn changelog_end(&self, store: &str, partition: i32) -> Option<i64>;
+
+    /// Begin a transaction.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] when another instance took over.
+    fn begin_transaction(&mut self) -> Result<()>;
+
+    /// Add the consumed source `offsets` to the open transaction (with the group metadata).
+    ///
+    /// # Errors
+    /// Abortable errors, or [`Error::Fenced`].
+    fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()>;
+
+    /// Commit the open transaction (its records acknowledged first).
+    ///
+    /// # Errors
+    /// Abortable errors, or [`Error::Fenced`].
+    fn commit_transaction(&mut self) -> Result<()>;
+
+    /// Abort the open transaction: none of its records is ever visible read_committed.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] or a broker error.
+    fn abort_transaction(&mut self) -> Result<()>;
+
+    /// Commit source `offsets` outside a transaction (at_least_once).
+    ///
+    /// # Errors
+    /// A broker error.
+    fn commit_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()>;
+
+    /// The committed source offsets of `partitions` (`None` where nothing is committed),
+    /// where an aborted transaction rewinds to.
+    ///
+    /// # Errors
+    /// A broker error.
+    fn committed_offsets(&mut self, partitions: &[i32]) -> Result<BTreeMap<i32, Option<i64>>>;
+
+    /// Pass failpoint `name`. Returns true when the instance dies here (the in-memory log
+    /// of the test driver); the Kafka log runs [`crate::runtime::failpoint::hit`], which
+    /// kills or stops the process itself and returns false.
+    fn failpoint(&mut self, name: &'static str) -> bool {
+        crate::runtime::failpoint::hit(name);
+        false
+    }
+}
+
+/// How a commit ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing was processed since the last commit.
+    Nothing,
+    /// Outputs, changelog, state and offsets committed.
+    Committed,
+    /// exactly_once_v2: the transaction failed and was aborted; every task's staged writes
+    /// were dropped and its position reset. The source must seek each listed partition to
+    /// the given offset (`None`: from the beginning / the reset policy).
+    Aborted(Vec<(i32, Option<i64>)>),
+    /// The instance died at this failpoint (only a test log says so).
+    Crashed(&'static str),
+}
+
+/// The commit protocol of one instance: the guarantee, the open transaction, and what
+/// was processed since the last commit.
+pub struct Protocol {
+    guarantee: Guarantee,
+    txn_open: bool,
+    processed: usize,
+    commits: u64,
+    out: Vec<OutRecord>,
+    topology: String,
+}
+
+/// Why a step stopped: an error, or a crash at a failpoint.
+enum Stop {
+    Error(Error),
+    Crash(&'static str),
+}
+
+impl From<Error> for Stop {
+    fn from(e: Error) -> Self {
+        Stop::Error(e)
+    }
+}
+
+impl Protocol {
+    /// The protocol for `guarantee`, counting commits under topology name `topology`.
+    pub fn new(guarantee: Guarantee, topology: &str) -> Protocol {
+        Protocol {
+            guarantee,
+            txn_open: false,
+            processed: 0,
+            commits: 0,
+            out: Vec::with_capacity(16),
+            topology: topology.to_string(),
+        }
+    }
+
+    /// The guarantee.
+    pub fn guarantee(&self) -> Guarantee {
+        self.guarantee
+    }
+
+    /// Source records processed since the last commit.
+    pub fn uncommitted(&self) -> usize {
+        self.processed
+    }
+
+    /// Commits made.
+    pub fn commits(&self) -> u64 {
+        self.commits
+    }
+
+    /// Whether a transaction is open.
+    pub fn transaction_open(&self) -> bool {
+        self.txn_open
+    }
+
+    fn eos(&self) -> bool {
+        self.guarantee == Guarantee::ExactlyOnceV2
+    }
+
+    /// Count one processed source record and send its outputs (`out` is drained); under
+    /// exactly_once_v2 the transaction is opened first if none is.
+    ///
+    /// # Errors
+    /// A record refused by the log, or [`Error::Fenced`].
+    pub fn processed(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
+        self.processed += 1;
+        self.send(log, out)
+    }
+
+    /// Send `out` (drained), opening the transaction first under exactly_once_v2.
+    ///
+    /// # Errors
+    /// As [`Protocol::processed`].
+    pub fn send(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.open(log)?;
+        let sent = out.iter().try_for_each(|o| log.send_output(o));
+        out.clear();
+        sent
+    }
+
+    fn open(&mut self, log: &mut dyn CommitLog) -> Result<()> {
+        if self.eos() && !self.txn_open {
+            log.begin_transaction()?;
+            self.txn_open = true;
+        }
+        Ok(())
+    }
+
+    fn point(log: &mut dyn CommitLog, name: &'static str) -> Result<(), Stop> {
+        if log.failpoint(name) {
+            Err(Stop::Crash(name))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Run one commit over `tasks` (by source partition) at wall-clock time `now_ms`,
+    /// in the order the module docs state.
+    ///
+    /// # Errors
+    /// A store failure, an output that could not be delivered (at_least_once: nothing is
+    /// committed, a restart replays), [`Error::Fenced`].
+    pub fn commit(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        now_ms: i64,
+    ) -> Result<Outcome> {
+        if self.processed == 0 {
+            return Ok(Outcome::Nothing);
+        }
+        // 1. Sinks.
+        for t in tasks.values_mut() {
+            t.flush_effects(now_ms, &mut self.out)?;
+        }
+        let mut out = std::mem::take(&mut self.out);
+        let sent = self.send(log, &mut out);
+        self.out = out;
+        sent?;
+        self.open(log)?;
+        let eos = self.eos();
+        match self.durable_steps(log, tasks, now_ms) {
+            Ok(()) => {}
+            Err(Stop::Crash(name)) => return Ok(Outcome::Crashed(name)),
+            Err(Stop::Error(e)) if !eos || matches!(e, Error::Fenced(_)) => return Err(e),
+            Err(Stop::Error(e)) => {
+                tracing::warn!(error = %e, "transaction failed: aborting and rewinding to the committed offsets");
+                return self.abort(log, tasks).map(Outcome::Aborted);
+            }
+        }
+        if eos {
+            self.txn_open = false;
+            metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "committed").increment(1);
+            if let Err(Stop::Crash(n)) = Self::point(log, EOS_AFTER_COMMIT) {
+                return Ok(Outcome::Crashed(n));
+            }
+            apply_state(log, tasks)?;
+        }
+        self.processed = 0;
+        self.commits += 1;
+        metrics::counter!(crate::metrics::COMMITS, "topology" => self.topology.clone())
+            .increment(1);
+        Ok(Outcome::Committed)
+    }
+
+    /// Steps 2–5 (under exactly_once_v2 up to the transaction's commit: a failure here
+    /// aborts it).
+    fn durable_steps(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        now_ms: i64,
+    ) -> Result<(), Stop> {
+        let eos = self.eos();
+        // 2. Outputs durable.
+        if eos {
+            Self::point(log, EOS_AFTER_PRODUCE)?;
+        } else {
+            Self::point(log, BEFORE_FLUSH)?;
+            log.await_acks()?;
+            Self::point(log, AFTER_FLUSH)?;
+        }
+        // 3. Sweep. 4. Changelog: only now, as state may not run ahead of its outputs.
+        for t in tasks.values_mut() {
+            t.punctuate(now_ms)?;
+        }
+        let mut sent = 0usize;
+        let mut result = Ok(());
+        for (p, t) in tasks.iter() {
+            t.for_each_staged_write(|store, k, v| {
+                if result.is_ok() {
+                    result = log.send_changelog(store, *p, k, v, now_ms);
+                    sent += 1;
+                }
+            });
+        }
+        result?;
+        if !eos && sent > 0 {
+            log.await_acks()?;
+        }
+        Self::point(
+            log,
+            if eos {
+                EOS_AFTER_CHANGELOG
+            } else {
+                AFTER_CHANGELOG
+            },
+        )?;
+        // 5. Offsets and state.
+        let offsets: Vec<(i32, i64)> = tasks
+            .iter()
+            .filter_map(|(p, t)| t.position().map(|o| (*p, o)))
+            .collect();
+        if eos {
+            if !offsets.is_empty() {
+                log.send_offsets(&offsets)?;
+            }
+            Self::point(log, EOS_BEFORE_COMMIT)?;
+            log.commit_transaction()?;
+        } else {
+            // No fsync: the changelog is durable, and the store recovers a prefix of
+            // atomic batches, each with its checkpoint; a lost tail is restored.
+            apply_state(log, tasks)?;
+            Self::point(log, AFTER_STATE)?;
+            if !offsets.is_empty() {
+                log.commit_offsets(&offsets)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Abort the open transaction (if any), drop every task's staged writes and reset its
+    /// position to the committed offset. Returns the partitions the source must seek back
+    /// (those that processed records and are not restoring) with their offsets.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] or a broker error from the abort or the offset fetch.
+    pub fn abort(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+    ) -> Result<Vec<(i32, Option<i64>)>> {
+        self.abort_transaction(log)?;
+        let parts: Vec<i32> = tasks.keys().copied().collect();
+        let committed = log.committed_offsets(&parts)?;
+        let mut seek = Vec::new();
+        for (p, t) in tasks.iter_mut() {
+            let off = committed.get(p).copied().flatten();
+            let processed = t.position().is_some();
+            t.abort(off);
+            if processed && !t.is_restoring() {
+                seek.push((*p, off));
+            }
+        }
+        self.processed = 0;
+        Ok(seek)
+    }
+
+    /// Partitions lost (exactly_once_v2: the group moved on without this instance): abort
+    /// the open transaction and drop every staged write, so the next commit finds nothing.
+    ///
+    /// # Errors
+    /// As [`Protocol::abort`].
+    pub fn abort_lost(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+    ) -> Result<()> {
+        self.abort_transaction(log)?;
+        for t in tasks.values_mut() {
+            t.abort(None);
+        }
+        self.processed = 0;
+        Ok(())
+    }
+
+    /// Abort the open transaction, if any (counted).
+    ///
+    /// # Errors
+    /// As [`CommitLog::abort_transaction`].
+    pub fn abort_transaction(&mut self, log: &mut dyn CommitLog) -> Result<()> {
+        if self.txn_open {
+            self.txn_open = false;
+            log.abort_transaction()?;
+            metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "aborted").increment(1);
+        }
+        Ok(())
+    }
+
+    /// Forget the open transaction and the uncommitted records without telling the log
+    /// (the test driver's crash: the process is gone).
+    pub fn forget(&mut self) {
+        self.txn_open = false;
+        self.processed = 0;
+        self.out.clear();
+    }
+}
+
+/// Apply every task's staged writes with the changelog offsets they reached.
+fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Result<()> {
+    for (p, t) in tasks.iter_mut() {
+        t.commit_state(|store| log.changelog_end(store, *p))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,154 @@
+//! The Kafka log of the commit protocol: the output producer and the source consumer
+//! behind [`CommitLog`].
+
+use crate::error::{Error, Result};
+use crate::kafka::consumer::SourceConsumer;
+use crate::kafka::producer::OutputProducer;
+use crate::processor::OutRecord;
+use crate::runtime::commit::CommitLog;
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerGroupMetadata};
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How long a commit waits for acknowledgements before it fails.
+const ACK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
+pub struct KafkaLog<'a> {
+    /// Sends outputs, changelog records and transactions.
+    pub producer: &'a OutputProducer,
+    /// Commits offsets (at_least_once) and fetches committed ones.
+    pub consumer: &'a SourceConsumer,
+    /// The source topic.
+    pub source_topic: &'a str,
+    /// Changelog topic of each store.
+    pub changelogs: &'a BTreeMap<String, String>,
+    /// The group metadata of the current assignment (exactly_once_v2, KIP-447).
+    pub group_meta: Option<&'a ConsumerGroupMetadata>,
+    /// Sync for the last commit before partitions go, Async otherwise.
+    pub mode: CommitMode,
+    /// For the message of [`Error::Fenced`].
+    pub transactional_id: &'a str,
+}
+
+impl KafkaLog<'_> {
+    /// A fatal transactional error becomes [`Error::Fenced`]; others pass through.
+    fn fenced_or(&self, e: Error) -> Error {
+        fenced_or(self.transactional_id, e)
+    }
+
+    fn offsets(&self, offsets: &[(i32, i64)]) -> Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        for (p, o) in offsets {
+            tpl.add_partition_offset(self.source_topic, *p, Offset::Offset(*o))
+                .map_err(Error::kafka("build offsets"))?;
+        }
+        Ok(tpl)
+    }
+}
+
+/// A fatal transactional error becomes [`Error::Fenced`] naming `transactional_id`.
+pub fn fenced_or(transactional_id: &str, e: Error) -> Error {
+    if e.is_fatal_transaction_error() && !matches!(e, Error::Fenced(_)) {
+        Error::Fenced(format!(
+            "transactional.id {transactional_id} was taken over by another instance ({e}); this instance stops"
+        ))
+    } else {
+        e
+    }
+}
+
+impl CommitLog for KafkaLog<'_> {
+    fn send_output(&mut self, rec: &OutRecord) -> Result<()> {
+        self.producer.send(rec).map_err(|e| self.fenced_or(e))
+    }
+
+    fn send_changelog(
+        &mut self,
+        store: &str,
+        partition: i32,
+        key: &[u8],
+        value: Option<&[u8]>,
+        timestamp_ms: i64,
+    ) -> Result<()> {
+        let topic = self.changelogs.get(store).ok_or_else(|| {
+            Error::state(store, "no changelog topic for this store (internal error)")
+        })?;
+        self.producer
+            .send_changelog(topic, partition, key, value, timestamp_ms)
+            .map_err(|e| self.fenced_or(e))
+    }
+
+    fn await_acks(&mut self) -> Result<()> {
+        self.producer.flush(ACK_TIMEOUT)
+    }
+
+    fn changelog_end(&self, store: &str, partition: i32) -> Option<i64> {
+        let topic = self.changelogs.get(store)?;
+        self.producer.changelog_next_offset(topic, partition)
+    }
+
+    fn begin_transaction(&mut self) -> Result<()> {
+        self.producer
+            .begin_transaction()
+            .map_err(|e| self.fenced_or(e))
+    }
+
+    fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
+        let tpl = self.offsets(offsets)?;
+        let cgm = self.group_meta.ok_or_else(|| {
+            Error::Broker("the consumer has no group metadata (not in a group)".into())
+        })?;
+        self.producer
+            .send_offsets_to_transaction(&tpl, cgm)
+            .map_err(|e| self.fenced_or(e))
+    }
+
+    fn commit_transaction(&mut self) -> Result<()> {
+        self.producer
+            .commit_transaction()
+            .map_err(|e| self.fenced_or(e))
+    }
+
+    fn abort_transaction(&mut self) -> Result<()> {
+        let r = self
+            .producer
+            .abort_transaction()
+            .map_err(|e| self.fenced_or(e));
+        // The failed deliveries belonged to the aborted transaction.
+        self.producer.reset_failures();
+        r
+    }
+
+    fn commit_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
+        let tpl = self.offsets(offsets)?;
+        self.consumer
+            .commit(&tpl, self.mode)
+            .map_err(Error::kafka("commit offsets"))
+    }
+
+    fn committed_offsets(&mut self, partitions: &[i32]) -> Result<BTreeMap<i32, Option<i64>>> {
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            tpl.add_partition(self.source_topic, *p);
+        }
+        let committed = self
+            .consumer
+            .committed_offsets(tpl, Duration::from_secs(30))
+            .map_err(Error::kafka("committed offsets"))?;
+        Ok(partitions
+            .iter()
+            .map(|p| {
+                let o = match committed
+                    .find_partition(self.source_topic, *p)
+                    .map(|e| e.offset())
+                {
+                    Some(Offset::Offset(o)) => Some(o),
+                    _ => None,
+                };
+                (*p, o)
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,120 @@
+//! Rebalance handling: the run loop carries out the assignments and revocations the
+//! consumer context announced over the channel (see `kafka::consumer`).
+//!
+//! - **Assigned**: assign, pause at once (nothing is processed before the restore), create
+//!   the tasks; the restore is planned by the loop (`restore.rs`).
+//! - **Revoked**: commit the work of every partition (the producer flush covers them all),
+//!   close the revoked tasks, unassign. Under exactly_once_v2, partitions *lost* (the group
+//!   moved on without this instance, e.g. after a long stop) are not committed: other
+//!   instances may own them already, so the open transaction is aborted and the staged
+//!   state dropped.
+
+use super::{Engine, KafkaLog};
+use crate::config::Guarantee;
+use crate::error::Result;
+use crate::kafka::consumer::{apply_assign, apply_revoke, RebalanceEvent, SourceConsumer};
+use crate::runtime::Task;
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::TopicPartitionList;
+use std::sync::mpsc;
+
+impl Engine {
+    /// Carry out every rebalance announced so far.
+    ///
+    /// # Errors
+    /// A failed commit on revocation, or a client or store error; the assignment change
+    /// itself is carried out either way.
+    pub(super) fn handle_events(
+        &mut self,
+        consumer: &SourceConsumer,
+        events: &mpsc::Receiver<RebalanceEvent>,
+    ) -> Result<()> {
+        while let Ok(ev) = events.try_recv() {
+            let parts = ev.partitions();
+            match ev {
+                RebalanceEvent::Assigned(tpl) => {
+                    apply_assign(consumer, &tpl)?;
+                    self.on_assign(consumer, &parts)?;
+                }
+                RebalanceEvent::Revoked { partitions, lost } => {
+                    let done = self.on_revoke(consumer, &parts, lost);
+                    let unassigned = apply_revoke(consumer, &partitions);
+                    done.and(unassigned)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_revoke(
+        &mut self,
+        consumer: &SourceConsumer,
+        partitions: &[i32],
+        lost: bool,
+    ) -> Result<()> {
+        if self.protocol.guarantee() == Guarantee::ExactlyOnceV2 && lost {
+            // Committing now would put this instance's outputs next to the new owners'.
+            tracing::warn!(
+                ?partitions,
+                "partitions lost (this instance left the group): aborting the open transaction"
+            );
+            let mut log = kafka_log!(self, consumer, CommitMode::Sync);
+            self.protocol.abort_lost(&mut log, &mut self.tasks)?;
+        } else {
+            tracing::info!(?partitions, "partitions revoked: committing their work");
+            self.commit(consumer, CommitMode::Sync)?;
+        }
+        for p in partitions {
+            if let Some(t) = self.tasks.remove(p) {
+                let c = *t.counts();
+                self.closed_counts.add(&c);
+                for r in t.restorers() {
+                    let topic = self.changelogs[r.store()].clone();
+                    if let Ok(tpl) = Engine::tpl_one(&topic, *p, None) {
+                        let _ = self.restore_consumer.incremental_unassign(&tpl);
+                    }
+                }
+            }
+            self.unplanned.remove(p);
+            self.open_txn_waits.remove(p);
+            self.replay_from.remove(p);
+            self.at_end.remove(p);
+        }
+        Ok(())
+    }
+
+    fn on_assign(&mut self, consumer: &SourceConsumer, partitions: &[i32]) -> Result<()> {
+        tracing::info!(?partitions, "partitions assigned");
+        self.group_meta = consumer.group_metadata();
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            tpl.add_partition(&self.source_topic, *p);
+        }
+        // Nothing is processed before the restore: pause first, plan in the run loop.
+        consumer.pause(&tpl).map_err(crate::Error::kafka("pause"))?;
+        for p in partitions {
+            if self.tasks.contains_key(p) {
+                continue;
+            }
+            let t = Task::new(&self.topology, *p, &self.backend, &self.config.dlq_topic)?
+                .with_tables(self.tables.clone());
+            self.tasks.insert(*p, t);
+            self.unplanned.insert(*p);
+        }
+        Ok(())
+    }
+}
+
+/// Carry out, without the engine, the rebalances announced and not handled (the loop
+/// ended on an error): librdkafka waits for them, and closing the consumer would too.
+pub(super) fn settle(consumer: &SourceConsumer, events: &mpsc::Receiver<RebalanceEvent>) {
+    while let Ok(ev) = events.try_recv() {
+        let done = match &ev {
+            RebalanceEvent::Assigned(tpl) => apply_assign(consumer, tpl),
+            RebalanceEvent::Revoked { partitions, .. } => apply_revoke(consumer, partitions),
+        };
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "rebalance at stop");
+        }
+    }
+}

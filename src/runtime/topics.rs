@@ -1,0 +1,85 @@
+//! Topic preparation before a run: the source must exist; sink, dead-letter and changelog
+//! topics are created or checked.
+
+use super::App;
+use crate::error::{Error, Result};
+use crate::kafka::admin::Admin;
+use crate::state::restore::changelog_topic;
+use crate::topology::StageKind;
+use std::collections::BTreeMap;
+
+impl App {
+    /// The changelog topic of each store, with its `retention.ms` (TTL + grace).
+    pub fn changelog_topics(&self) -> BTreeMap<String, (String, i64)> {
+        self.topology
+            .stages()
+            .iter()
+            .filter_map(|s| match &s.kind {
+                StageKind::Dedup(d) => Some((
+                    s.name.clone(),
+                    (
+                        changelog_topic(&self.config.application_id, &s.name),
+                        d.changelog_retention_ms(),
+                    ),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Check the topics before the run: the source must exist; missing sink topics and the
+    /// dead-letter topic are created with the source's partition count; changelog topics
+    /// are created (`cleanup.policy=compact,delete`, `retention.ms` = TTL + grace) or
+    /// checked to have the source's partition count.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] when the source topic is missing, a changelog has another partition
+    /// count than the source, or topics cannot be created.
+    pub fn prepare_topics(&self) -> Result<usize> {
+        let admin = Admin::new(&self.config)?;
+        let src = &self.topology.source().topic;
+        let n = admin.partition_count(src)?.ok_or_else(|| {
+            Error::Broker(format!(
+                "source topic {src} does not exist on {}; create it first",
+                self.config.bootstrap_servers
+            ))
+        })?;
+        // Metadata per topic (cheap), then one CreateTopics request for the missing ones.
+        let mut missing: Vec<crate::kafka::admin::TopicSpec<'_>> = Vec::new();
+        let mut topics = self.topology.sink_topics();
+        topics.push(self.config.dlq_topic.clone());
+        for t in topics {
+            if admin.partition_count(&t)?.is_none() && !missing.iter().any(|m| m.0 == t) {
+                missing.push((t, n, Vec::new()));
+            }
+        }
+        for (store, (topic, retention)) in self.changelog_topics() {
+            match admin.partition_count(&topic)? {
+                Some(m) if m != n => {
+                    return Err(Error::Broker(format!(
+                        "changelog topic {topic} of store {store} has {m} partitions, but source topic {src} has {n}; \
+                         they must match (delete the changelog to rebuild it, or use a new application.id)"
+                    )))
+                }
+                Some(_) => {}
+                None => missing.push((
+                    topic,
+                    n,
+                    vec![
+                        ("cleanup.policy", "compact,delete".to_string()),
+                        ("retention.ms", retention.to_string()),
+                    ],
+                )),
+            }
+        }
+        for t in admin.ensure_topics(&missing)? {
+            match missing.iter().find(|m| m.0 == t) {
+                Some((_, _, c)) if !c.is_empty() => {
+                    tracing::info!(topic = %t, partitions = n, retention_ms = %c[1].1, "created changelog topic")
+                }
+                _ => tracing::info!(topic = %t, partitions = n, "created topic"),
+            }
+        }
+        Ok(n)
+    }
+}
