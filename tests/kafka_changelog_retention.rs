@@ -185,3 +185,69 @@ fn a_changelog_made_for_another_ttl_is_corrected_at_start_up() {
     assert_eq!(summary_field(&out, "restored"), Some(3.0), "{out}");
     assert_eq!(outputs(&names), ids);
 }
+
+/// Records deleted under a store (here with DeleteRecords, as retention would) cannot be
+/// restored: the restore says so with a warning naming the offsets lost, instead of
+/// restoring less in silence.
+#[test]
+fn a_restore_warns_when_changelog_records_were_deleted_under_it() {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::TopicPartitionList;
+    let names = names_for(
+        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n",
+        1,
+    );
+    // DeleteRecords needs `delete` in the policy: a changelog that never deletes by time or
+    // size is accepted with it (and left as it is).
+    let changelog = format!("{}-dedup-changelog", names.app);
+    admin()
+        .ensure_topic(
+            &changelog,
+            1,
+            &[
+                ("cleanup.policy", "compact,delete"),
+                ("retention.ms", "-1"),
+                ("retention.bytes", "-1"),
+            ],
+        )
+        .unwrap();
+    let ids: Vec<String> = (1..=3).map(|i| format!("id-{i}")).collect();
+    send_ids(&names, &ids, T0);
+    let (_, log) = run_to_end(&names);
+    assert!(!log.contains("corrected its configuration"), "{log}");
+    let client: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&changelog, 0, rdkafka::Offset::Offset(2))
+        .unwrap();
+    let res =
+        futures::executor::block_on(client.delete_records(&tpl, &AdminOptions::new())).unwrap();
+    for e in res.elements() {
+        e.error().unwrap();
+    }
+    let watermarks: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    assert_eq!(
+        log_start(&watermarks, &changelog),
+        2,
+        "records 0 and 1 deleted"
+    );
+    std::fs::remove_dir_all(names.state_dir()).unwrap();
+    send_ids(&names, &ids, T0);
+    let (out, log) = run_to_end(&names);
+    assert!(
+        log.contains("changelog records were deleted before this store read them")
+            && log.contains("entries written at offsets 0..2 cannot be restored"),
+        "{log}"
+    );
+    assert_eq!(summary_field(&out, "restored"), Some(1.0), "{out}");
+    assert_eq!(
+        outputs(&names),
+        vec!["id-1", "id-2", "id-3", "id-1", "id-2"],
+        "the two deleted entries let their duplicates through"
+    );
+}
