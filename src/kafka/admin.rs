@@ -25,9 +25,9 @@ pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
 /// writes its tombstone (expired entries leave the log only that way, and with
 /// `max_keys` eviction); the log size is bounded by the live keys. Tombstones themselves
 /// are removed after `delete.retention.ms` (broker default 24 h): a restore that resumes
-/// from a local checkpoint older than that may miss one and keep an expired entry, which
-/// the decision treats as expired anyway and the next sweep deletes again, so nothing
-/// live is lost and nothing dead counts.
+/// from a local checkpoint older than that may miss one and keep a swept entry, which the
+/// decision judges by record time like any entry and the next sweep deletes again: nothing
+/// live is ever lost.
 pub const CHANGELOG_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
 
 /// One setting of an existing changelog topic that contradicts [`CHANGELOG_CONFIGS`].

@@ -246,10 +246,10 @@ impl Processor for Dedup {
     /// TTL plus grace lies before the stream time. The base is the later of the entry's
     /// first-seen time and the stream time when it was written
     /// ([`DedupEntry::sweep_base_ms`]): a late first occurrence keeps its entry for a full
-    /// window after it arrived, so its own duplicates are still caught. Stream time only moves with records,
-    /// so downtime never expires state; and the sweep takes the second-highest record time
-    /// as stream time, so one far-future timestamp cannot sweep entries that are live for
-    /// the records around it.
+    /// window after it arrived, so its own duplicates are still caught. Stream time only
+    /// moves with records, so downtime never expires state; and the sweep takes the
+    /// second-highest record time as stream time, so one far-future timestamp cannot sweep
+    /// entries that are live for the records around it.
     fn punctuate(&mut self, ctx: &mut Context<'_>) -> Result<(), crate::error::Error> {
         let stream_time = self.top_times[1];
         if stream_time == i64::MIN {
