@@ -176,9 +176,7 @@ fn run_onceflow(
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, dedup_topology(input, output)?);
-    created
-        .topics
-        .extend(app.changelog_topics().into_values().map(|(topic, _)| topic));
+    created.topics.extend(app.changelog_topics().into_values());
     let summary = app.run(RunOptions {
         stop_at_end: true,
         ..Default::default()

@@ -118,9 +118,7 @@ fn app(
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, dedup_topology(input, output)?);
-    created
-        .topics
-        .extend(app.changelog_topics().into_values().map(|(topic, _)| topic));
+    created.topics.extend(app.changelog_topics().into_values());
     Ok((app, state))
 }
 

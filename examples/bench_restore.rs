@@ -201,6 +201,7 @@ fn entry(first_seen_ms: i64, partition: i32, offset: i64) -> DedupEntry {
         source_partition: partition,
         source_offset: offset,
         fingerprint: None,
+        written_stream_ms: None,
     }
 }
 

@@ -335,3 +335,45 @@ fn max_keys_evicts_the_oldest_with_a_tombstone_and_a_metric() {
         assert_eq!(keys, Some(3.0));
     }
 }
+
+/// Issue 11, item 2: a first occurrence whose own time is already a window behind stream
+/// time keeps its entry for a full window after it arrived (the sweep counts from the
+/// stream time when it was written), so its own duplicates are caught; then it expires.
+#[test]
+fn a_late_first_occurrence_keeps_its_window_through_the_sweeps() {
+    for g in GUARANTEES {
+        let mut d = by_id(g, 10 * MIN, 0); // TTL 10m, grace 0; every pipe commits (and sweeps)
+        let h3 = 180 * MIN;
+        d.pipe(ev("x", T + h3)).unwrap();
+        d.pipe(ev("y", T + h3)).unwrap(); // stream time (second-highest) now T0+3h
+        d.pipe(ev("id", T + MIN)).unwrap(); // late first occurrence: passes
+        for i in 0..4 {
+            d.pipe(ev(&format!("tick{i}"), T + h3)).unwrap(); // commits, each with a sweep
+        }
+        d.pipe(ev("id", T + 2 * MIN)).unwrap(); // its duplicate: dropped
+        assert_eq!(
+            ids(&d),
+            vec![
+                "x@180",
+                "y@180",
+                "id@1",
+                "tick0@180",
+                "tick1@180",
+                "tick2@180",
+                "tick3@180"
+            ]
+        );
+        assert!(
+            d.dedup_entry("dedup", 0, b"id").unwrap().is_some(),
+            "the late entry survived the sweeps"
+        );
+        // A full window after it arrived (stream time past T0+3h+10m), the sweep removes it.
+        d.pipe(ev("z", T + h3 + 11 * MIN)).unwrap();
+        d.pipe(ev("w", T + h3 + 11 * MIN)).unwrap();
+        d.pipe(ev("tick4", T + h3 + 11 * MIN)).unwrap();
+        assert!(
+            d.dedup_entry("dedup", 0, b"id").unwrap().is_none(),
+            "expired a window after arrival"
+        );
+    }
+}

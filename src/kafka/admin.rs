@@ -1,14 +1,90 @@
-//! Topic administration: partition counts and creation of missing topics.
+//! Topic administration: partition counts, creation of missing topics, and the topic
+//! configuration of changelogs (checked and corrected at start-up).
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, ConfigSource, NewTopic, ResourceSpecifier,
+    TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 use std::time::Duration;
 
 /// A topic to create: name, partition count, topic configs (`cleanup.policy`, ...).
 pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
+
+/// Topic configs a changelog topic is created with.
+///
+/// **A live entry is always restorable**, whatever the downtime. An entry's liveness is
+/// judged by stream time, which stands still while nothing is processed, so no wall-clock
+/// age of a changelog record says it is dead: any time-based deletion (`cleanup.policy`
+/// with `delete` and a finite `retention.ms`, the old `TTL + grace` setting) can empty the
+/// changelog during an outage, and a restore into a lost state dir then finds nothing.
+/// So the policy is `compact` alone: the latest record of every key stays until the sweep
+/// writes its tombstone (expired entries leave the log only that way, and with
+/// `max_keys` eviction); the log size is bounded by the live keys. Tombstones themselves
+/// are removed after `delete.retention.ms` (broker default 24 h): a restore that resumes
+/// from a local checkpoint older than that may miss one and keep a swept entry, which the
+/// decision judges by record time like any entry and the next sweep deletes again: nothing
+/// live is ever lost.
+pub const CHANGELOG_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
+
+/// One setting of an existing changelog topic that contradicts [`CHANGELOG_CONFIGS`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigMismatch {
+    /// The setting, e.g. `cleanup.policy`.
+    pub setting: String,
+    /// The value found on the topic (with the settings that make it wrong, e.g.
+    /// `compact,delete (retention.ms=3600000)`).
+    pub found: String,
+    /// The value onceflow needs.
+    pub expected: String,
+}
+
+impl std::fmt::Display for ConfigMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is {}, expected {}",
+            self.setting, self.found, self.expected
+        )
+    }
+}
+
+/// The settings among `configs` (an existing changelog topic's configuration, name to
+/// value) that let the broker delete records the store may still treat as live.
+///
+/// `cleanup.policy` must be `compact`; `compact,delete` is accepted only when neither time
+/// nor size can delete anything (`retention.ms=-1` and `retention.bytes=-1`). A missing
+/// `cleanup.policy` counts as the broker default, `delete`.
+pub fn changelog_mismatches(
+    configs: &std::collections::BTreeMap<String, String>,
+) -> Vec<ConfigMismatch> {
+    let get = |k: &str| configs.get(k).map(String::as_str);
+    let policy = get("cleanup.policy").unwrap_or("delete");
+    let parts: Vec<&str> = policy.split(',').map(str::trim).collect();
+    let compact = parts.contains(&"compact");
+    let delete = parts.contains(&"delete");
+    let (ms, bytes) = (get("retention.ms"), get("retention.bytes"));
+    let never_deletes = ms == Some("-1") && bytes.unwrap_or("-1") == "-1";
+    if compact && (!delete || never_deletes) {
+        return Vec::new();
+    }
+    let mut found = policy.to_string();
+    if delete {
+        found.push_str(&format!(
+            " (retention.ms={}, retention.bytes={})",
+            ms.unwrap_or("broker default"),
+            bytes.unwrap_or("broker default")
+        ));
+    }
+    vec![ConfigMismatch {
+        setting: "cleanup.policy".into(),
+        found,
+        expected: "compact".into(),
+    }]
+}
 
 /// A blocking admin client.
 pub struct Admin {
@@ -118,6 +194,104 @@ impl Admin {
         Ok(created)
     }
 
+    /// The configuration of `topic` as the broker reports it: every setting with a value,
+    /// each with whether it is a topic-level override (`true`) or inherited from the broker.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] when the broker refuses DescribeConfigs (e.g. no such topic, not
+    /// authorized); [`Error::Kafka`] when it cannot be reached.
+    pub fn topic_configs(
+        &self,
+        topic: &str,
+    ) -> Result<std::collections::BTreeMap<String, (String, bool)>> {
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let spec = [ResourceSpecifier::Topic(topic)];
+        let res = futures::executor::block_on(self.client.describe_configs(&spec, &opts))
+            .map_err(Error::kafka("describe configs"))?;
+        let resource = res
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Broker(format!("no configuration returned for topic {topic}")))?
+            .map_err(|code| {
+                Error::Broker(format!(
+                    "cannot describe the configuration of topic {topic}: {code}"
+                ))
+            })?;
+        Ok(resource
+            .entries
+            .into_iter()
+            .filter_map(|e| {
+                let own = e.source == ConfigSource::DynamicTopic;
+                e.value.map(|v| (e.name, (v, own)))
+            })
+            .collect())
+    }
+
+    /// Check the configuration of the existing changelog `topic` of `store` against
+    /// [`CHANGELOG_CONFIGS`] and correct what contradicts it (AlterConfigs, keeping the
+    /// topic's other overrides). Returns the mismatches that were corrected (empty when
+    /// the topic was right); each is logged as a warning.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] naming the topic, the setting, the value found and the one
+    /// expected when the configuration cannot be read or the broker refuses the correction
+    /// (e.g. not authorized): onceflow does not run on a changelog that may lose live
+    /// entries.
+    pub fn ensure_changelog_config(&self, store: &str, topic: &str) -> Result<Vec<ConfigMismatch>> {
+        let current = self.topic_configs(topic)?;
+        let values = current
+            .iter()
+            .map(|(k, (v, _))| (k.clone(), v.clone()))
+            .collect();
+        let wrong = changelog_mismatches(&values);
+        if wrong.is_empty() {
+            return Ok(wrong);
+        }
+        let refuse = |why: String| {
+            let list: Vec<String> = wrong.iter().map(ToString::to_string).collect();
+            Error::Broker(format!(
+                "changelog topic {topic} of store {store}: {}; the broker could delete live dedup entries \
+                 (a restore would then let duplicates through), and correcting it failed: {why}; \
+                 set it on the topic (kafka-configs --alter --entity-type topics --entity-name {topic} \
+                 --add-config cleanup.policy=compact) and start again",
+                list.join("; ")
+            ))
+        };
+        // AlterConfigs replaces the topic's whole set of overrides: send the ones it has,
+        // with the corrections applied.
+        let mut set: std::collections::BTreeMap<&str, &str> = current
+            .iter()
+            .filter(|(_, (_, own))| *own)
+            .map(|(k, (v, _))| (k.as_str(), v.as_str()))
+            .collect();
+        for m in &wrong {
+            set.insert(&m.setting, &m.expected);
+        }
+        let alter = set.iter().fold(
+            AlterConfig::new(ResourceSpecifier::Topic(topic)),
+            |a, (k, v)| a.set(k, v),
+        );
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let res = futures::executor::block_on(self.client.alter_configs([&alter], &opts))
+            .map_err(|e| refuse(e.to_string()))?;
+        for r in res {
+            if let Err((_, code)) = r {
+                return Err(refuse(code.to_string()));
+            }
+        }
+        for m in &wrong {
+            tracing::warn!(
+                store,
+                topic,
+                setting = %m.setting,
+                found = %m.found,
+                expected = %m.expected,
+                "changelog topic could delete live entries: corrected its configuration"
+            );
+        }
+        Ok(wrong)
+    }
+
     /// Delete `topics` (missing ones are fine). For tests and demos.
     ///
     /// # Errors
@@ -135,5 +309,82 @@ impl Admin {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn only_configs_that_never_delete_a_live_entry_pass() {
+        let ok = [
+            cfg(&[("cleanup.policy", "compact"), ("retention.ms", "5000")]),
+            cfg(&[
+                ("cleanup.policy", "compact,delete"),
+                ("retention.ms", "-1"),
+                ("retention.bytes", "-1"),
+            ]),
+            cfg(&[
+                ("cleanup.policy", "delete, compact"),
+                ("retention.ms", "-1"),
+            ]),
+        ];
+        for c in &ok {
+            assert_eq!(changelog_mismatches(c), vec![], "{c:?}");
+        }
+        let bad = [
+            (
+                cfg(&[
+                    ("cleanup.policy", "compact,delete"),
+                    ("retention.ms", "5000"),
+                ]),
+                "compact,delete (retention.ms=5000, retention.bytes=broker default)",
+            ),
+            (
+                cfg(&[
+                    ("cleanup.policy", "compact,delete"),
+                    ("retention.ms", "-1"),
+                    ("retention.bytes", "1048576"),
+                ]),
+                "compact,delete (retention.ms=-1, retention.bytes=1048576)",
+            ),
+            (
+                cfg(&[("cleanup.policy", "delete"), ("retention.ms", "-1")]),
+                "delete (retention.ms=-1, retention.bytes=broker default)",
+            ),
+            (
+                cfg(&[]),
+                "delete (retention.ms=broker default, retention.bytes=broker default)",
+            ),
+        ];
+        for (c, found) in &bad {
+            assert_eq!(
+                changelog_mismatches(c),
+                vec![ConfigMismatch {
+                    setting: "cleanup.policy".into(),
+                    found: found.to_string(),
+                    expected: "compact".into(),
+                }],
+                "{c:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn new_changelogs_are_created_right() {
+        let c = CHANGELOG_CONFIGS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(changelog_mismatches(&c), vec![]);
     }
 }

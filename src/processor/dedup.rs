@@ -27,6 +27,22 @@ pub struct DedupEntry {
     /// Payload fingerprint (xxh3-64 of the value) when fingerprints are on.
     #[prost(uint64, optional, tag = "4")]
     pub fingerprint: Option<u64>,
+    /// The partition's stream time (ms) when the entry was written, when it was later than
+    /// `first_seen_ms` (a late first occurrence). The sweep counts the expiry from the
+    /// later of the two, so a late first occurrence keeps its entry for a full window after
+    /// it arrived. `None` in entries written before this field existed (and when stream
+    /// time was not ahead): the sweep then counts from `first_seen_ms` alone.
+    #[prost(int64, optional, tag = "5")]
+    pub written_stream_ms: Option<i64>,
+}
+
+impl DedupEntry {
+    /// The time the sweep counts this entry's expiry from, in ms: the later of its
+    /// first-seen time and the stream time when it was written.
+    pub fn sweep_base_ms(&self) -> i64 {
+        self.written_stream_ms
+            .map_or(self.first_seen_ms, |w| w.max(self.first_seen_ms))
+    }
 }
 
 /// What the dedup stage knows about the record being judged.
@@ -97,6 +113,7 @@ pub fn decide(
         source_partition: obs.partition,
         source_offset: obs.offset,
         fingerprint: obs.fingerprint,
+        written_stream_ms: None,
     };
     match prev {
         None => (Decision::First, Some(fresh())),
@@ -131,6 +148,7 @@ mod tests {
             source_partition: 0,
             source_offset: 7,
             fingerprint: fp,
+            written_stream_ms: None,
         }
     }
 
@@ -180,9 +198,43 @@ mod tests {
     }
 
     #[test]
+    fn entries_without_the_write_stream_time_decode_and_sweep_by_first_seen() {
+        use prost::Message;
+        // An entry as encoded before `written_stream_ms` existed: tags 1-4 only.
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct OldEntry {
+            #[prost(int64, tag = "1")]
+            first_seen_ms: i64,
+            #[prost(int32, tag = "2")]
+            source_partition: i32,
+            #[prost(int64, tag = "3")]
+            source_offset: i64,
+            #[prost(uint64, optional, tag = "4")]
+            fingerprint: Option<u64>,
+        }
+        let old = OldEntry {
+            first_seen_ms: 5 * MIN,
+            source_partition: 2,
+            source_offset: 9,
+            fingerprint: Some(3),
+        };
+        let e = DedupEntry::decode(old.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(e.written_stream_ms, None);
+        assert_eq!(e.sweep_base_ms(), 5 * MIN, "old entries keep today's rule");
+        let late = DedupEntry {
+            written_stream_ms: Some(180 * MIN),
+            ..e.clone()
+        };
+        assert_eq!(late.sweep_base_ms(), 180 * MIN);
+        let back = OldEntry::decode(late.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(back, old, "an older reader skips the new field");
+    }
+
+    #[test]
     fn entry_roundtrips_through_prost() {
         use prost::Message;
-        let e = entry(1_420_070_400_000, Some(u64::MAX));
+        let mut e = entry(1_420_070_400_000, Some(u64::MAX));
+        e.written_stream_ms = Some(1_420_080_400_000);
         let bytes = e.encode_to_vec();
         assert_eq!(DedupEntry::decode(bytes.as_slice()).unwrap(), e);
     }

@@ -65,9 +65,10 @@ pub struct DedupSpec {
     pub fingerprint_fields: Option<FingerprintFields>,
     /// What to do with a conflict.
     pub on_conflict: ConflictPolicy,
-    /// Grace after the TTL, in ms (default 1 h): the sweep deletes an entry once the
-    /// partition's stream time passes first-seen + TTL + grace, and the changelog keeps
-    /// records for TTL + grace (`retention.ms`).
+    /// Grace after the TTL, in ms (default 1 h): the sweep deletes an entry (with a
+    /// changelog tombstone) once the partition's stream time passes its expiry base + TTL +
+    /// grace, the base being the later of its first-seen time and the stream time when it
+    /// was written. The changelog has no time-based retention.
     pub grace_ms: i64,
     /// Keys kept per partition at most (default unlimited); the oldest are evicted.
     pub max_keys: Option<u64>,
@@ -112,11 +113,6 @@ impl DedupSpec {
     pub fn with_max_keys(mut self, max: u64) -> Self {
         self.max_keys = Some(max);
         self
-    }
-
-    /// `retention.ms` of the changelog: TTL + grace.
-    pub fn changelog_retention_ms(&self) -> i64 {
-        self.ttl_ms.saturating_add(self.grace_ms)
     }
 }
 
@@ -366,11 +362,14 @@ impl Processor for Dedup {
     }
 
     /// The expiry sweep: looks at up to [`SWEEP_BATCH`] entries from where the last sweep
-    /// stopped, and deletes (with a changelog tombstone) each entry whose first-seen time
-    /// plus TTL plus grace lies before the stream time. Stream time only moves with records,
-    /// so downtime never expires state; and the sweep takes the second-highest record time
-    /// as stream time, so one far-future timestamp cannot sweep entries that are live for
-    /// the records around it.
+    /// stopped, and deletes (with a changelog tombstone) each entry whose expiry base plus
+    /// TTL plus grace lies before the stream time. The base is the later of the entry's
+    /// first-seen time and the stream time when it was written
+    /// ([`DedupEntry::sweep_base_ms`]): a late first occurrence keeps its entry for a full
+    /// window after it arrived, so its own duplicates are still caught. Stream time only
+    /// moves with records, so downtime never expires state; and the sweep takes the
+    /// second-highest record time as stream time, so one far-future timestamp cannot sweep
+    /// entries that are live for the records around it.
     fn punctuate(&mut self, ctx: &mut Context<'_>) -> Result<(), crate::error::Error> {
         let stream_time = self.top_times[1];
         if stream_time == i64::MIN {
@@ -390,7 +389,7 @@ impl Processor for Dedup {
             // Judge the current value: a staged renewal must not be swept.
             let Some(v) = store.get(&k)? else { continue };
             let entry = decode_entry(store, &v)?;
-            if stream_time.saturating_sub(entry.first_seen_ms) > horizon {
+            if stream_time.saturating_sub(entry.sweep_base_ms()) > horizon {
                 if let Some(book) = &mut self.book {
                     book.removed(&k, &entry);
                 }
@@ -459,7 +458,13 @@ impl Processor for Dedup {
             Some(bytes) => Some(decode_entry(store, &bytes)?),
         };
         let (decision, new) = decide(prev.as_ref(), &obs, &policy);
-        if let Some(entry) = new {
+        if let Some(mut entry) = new {
+            // A late first occurrence (stream time already past its own time): record the
+            // stream time, from which the sweep then counts its expiry.
+            let stream_time = self.top_times[1];
+            if stream_time > entry.first_seen_ms {
+                entry.written_stream_ms = Some(stream_time);
+            }
             let book = self.book.as_mut().expect("built above");
             book.added(&self.key_buf, prev.as_ref(), &entry);
             self.value_buf.clear();

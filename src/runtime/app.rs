@@ -310,11 +310,7 @@ impl App {
         let backend = SledBackend::open(&dir)?;
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
-        let changelogs: BTreeMap<String, String> = self
-            .changelog_topics()
-            .into_iter()
-            .map(|(s, (t, _))| (s, t))
-            .collect();
+        let changelogs: BTreeMap<String, String> = self.changelog_topics();
         let producer = OutputProducer::new(&self.config, changelogs.values().cloned().collect())?;
         let restore_consumer = consumer::create_restore_consumer(&self.config)?;
         let watermarks = consumer::create_watermark_client(&self.config)?;

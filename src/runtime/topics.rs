@@ -9,18 +9,15 @@ use crate::topology::StageKind;
 use std::collections::BTreeMap;
 
 impl App {
-    /// The changelog topic of each store, with its `retention.ms` (TTL + grace).
-    pub fn changelog_topics(&self) -> BTreeMap<String, (String, i64)> {
+    /// The changelog topic of each store.
+    pub fn changelog_topics(&self) -> BTreeMap<String, String> {
         self.topology
             .stages()
             .iter()
             .filter_map(|s| match &s.kind {
-                StageKind::Dedup(d) => Some((
+                StageKind::Dedup(_) => Some((
                     s.name.clone(),
-                    (
-                        changelog_topic(&self.config.application_id, &s.name),
-                        d.changelog_retention_ms(),
-                    ),
+                    changelog_topic(&self.config.application_id, &s.name),
                 )),
                 _ => None,
             })
@@ -29,12 +26,15 @@ impl App {
 
     /// Check the topics before the run: the source must exist; missing sink topics and the
     /// dead-letter topic are created with the source's partition count; changelog topics
-    /// are created (`cleanup.policy=compact,delete`, `retention.ms` = TTL + grace) or
-    /// checked to have the source's partition count.
+    /// are created with [`CHANGELOG_CONFIGS`](crate::kafka::admin::CHANGELOG_CONFIGS)
+    /// (`cleanup.policy=compact`: a live entry is always restorable), or checked to have
+    /// the source's partition count and a configuration that never deletes a live entry
+    /// (corrected when it could).
     ///
     /// # Errors
     /// [`Error::Broker`] when the source topic is missing, a changelog has another partition
-    /// count than the source, or topics cannot be created.
+    /// count than the source or a configuration that cannot be corrected, or topics cannot
+    /// be created.
     pub fn prepare_topics(&self) -> Result<usize> {
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
@@ -53,7 +53,7 @@ impl App {
                 missing.push((t, n, Vec::new()));
             }
         }
-        for (store, (topic, retention)) in self.changelog_topics() {
+        for (store, topic) in self.changelog_topics() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
                     return Err(Error::Broker(format!(
@@ -61,21 +61,23 @@ impl App {
                          they must match (delete the changelog to rebuild it, or use a new application.id)"
                     )))
                 }
-                Some(_) => {}
+                Some(_) => {
+                    admin.ensure_changelog_config(&store, &topic)?;
+                }
                 None => missing.push((
                     topic,
                     n,
-                    vec![
-                        ("cleanup.policy", "compact,delete".to_string()),
-                        ("retention.ms", retention.to_string()),
-                    ],
+                    crate::kafka::admin::CHANGELOG_CONFIGS
+                        .iter()
+                        .map(|(k, v)| (*k, v.to_string()))
+                        .collect(),
                 )),
             }
         }
         for t in admin.ensure_topics(&missing)? {
             match missing.iter().find(|m| m.0 == t) {
                 Some((_, _, c)) if !c.is_empty() => {
-                    tracing::info!(topic = %t, partitions = n, retention_ms = %c[1].1, "created changelog topic")
+                    tracing::info!(topic = %t, partitions = n, cleanup_policy = %c[0].1, "created changelog topic")
                 }
                 _ => tracing::info!(topic = %t, partitions = n, "created topic"),
             }

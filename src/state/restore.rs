@@ -12,6 +12,11 @@
 //!   where it stopped.
 //! - A local checkpoint beyond the changelog's end means the changelog was recreated: the
 //!   local store is cleared and restored from the start.
+//! - A log start beyond the local checkpoint (or beyond 0 for an empty store) means records
+//!   were deleted under the store (time or size retention, DeleteRecords): entries written
+//!   there cannot be restored, and duplicates of them may pass. Onceflow's changelogs never
+//!   delete by time or size (`kafka::admin::CHANGELOG_CONFIGS`), so this is logged as a
+//!   warning naming the offsets lost.
 
 use super::{KeyValueStore, WriteBatch};
 use crate::error::Result;
@@ -58,6 +63,7 @@ pub struct Restorer {
     position: i64,
     applied: u64,
     started: Instant,
+    deleted: Option<(i64, i64)>,
 }
 
 impl Restorer {
@@ -84,6 +90,22 @@ impl Restorer {
             Some(c) => c.max(low),
             None => low,
         };
+        let from = match checkpoint {
+            Some(c) if c <= end => c,
+            _ => 0,
+        };
+        let deleted = (low > from).then_some((from, low));
+        if deleted.is_some() {
+            tracing::warn!(
+                store,
+                partition,
+                checkpoint = from,
+                log_start = low,
+                lost = low - from,
+                "changelog records were deleted before this store read them (retention or DeleteRecords): \
+                 entries written at offsets {from}..{low} cannot be restored and their duplicates may pass"
+            );
+        }
         Ok(Restorer {
             store: store.to_string(),
             partition,
@@ -92,6 +114,7 @@ impl Restorer {
             position: start,
             applied: 0,
             started: Instant::now(),
+            deleted,
         })
     }
 
@@ -113,6 +136,13 @@ impl Restorer {
     /// The end captured when the restore started.
     pub fn end_offset(&self) -> i64 {
         self.end
+    }
+
+    /// The offsets `[from, to)` of changelog records deleted before this store read them
+    /// (the log start was beyond the store's checkpoint), if any; logged as a warning when
+    /// planned.
+    pub fn deleted_range(&self) -> Option<(i64, i64)> {
+        self.deleted
     }
 
     /// Whether the position has reached the end.
@@ -256,6 +286,12 @@ mod tests {
             7,
             "records before the log start are gone: start there"
         );
+        assert_eq!(
+            r3.deleted_range(),
+            Some((5, 7)),
+            "and that loss is reported"
+        );
+        assert_eq!(r2.deleted_range(), None);
         let r4 = Restorer::plan("s", 0, e.as_ref(), 0, 3).unwrap();
         assert_eq!(r4.start_offset(), 0);
         assert_eq!(
@@ -263,6 +299,17 @@ mod tests {
             None,
             "cleared: the changelog was recreated"
         );
+    }
+
+    #[test]
+    fn a_log_start_beyond_an_empty_store_is_reported() {
+        let b = MemoryBackend::default();
+        let e = b.open("s", 0).unwrap();
+        let r = Restorer::plan("s", 0, e.as_ref(), 5, 5).unwrap();
+        assert!(r.is_done());
+        assert_eq!(r.deleted_range(), Some((0, 5)), "5 records deleted unread");
+        let fresh = Restorer::plan("s", 0, e.as_ref(), 0, 5).unwrap();
+        assert_eq!(fresh.deleted_range(), None);
     }
 
     #[test]

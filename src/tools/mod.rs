@@ -129,7 +129,11 @@ impl FoundEntry {
             "source_offset": e.source_offset,
             "expires_at_ms": expires,
             "expires_at": format_ms(expires),
-            "swept_after": format_ms(expires.saturating_add(store.grace_ms)),
+            "swept_after": format_ms(
+                e.sweep_base_ms()
+                    .saturating_add(store.ttl_ms)
+                    .saturating_add(store.grace_ms)
+            ),
             "fingerprint": e.fingerprint.map(|f| format!("{f:016x}")),
             "changelog_offset": self.changelog_offset,
         })
@@ -576,6 +580,7 @@ impl StateTools {
             source_partition: 0,
             source_offset: SEEDED_OFFSET,
             fingerprint: None,
+            written_stream_ms: None,
         };
         let mut report = SeedReport {
             topic: store.changelog.clone(),
@@ -966,6 +971,7 @@ mod tests {
                 source_partition: 2,
                 source_offset: 7,
                 fingerprint: Some(255),
+                written_stream_ms: None,
             },
             changelog_offset: Some(3),
         };
