@@ -1,7 +1,11 @@
-//! Topic administration: partition counts and creation of missing topics.
+//! Topic administration: partition counts, creation of missing topics, deletion of
+//! topics and consumer groups. Every request is retried on transient broker errors
+//! ([`crate::kafka::retry`]): a just-started broker, a coordinator still loading, a topic
+//! whose partitions have no leader yet.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::kafka::retry::{is_retriable_code, retry};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
@@ -40,8 +44,15 @@ impl Admin {
     /// The number of partitions of `topic`, `None` if it does not exist.
     ///
     /// # Errors
-    /// [`Error::Kafka`] when metadata cannot be fetched (broker unreachable).
+    /// [`Error::Kafka`] when metadata cannot be fetched (broker unreachable), after the
+    /// retries of transient errors.
     pub fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
+        retry(&format!("metadata of topic {topic}"), || {
+            self.partition_count_once(topic)
+        })
+    }
+
+    fn partition_count_once(&self, topic: &str) -> Result<Option<usize>> {
         let md = self
             .client
             .inner()
@@ -60,7 +71,10 @@ impl Admin {
                 {
                     Ok(None)
                 } else {
-                    Err(Error::Broker(format!("metadata of topic {topic}: {code}")))
+                    Err(Error::BrokerCode {
+                        what: format!("metadata of topic {topic}"),
+                        code,
+                    })
                 }
             }
         }
@@ -89,7 +103,34 @@ impl Admin {
     /// # Errors
     /// [`Error::Broker`] when the broker refuses a creation for any reason other than the
     /// topic already existing.
+    /// Topics created here are waited for until the broker's metadata lists their
+    /// partitions (a topic just created may answer `UnknownTopicOrPartition` for a moment).
     pub fn ensure_topics(&self, topics: &[TopicSpec<'_>]) -> Result<Vec<String>> {
+        let mut created = Vec::new();
+        retry("create topics", || {
+            let left: Vec<TopicSpec<'_>> = topics
+                .iter()
+                .filter(|(t, _, _)| !created.contains(t))
+                .cloned()
+                .collect();
+            created.extend(self.create_topics_once(&left)?);
+            Ok(())
+        })?;
+        for t in &created {
+            retry(&format!("metadata of new topic {t}"), || {
+                match self.partition_count_once(t)? {
+                    Some(_) => Ok(()),
+                    None => Err(Error::BrokerCode {
+                        what: format!("metadata of new topic {t}"),
+                        code: RDKafkaErrorCode::LeaderNotAvailable,
+                    }),
+                }
+            })?;
+        }
+        Ok(created)
+    }
+
+    fn create_topics_once(&self, topics: &[TopicSpec<'_>]) -> Result<Vec<String>> {
         if topics.is_empty() {
             return Ok(Vec::new());
         }
@@ -106,16 +147,31 @@ impl Admin {
         let res = futures::executor::block_on(self.client.create_topics(&new, &opts))
             .map_err(Error::kafka("create topics"))?;
         let mut created = Vec::new();
+        let mut failed = None;
         for r in res {
             match r {
                 Ok(t) => created.push(t),
                 Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                // A transient failure of one topic: the others are kept, it is retried.
+                Err((t, code)) if is_retriable_code(code) && failed.is_none() => {
+                    failed = Some(Error::BrokerCode {
+                        what: format!("cannot create topic {t}"),
+                        code,
+                    })
+                }
                 Err((t, code)) => {
-                    return Err(Error::Broker(format!("cannot create topic {t}: {code}")))
+                    return Err(Error::BrokerCode {
+                        what: format!("cannot create topic {t}"),
+                        code,
+                    })
                 }
             }
         }
-        Ok(created)
+        match failed {
+            // Report progress through `created` only when nothing is left to retry.
+            Some(e) if created.is_empty() => Err(e),
+            _ => Ok(created),
+        }
     }
 
     /// Delete `topics` (missing ones are fine). For tests and demos.
@@ -123,17 +179,48 @@ impl Admin {
     /// # Errors
     /// [`Error::Broker`] when the broker refuses.
     pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
-        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
-        let res = futures::executor::block_on(self.client.delete_topics(topics, &opts))
-            .map_err(Error::kafka("delete topics"))?;
-        for r in res {
-            match r {
-                Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
-                Err((t, code)) => {
-                    return Err(Error::Broker(format!("cannot delete topic {t}: {code}")))
+        retry("delete topics", || {
+            let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+            let res = futures::executor::block_on(self.client.delete_topics(topics, &opts))
+                .map_err(Error::kafka("delete topics"))?;
+            for r in res {
+                match r {
+                    Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+                    Err((t, code)) => {
+                        return Err(Error::BrokerCode {
+                            what: format!("cannot delete topic {t}"),
+                            code,
+                        })
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
+    }
+
+    /// Delete consumer group `group` with its committed offsets (a missing group is fine).
+    ///
+    /// # Errors
+    /// [`Error::BrokerCode`] when the broker refuses (`NonEmptyGroup` while members are
+    /// active), after the retries of transient errors (`NotCoordinator` on a broker that
+    /// was just started).
+    pub fn delete_group(&self, group: &str) -> Result<()> {
+        retry(&format!("delete group {group}"), || {
+            let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+            let res = futures::executor::block_on(self.client.delete_groups(&[group], &opts))
+                .map_err(Error::kafka("delete group"))?;
+            for r in res {
+                match r {
+                    Ok(_) | Err((_, RDKafkaErrorCode::GroupIdNotFound)) => {}
+                    Err((g, code)) => {
+                        return Err(Error::BrokerCode {
+                            what: format!("cannot delete group {g}"),
+                            code,
+                        })
+                    }
+                }
+            }
+            Ok(())
+        })
     }
 }

@@ -57,6 +57,9 @@ pub struct RunOptions {
     /// Set to true to stop gracefully (SIGTERM/SIGINT): finish the record in hand, commit,
     /// close the stores.
     pub shutdown: Arc<AtomicBool>,
+    /// Where the run publishes its health and restore progress (for `/health` and
+    /// `/ready`); none by default.
+    pub status: Option<Arc<super::Status>>,
 }
 
 /// What a run did.
@@ -134,6 +137,14 @@ struct Engine {
     open_txn_waits: BTreeSet<i32>,
     /// Changelog topic of each store.
     changelogs: BTreeMap<String, String>,
+    /// Published for `/health` and `/ready` (see [`Engine::publish_status`]).
+    status: Option<Arc<super::Status>>,
+    /// The assignment changed since the status was last published.
+    status_dirty: bool,
+    /// The last published status showed a restore or a wait.
+    status_restoring: bool,
+    /// An assignment was received (maybe empty).
+    assigned_once: bool,
     tasks: BTreeMap<i32, Task>,
     /// Assigned partitions whose restore is not planned yet.
     unplanned: BTreeSet<i32>,
@@ -583,9 +594,12 @@ impl Engine {
                 match found {
                     Some(o) => Ok(o),
                     None => {
-                        let (low, high) = client
-                            .fetch_watermarks(topic, *p, timeout)
-                            .map_err(Error::kafka("changelog offsets"))?;
+                        let (low, high) =
+                            crate::kafka::retry::retry("changelog offsets", || {
+                                client
+                                    .fetch_watermarks(topic, *p, timeout)
+                                    .map_err(Error::kafka("changelog offsets"))
+                            })?;
                         Ok(if at == Offset::Beginning { low } else { high })
                     }
                 }
@@ -754,6 +768,34 @@ impl Engine {
         Ok(())
     }
 
+    /// Publish the partitions to the status when something changed: at assignment and
+    /// revocation, after each restore step, and once when the restores ended.
+    fn publish_status(&mut self) {
+        let restoring = self.any_restoring();
+        let Some(status) = &self.status else { return };
+        if !(self.status_dirty || restoring || self.status_restoring) {
+            return;
+        }
+        let mut snapshot = super::status::Partitions {
+            assigned_once: self.assigned_once,
+            assigned: self.tasks.keys().copied().collect(),
+            waiting: self.unplanned.iter().copied().collect(),
+            restoring: Vec::new(),
+        };
+        for (p, t) in &self.tasks {
+            for r in t.restorers() {
+                snapshot.restoring.push(super::status::Restoring {
+                    store: r.store().to_string(),
+                    partition: *p,
+                    progress: r.progress(),
+                });
+            }
+        }
+        status.publish(snapshot);
+        self.status_dirty = false;
+        self.status_restoring = restoring;
+    }
+
     fn all_at_end(&self) -> bool {
         !self.tasks.is_empty()
             && !self.any_restoring()
@@ -783,6 +825,7 @@ impl RebalanceListener for Listener {
         } else {
             tracing::info!(?partitions, "partitions revoked: committing their work");
         }
+        e.status_dirty = true;
         if let Err(err) = e.commit(consumer, CommitMode::Sync) {
             tracing::error!(error = %err, "commit on revocation failed");
             e.failed.get_or_insert(err);
@@ -809,6 +852,8 @@ impl RebalanceListener for Listener {
     fn on_assign(&self, consumer: &SourceConsumer, partitions: &[i32]) {
         let mut e = self.engine.lock().expect("engine lock");
         tracing::info!(?partitions, "partitions assigned");
+        e.assigned_once = true;
+        e.status_dirty = true;
         e.group_meta = consumer.group_metadata();
         let mut tpl = TopicPartitionList::new();
         for p in partitions {
@@ -959,6 +1004,15 @@ impl App {
     /// good, a store failure). Nothing of the failed batch is committed: a restart
     /// processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
+        let status = opts.status.clone();
+        let result = self.run_inner(opts);
+        if let Some(s) = status {
+            s.finish(result.as_ref().err().map(|e| e.to_string()));
+        }
+        result
+    }
+
+    fn run_inner(&self, opts: RunOptions) -> Result<RunSummary> {
         let _lock = StateDirLock::acquire(&self.config.state_dir)?;
         // Local sink stores live under the locked state dir.
         let topology = self
@@ -998,6 +1052,10 @@ impl App {
             last_plan: None,
             open_txn_waits: BTreeSet::new(),
             changelogs,
+            status: opts.status.clone(),
+            status_dirty: true,
+            status_restoring: false,
+            assigned_once: false,
             tasks: BTreeMap::new(),
             unplanned: BTreeSet::new(),
             replay_from: BTreeMap::new(),
@@ -1078,11 +1136,15 @@ impl App {
                 tracing::info!("shutdown requested: committing and closing");
                 return Ok(());
             }
+            if let Some(s) = &opts.status {
+                s.beat();
+            }
             let (wait, burst) = {
                 let mut e = engine.lock().expect("engine lock");
                 if !e.unplanned.is_empty() {
                     e.plan_restores(consumer)?;
                 }
+                e.publish_status();
                 let restoring = e.any_restoring();
                 if restoring != e.writer_hold.is_some() {
                     e.writer_hold = if restoring {

@@ -2,8 +2,10 @@
 
 pub mod app;
 pub mod failpoint;
+pub mod status;
 pub mod table;
 pub mod task;
 
 pub use app::{App, RunOptions, RunSummary};
+pub use status::Status;
 pub use task::Task;
