@@ -54,15 +54,6 @@ enum Command {
     },
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// Set `flag` on SIGTERM or SIGINT; a second signal exits at once.
 fn watch_signals(flag: Arc<AtomicBool>) {
     std::thread::spawn(move || {
@@ -99,7 +90,9 @@ fn watch_signals(flag: Arc<AtomicBool>) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    if !matches!(cli.command, Command::Run { .. }) {
+        onceflow::logging::init(onceflow::config::LogFormat::Text);
+    }
     match cli.command {
         Command::Validate { topology } => match onceflow::dsl::load(&topology) {
             Ok(_) => {
@@ -146,12 +139,14 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            if let Some(addr) = config.metrics_address {
-                if let Err(e) = onceflow::metrics::install_prometheus(addr) {
+            onceflow::logging::init(config.log_format);
+            let status = match onceflow::http::start(&config) {
+                Ok(s) => s,
+                Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
                 }
-            }
+            };
             if let Err(e) = onceflow::runtime::failpoint::init_from_env() {
                 eprintln!("{e}");
                 return ExitCode::from(2);
@@ -162,6 +157,7 @@ fn main() -> ExitCode {
             match app.run(RunOptions {
                 stop_at_end,
                 shutdown,
+                status: Some(status),
             }) {
                 Ok(summary) => {
                     println!("{}", summary.line());

@@ -134,7 +134,10 @@ mod tests {
             Err(code(RDKafkaErrorCode::CoordinatorLoadInProgress))
         });
         let e = r.unwrap_err();
-        assert!(e.to_string().contains("CoordinatorLoadInProgress") || e.to_string().contains("load"), "{e}");
+        assert!(
+            e.to_string().contains("CoordinatorLoadInProgress") || e.to_string().contains("load"),
+            "{e}"
+        );
         assert!(calls >= 2, "{calls}");
         assert!(started.elapsed() < Duration::from_secs(2));
     }
