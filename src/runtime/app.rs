@@ -288,6 +288,7 @@ impl Engine {
     /// source offsets to commit.
     fn apply_state(&mut self) -> Result<TopicPartitionList> {
         for (p, t) in self.tasks.iter_mut() {
+            let _span = t.span().clone().entered();
             let producer = &self.producer;
             let changelogs = &self.changelogs;
             t.commit_state(|store| producer.changelog_next_offset(&changelogs[store], *p))?;
@@ -544,6 +545,7 @@ impl Engine {
             }
             self.open_txn_waits.remove(&p);
             let task = self.tasks.get_mut(&p).expect("filtered above");
+            let _span = task.span().clone().entered();
             for (store, topic, low, end) in ends.remove(&p).unwrap_or_default() {
                 if let Some(start) = task.plan_restore(&store, low, end)? {
                     assign
@@ -721,6 +723,7 @@ impl Engine {
         let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
         let mut finished = Vec::new();
         for (p, task) in self.tasks.iter_mut().filter(|(_, t)| t.is_restoring()) {
+            let _span = task.span().clone().entered();
             let recs = records.remove(p).unwrap_or_default();
             for (store, rs) in &recs {
                 self.restored += task.restore_records(store, rs);
@@ -832,6 +835,8 @@ impl RebalanceListener for Listener {
         }
         for p in partitions {
             if let Some(t) = e.tasks.remove(p) {
+                let _span = t.span().clone().entered();
+                tracing::info!("task closed");
                 let c = *t.counts();
                 e.closed_counts.add(&c);
                 for r in t.restorers() {

@@ -33,7 +33,7 @@ impl Task {
                 self.nodes[i].1.flush(&mut ctx)?
             };
             for (rec, err) in failed {
-                self.dlq_counter.increment(1);
+                self.count_dead_letter(i + 1);
                 self.counts.dead_lettered += 1;
                 let src = (
                     rec.source.topic.to_string(),
@@ -71,7 +71,7 @@ impl Task {
                     match self.nodes[j].1.process(rec, &mut ctx) {
                         Ok(()) => {}
                         Err(StageError::Record(e)) => {
-                            self.dlq_counter.increment(1);
+                            self.count_dead_letter(j + 1);
                             self.counts.dead_lettered += 1;
                             let src = (
                                 keep.source.topic.to_string(),
