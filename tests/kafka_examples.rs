@@ -74,8 +74,15 @@ fn analytics_dedup_runs_as_a_process() {
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     for id in ["a", "b", "a", "c", "b"] {
         let v = format!("{{\"event_id\":\"{id}\"}}");
-        p.send(&input, None, Some(b"u1".as_slice()), Some(v.as_bytes()), &[], None)
-            .unwrap();
+        p.send(
+            &input,
+            None,
+            Some(b"u1".as_slice()),
+            Some(v.as_bytes()),
+            &[],
+            None,
+        )
+        .unwrap();
     }
     p.flush().unwrap();
     let so = run_example(

@@ -57,8 +57,8 @@ fn wait_committed(names: &Names, partitions: usize) {
         .len() as i64;
     let deadline = Instant::now() + T;
     loop {
-        let c = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, partitions)
-            .unwrap();
+        let c =
+            kafka::committed_offsets(&bootstrap(), &names.app, &names.input, partitions).unwrap();
         // Committed offsets count every record (and transaction markers under EOS).
         if c.iter().map(|o| o.unwrap_or(0)).sum::<i64>() >= total {
             return;
@@ -109,7 +109,11 @@ fn ready_reports_restore_progress_then_turns_200() {
         assert_eq!(h, 200, "healthy while restoring: {hb}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(ready_at.is_some(), "never ready:\n{}", run.stderr.lock().unwrap());
+    assert!(
+        ready_at.is_some(),
+        "never ready:\n{}",
+        run.stderr.lock().unwrap()
+    );
     assert!(
         !progress_bodies.is_empty(),
         "no 503 with a restoring partition seen before ready"
@@ -133,7 +137,10 @@ fn ready_reports_restore_progress_then_turns_200() {
         progress_bodies[0]
     );
     let log = run.stderr.lock().unwrap().clone();
-    assert!(!log.contains('\u{1b}'), "no colour codes when stderr is not a terminal");
+    assert!(
+        !log.contains('\u{1b}'),
+        "no colour codes when stderr is not a terminal"
+    );
     run.signal(libc::SIGTERM);
     let (st, out) = run.wait(T);
     assert!(st.success());
@@ -161,8 +168,15 @@ stages:
     let names = names_for(&yaml, 2);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     let send = |v: &[u8]| {
-        p.send(&names.input, None, Some(b"k".as_slice()), Some(v), &[], None)
-            .unwrap()
+        p.send(
+            &names.input,
+            None,
+            Some(b"k".as_slice()),
+            Some(v),
+            &[],
+            None,
+        )
+        .unwrap()
     };
     for i in 0..20 {
         send(format!("{{\"id\":\"e{i}\"}}").as_bytes());
@@ -178,16 +192,12 @@ stages:
     send(b"not json");
     send(b"{\"no_id\": 1}");
     p.flush().unwrap();
-    let mut run = start(
-        &names,
-        &eos,
-        &[("ONCEFLOW__LOG__FORMAT", "json")],
-        &[],
-    );
+    let mut run = start(&names, &eos, &[("ONCEFLOW__LOG__FORMAT", "json")], &[]);
     let addr = http_address(&mut run);
     wait_committed(&names, 2);
     let (code, text) = get(&format!("http://{addr}/metrics"));
     assert_eq!(code, 200);
+    let stderr = run.stderr.clone();
     run.signal(libc::SIGTERM);
     let (st, out) = run.wait(T);
     assert!(st.success(), "{out}");
@@ -203,9 +213,10 @@ stages:
             .iter()
             .filter(|(n, ls, _)| {
                 n == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| ls.iter().any(|(lk, lv)| lk == k && (v.is_empty() || lv == v)))
+                    && labels.iter().all(|(k, v)| {
+                        ls.iter()
+                            .any(|(lk, lv)| lk == k && (v.is_empty() || lv == v))
+                    })
             })
             .map(|(_, _, v)| *v)
             .collect()
@@ -251,9 +262,16 @@ stages:
         "onceflow_dedup_check_duration_seconds_count",
         &with(&[("stage", "dedup")]),
     ));
-    assert!(count >= 1.0, "sampled one decision in 64, the first included:\n{text}");
     assert!(
-        !find("onceflow_dedup_check_duration_seconds_bucket", &with(&[("stage", "dedup"), ("le", "")])).is_empty(),
+        count >= 1.0,
+        "one decision in 64 is timed, the first included:\n{text}"
+    );
+    assert!(
+        !find(
+            "onceflow_dedup_check_duration_seconds_bucket",
+            &with(&[("stage", "dedup"), ("le", "")])
+        )
+        .is_empty(),
         "{text}"
     );
     // onceflow_dedup_keys{topology,store,partition}
@@ -262,18 +280,51 @@ stages:
         ["partition", "store", "topology"].map(String::from).into(),
         "{text}"
     );
-    assert_eq!(sum(find("onceflow_dedup_keys", &with(&[("store", "dedup")]))), 25.0, "{text}");
+    assert_eq!(
+        sum(find("onceflow_dedup_keys", &with(&[("store", "dedup")]))),
+        25.0,
+        "{text}"
+    );
     // onceflow_restore_records_total / onceflow_restore_remaining_records{store,partition}
-    for n in ["onceflow_restore_records_total", "onceflow_restore_remaining_records"] {
-        assert_eq!(keys_of(n), ["partition", "store"].map(String::from).into(), "{n}\n{text}");
+    for n in [
+        "onceflow_restore_records_total",
+        "onceflow_restore_remaining_records",
+    ] {
+        assert_eq!(
+            keys_of(n),
+            ["partition", "store"].map(String::from).into(),
+            "{n}\n{text}"
+        );
     }
-    assert_eq!(sum(find("onceflow_restore_records_total", &[("store", "dedup")])), 20.0, "{text}");
-    assert_eq!(sum(find("onceflow_restore_remaining_records", &[("store", "dedup")])), 0.0);
+    assert_eq!(
+        sum(find(
+            "onceflow_restore_records_total",
+            &[("store", "dedup")]
+        )),
+        20.0,
+        "{text}"
+    );
+    assert_eq!(
+        sum(find(
+            "onceflow_restore_remaining_records",
+            &[("store", "dedup")]
+        )),
+        0.0
+    );
     // onceflow_transactions_total{result}
-    assert!(sum(find("onceflow_transactions_total", &[("result", "committed")])) >= 1.0, "{text}");
+    assert!(
+        sum(find(
+            "onceflow_transactions_total",
+            &[("result", "committed")]
+        )) >= 1.0,
+        "{text}"
+    );
     // onceflow_sink_effects_total{sink,result} (and topology)
     assert_eq!(
-        sum(find("onceflow_sink_effects_total", &with(&[("sink", "effects"), ("result", "done")]))),
+        sum(find(
+            "onceflow_sink_effects_total",
+            &with(&[("sink", "effects"), ("result", "done")])
+        )),
         5.0,
         "{text}"
     );
@@ -284,19 +335,25 @@ stages:
         "{text}"
     );
     assert_eq!(
-        sum(find("onceflow_dead_letters_total", &with(&[("stage", "source")]))),
+        sum(find(
+            "onceflow_dead_letters_total",
+            &with(&[("stage", "source")])
+        )),
         1.0,
         "the value that is not JSON\n{text}"
     );
     assert_eq!(
-        sum(find("onceflow_dead_letters_total", &with(&[("stage", "dedup")]))),
+        sum(find(
+            "onceflow_dead_letters_total",
+            &with(&[("stage", "dedup")])
+        )),
         1.0,
         "the record without /id\n{text}"
     );
     assert!(sum(find("onceflow_commits_total", &t)) >= 1.0, "{text}");
 
     // JSON logs: one object per line, task spans name topology, partition and stores.
-    let log = run.stderr.lock().unwrap().clone();
+    let log = stderr.lock().unwrap().clone();
     let json_lines: Vec<serde_json::Value> = log
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
@@ -308,9 +365,15 @@ stages:
         .find(|v| v["fields"]["message"] == "restore complete")
         .unwrap_or_else(|| panic!("{log}"));
     assert_eq!(restore_line["span"]["name"], "task", "{restore_line}");
-    assert_eq!(restore_line["span"]["topology"], "ops-metrics", "{restore_line}");
+    assert_eq!(
+        restore_line["span"]["topology"], "ops-metrics",
+        "{restore_line}"
+    );
     assert_eq!(restore_line["span"]["stores"], "dedup", "{restore_line}");
-    assert!(restore_line["span"]["partition"].is_number(), "{restore_line}");
+    assert!(
+        restore_line["span"]["partition"].is_number(),
+        "{restore_line}"
+    );
 }
 
 /// `name{k="v",...} value` → (name, labels, value).
