@@ -203,7 +203,7 @@ stages:
     assert!(st.success(), "{out}");
 
     // (name, labels that must be present with these values, value check)
-    let samples: Vec<(String, Vec<(String, String)>, f64)> = text
+    let samples: Vec<Sample> = text
         .lines()
         .filter(|l| l.starts_with("onceflow_"))
         .map(parse_sample)
@@ -376,8 +376,11 @@ stages:
     );
 }
 
+/// One Prometheus sample: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
 /// `name{k="v",...} value` → (name, labels, value).
-fn parse_sample(line: &str) -> (String, Vec<(String, String)>, f64) {
+fn parse_sample(line: &str) -> Sample {
     let (head, value) = line.rsplit_once(' ').unwrap();
     let value: f64 = value.parse().unwrap_or(f64::NAN);
     match head.split_once('{') {
