@@ -11,6 +11,9 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 use std::time::Duration;
 
+/// Timeout of one group request ([`Admin::delete_group`]); transient failures are retried.
+const GROUP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A topic to create: name, partition count, topic configs (`cleanup.policy`, ...).
 pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
 
@@ -206,7 +209,12 @@ impl Admin {
     /// was just started).
     pub fn delete_group(&self, group: &str) -> Result<()> {
         retry(&format!("delete group {group}"), || {
-            let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+            // A short request timeout: on a just-started broker librdkafka may wait for
+            // a group coordinator that is being elected for the whole timeout; a new
+            // attempt looks the coordinator up again.
+            let opts = AdminOptions::new()
+                .request_timeout(Some(GROUP_REQUEST_TIMEOUT))
+                .operation_timeout(Some(GROUP_REQUEST_TIMEOUT));
             let res = futures::executor::block_on(self.client.delete_groups(&[group], &opts))
                 .map_err(Error::kafka("delete group"))?;
             for r in res {

@@ -5,15 +5,17 @@
 //! (`NotCoordinator`, `CoordinatorLoadInProgress`, `CoordinatorNotAvailable`), a partition
 //! has no leader yet (`LeaderNotAvailable`, `NotLeaderForPartition`), a request timed out.
 //! Every admin call of onceflow and its tools goes through [`retry`], which repeats the
-//! call with a doubling backoff (100 ms up to 2 s) for at most [`DEFAULT_BUDGET`], then
-//! returns the last error. Errors that are not transient return at once.
+//! call with a doubling backoff (100 ms up to 2 s) for at most [`DEFAULT_BUDGET`] (2 min), then
+//! returns the last error. Errors that are not transient return at once. Each retry is
+//! logged (they are rare: a broker starting, a coordinator moving).
 
 use crate::error::{Error, Result};
 use rdkafka::types::RDKafkaErrorCode;
 use std::time::{Duration, Instant};
 
-/// How long [`retry`] keeps trying a transient error: 60 s.
-pub const DEFAULT_BUDGET: Duration = Duration::from_secs(60);
+/// How long [`retry`] keeps trying a transient error: 120 s (a just-formatted broker on a
+/// busy 2-core machine took over a minute to elect its first group coordinator).
+pub const DEFAULT_BUDGET: Duration = Duration::from_secs(120);
 
 /// Whether a broker or client error code is transient, i.e. the same request may succeed
 /// when sent again a little later.
@@ -56,7 +58,7 @@ pub fn is_retriable(e: &Error) -> bool {
 }
 
 /// Run `f` until it succeeds, fails with an error that is not transient, or
-/// [`DEFAULT_BUDGET`] has passed; each transient failure is logged (at debug level) with
+/// [`DEFAULT_BUDGET`] has passed; each transient failure is logged (at info level) with
 /// `what` and waited out with a doubling backoff from 100 ms to 2 s.
 ///
 /// # Errors
@@ -78,7 +80,7 @@ pub fn retry_for<T>(what: &str, budget: Duration, mut f: impl FnMut() -> Result<
         match f() {
             Ok(v) => return Ok(v),
             Err(e) if is_retriable(&e) && Instant::now() + backoff < deadline => {
-                tracing::debug!(what, attempt, error = %e, backoff_ms = backoff.as_millis() as u64,
+                tracing::info!(what, attempt, error = %e, backoff_ms = backoff.as_millis() as u64,
                     "transient broker error: retrying");
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(2));

@@ -402,9 +402,11 @@ impl Engine {
         for p in self.tasks.keys() {
             tpl.add_partition(&self.source_topic, *p);
         }
-        let committed = consumer
-            .committed_offsets(tpl, Duration::from_secs(30))
-            .map_err(Error::kafka("committed offsets"))?;
+        let committed = crate::kafka::retry::retry("committed offsets", || {
+            consumer
+                .committed_offsets(tpl.clone(), Duration::from_secs(30))
+                .map_err(Error::kafka("committed offsets"))
+        })?;
         let mut seek = TopicPartitionList::new();
         for (p, t) in self.tasks.iter_mut() {
             let off = match committed
