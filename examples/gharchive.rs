@@ -100,6 +100,8 @@ fn check(bootstrap: &str) -> onceflow::Result<bool> {
 }
 
 fn main() -> ExitCode {
+    // Retries of transient broker errors (a just-started broker) show on stderr.
+    onceflow::logging::init(onceflow::config::LogFormat::Text);
     let bootstrap = kafka::bootstrap_servers();
     let dlq = std::env::var("GHARCHIVE_DLQ").unwrap_or_else(|_| "gharchive-dedup.dlq".into());
     let res = match std::env::args().nth(1).as_deref() {

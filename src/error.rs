@@ -42,6 +42,13 @@ pub enum Error {
     /// Kafka-side condition that is not a client error (wrong partition count, missing topic).
     #[error("{0}")]
     Broker(String),
+    /// The broker answered a request with an error code; `what` names the request and its
+    /// object (`delete group g`). Transient codes are retried first (`kafka::retry`).
+    #[error("{what}: {code}")]
+    BrokerCode {
+        what: String,
+        code: rdkafka::types::RDKafkaErrorCode,
+    },
     /// I/O on a local file.
     #[error("{path}: {source}")]
     Io {
@@ -59,6 +66,7 @@ impl Error {
             Error::State { .. }
             | Error::Kafka { .. }
             | Error::Broker(_)
+            | Error::BrokerCode { .. }
             | Error::Io { .. }
             | Error::Fenced(_) => Fault::External,
         }

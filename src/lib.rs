@@ -9,7 +9,9 @@
 pub mod config;
 pub mod dsl;
 pub mod error;
+pub mod http;
 pub mod kafka;
+pub mod logging;
 pub mod metrics;
 pub mod processor;
 pub mod runtime;

@@ -59,15 +59,6 @@ enum Command {
     Reset(onceflow::tools::cli::ResetArgs),
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// Set `flag` on SIGTERM or SIGINT; a second signal exits at once.
 fn watch_signals(flag: Arc<AtomicBool>) {
     std::thread::spawn(move || {
@@ -104,7 +95,9 @@ fn watch_signals(flag: Arc<AtomicBool>) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    if !matches!(cli.command, Command::Run { .. }) {
+        onceflow::logging::init(onceflow::config::LogFormat::Text);
+    }
     match cli.command {
         Command::State(args) => onceflow::tools::cli::state_main(args),
         Command::Reset(args) => onceflow::tools::cli::reset_main(args),
@@ -153,12 +146,14 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            if let Some(addr) = config.metrics_address {
-                if let Err(e) = onceflow::metrics::install_prometheus(addr) {
+            onceflow::logging::init(config.log_format);
+            let status = match onceflow::http::start(&config) {
+                Ok(s) => s,
+                Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
                 }
-            }
+            };
             if let Err(e) = onceflow::runtime::failpoint::init_from_env() {
                 eprintln!("{e}");
                 return ExitCode::from(2);
@@ -169,6 +164,7 @@ fn main() -> ExitCode {
             match app.run(RunOptions {
                 stop_at_end,
                 shutdown,
+                status: Some(status),
             }) {
                 Ok(summary) => {
                     println!("{}", summary.line());

@@ -1,5 +1,6 @@
-//! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; exported
-//! in Prometheus format when `metrics.address` is set.
+//! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; served in
+//! Prometheus format at `/metrics` of the HTTP listener (`http.address`, see
+//! [`crate::http`]).
 
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
 /// `filtered` for records a filter drops or no route takes.
@@ -34,13 +35,29 @@ pub const TABLE_RECORDS: &str = "onceflow_table_records_total";
 /// Counter `{topology,stage,result}` of enrich stages, result = matched|missing|error.
 pub const ENRICH_LOOKUPS: &str = "onceflow_enrich_lookups_total";
 
-/// Install the Prometheus exporter listening on `addr` (serves `/metrics`).
+/// Buckets of [`DEDUP_CHECK_SECONDS`], in seconds: 1 µs to 100 ms.
+pub const DEDUP_CHECK_BUCKETS: &[f64] = &[
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2, 1e-1,
+];
+
+/// Install the Prometheus recorder as this process's metrics recorder and return its
+/// handle (rendered by `/metrics`). Histograms are exported with buckets
+/// ([`DEDUP_CHECK_BUCKETS`]). Once per process: a second call returns the first handle.
 ///
 /// # Errors
-/// [`crate::Error::Config`] when the listener cannot be installed (address in use).
-pub fn install_prometheus(addr: std::net::SocketAddr) -> crate::Result<()> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| crate::Error::Config(format!("metrics.address {addr}: {e}")))
+/// [`crate::Error::Config`] when another recorder is installed already.
+pub fn install_prometheus() -> crate::Result<metrics_exporter_prometheus::PrometheusHandle> {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    if let Some(h) = HANDLE.get() {
+        return Ok(h.clone());
+    }
+    let h = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(DEDUP_CHECK_SECONDS.into()),
+            DEDUP_CHECK_BUCKETS,
+        )
+        .and_then(|b| b.install_recorder())
+        .map_err(|e| crate::Error::Config(format!("metrics recorder: {e}")))?;
+    Ok(HANDLE.get_or_init(|| h).clone())
 }

@@ -174,7 +174,7 @@ fn a_wiped_state_dir_is_restored_from_the_changelog_and_reported() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let mut run = start(&names, &[("metrics.address", addr.clone())], &[], &[]);
+    let mut run = start(&names, &[("http.address", addr.clone())], &[], &[]);
     run.wait_for_log("restore complete", T);
     // Wait until everything is processed and committed.
     let total_in = {

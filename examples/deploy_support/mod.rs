@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Config comes in layers as for `onceflow run` (built-in defaults, the files, then
-//! `ONCEFLOW_*` environment variables, then `--set`); SIGTERM or SIGINT stops gracefully
+//! `ONCEFLOW__*` environment variables, then `--set`); SIGTERM or SIGINT stops gracefully
 //! (the work done is committed), a second signal exits at once. Exit codes: 0 done,
 //! 1 run failed, 2 bad arguments or config.
 //!
@@ -60,12 +60,6 @@ pub fn main(topology: Topology) -> ExitCode {
             }
         }
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let config = match Config::load(&files, &sets) {
         Ok(c) => c,
         Err(e) => {
@@ -73,17 +67,20 @@ pub fn main(topology: Topology) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(addr) = config.metrics_address {
-        if let Err(e) = onceflow::metrics::install_prometheus(addr) {
+    onceflow::logging::init(config.log_format);
+    let status = match onceflow::http::start(&config) {
+        Ok(s) => s,
+        Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
         }
-    }
+    };
     let shutdown = Arc::new(AtomicBool::new(false));
     on_signals(shutdown.clone());
     match App::new(config, topology).run(RunOptions {
         stop_at_end,
         shutdown,
+        status: Some(status),
     }) {
         Ok(summary) => {
             println!("{}", summary.line());

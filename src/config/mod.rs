@@ -1,10 +1,16 @@
 //! Typed configuration, layered: built-in defaults (`config/onceflow.toml`), then config
-//! files, then `ONCEFLOW_*` environment variables, then `--set key=value`.
+//! files, then `ONCEFLOW__*` environment variables, then `--set key=value`.
 //!
 //! Keys are dotted (`commit.interval.ms`). Every key is settable from the environment as
-//! `ONCEFLOW_` + the key uppercased with dots as underscores. Unknown keys are an error that
-//! names the key and where it was set. `kafka.<property>` passes a librdkafka property to
-//! both clients; `kafka.consumer.<property>` / `kafka.producer.<property>` to one.
+//! `ONCEFLOW__` + the key uppercased with each dot as a double underscore
+//! (`ONCEFLOW__COMMIT__INTERVAL__MS`, `ONCEFLOW__KAFKA__LINGER__MS`). Variables with a
+//! single underscore after `ONCEFLOW` (`ONCEFLOW_LOG`, `ONCEFLOW_DEMO_STATE`, a script's own
+//! `ONCEFLOW_EXAMPLE_INPUT`) are never config keys, so they cannot collide with one; the one
+//! exception is `ONCEFLOW_BOOTSTRAP_SERVERS`, read as `bootstrap.servers` below
+//! `ONCEFLOW__BOOTSTRAP__SERVERS` (every script and test of the project sets it). Unknown
+//! keys are an error that names the key, where it was set and the nearest known key.
+//! `kafka.<property>` passes a librdkafka property to both clients;
+//! `kafka.consumer.<property>` / `kafka.producer.<property>` to one.
 
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -14,21 +20,15 @@ use std::path::{Path, PathBuf};
 /// The built-in defaults, also shipped as `config/onceflow.toml`.
 pub const DEFAULTS: &str = include_str!("../../config/onceflow.toml");
 
-/// `ONCEFLOW_*` environment variables that are not config keys: the project's scripts and
-/// the log filter use them.
-pub const NON_CONFIG_ENV: &[&str] = &[
-    "ONCEFLOW_LOG",
-    "ONCEFLOW_FAILPOINTS",
-    "ONCEFLOW_BROKER_",
-    "ONCEFLOW_TEST_",
-    "ONCEFLOW_BENCH_",
-    "ONCEFLOW_BIN",
-    // External sink services of the tests and scripts (scripts/postgres, scripts/redis);
-    // topology files name them with `{ env: ONCEFLOW_POSTGRES_URL }`.
-    "ONCEFLOW_POSTGRES_",
-    "ONCEFLOW_PG_",
-    "ONCEFLOW_REDIS_",
-];
+/// Prefix of environment variables that are config keys: `ONCEFLOW__A__B` is `a.b`.
+pub const ENV_PREFIX: &str = "ONCEFLOW__";
+
+/// The broker address variable every script and test sets; read as `bootstrap.servers`
+/// (below `ONCEFLOW__BOOTSTRAP__SERVERS`).
+pub const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
+
+/// Keys that were renamed: (old, new).
+const RENAMED: &[(&str, &str)] = &[("metrics.address", "http.address")];
 
 /// Keys onceflow knows, besides `kafka.*`.
 pub const KEYS: &[&str] = &[
@@ -38,9 +38,20 @@ pub const KEYS: &[&str] = &[
     "commit.interval.ms",
     "processing.guarantee",
     "dlq.topic",
-    "metrics.address",
+    "http.address",
+    "log.format",
     "instance.id",
 ];
+
+/// `log.format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines (default); ANSI colours only when stderr is a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, with the fields of its spans.
+    Json,
+}
 
 /// `processing.guarantee`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,8 +80,11 @@ pub struct Config {
     pub processing_guarantee: Guarantee,
     /// `dlq.topic` (default `<application.id>.dlq`).
     pub dlq_topic: String,
-    /// `metrics.address`: Prometheus exporter, off when `None`.
-    pub metrics_address: Option<SocketAddr>,
+    /// `http.address` (default `127.0.0.1:9464`): the loopback listener of `/health`,
+    /// `/ready` and `/metrics`; `None` when set to `off`. Port 0 picks a free port.
+    pub http_address: Option<SocketAddr>,
+    /// `log.format` (default text).
+    pub log_format: LogFormat,
     /// librdkafka properties for both clients (`kafka.*`, prefix removed).
     pub kafka: BTreeMap<String, String>,
     /// librdkafka properties for the consumer only (`kafka.consumer.*`).
@@ -118,15 +132,18 @@ impl Config {
                 .map_err(|e| Error::Config(format!("config file {}: {e}", f.display())))?;
             layer(&text, format!("config file {}", f.display()))?;
         }
-        // Environment: ONCEFLOW_COMMIT_INTERVAL_MS -> commit.interval.ms.
+        // Environment: ONCEFLOW__COMMIT__INTERVAL__MS -> commit.interval.ms. The broker
+        // address alias first, so that the double-underscore form wins over it.
+        let mut env: Vec<(String, String)> = env.into_iter().collect();
+        env.sort_by_key(|(k, _)| k != BOOTSTRAP_ENV);
         for (k, v) in env {
-            let Some(rest) = k.strip_prefix("ONCEFLOW_") else {
+            let key = if k == BOOTSTRAP_ENV {
+                "bootstrap.servers".to_string()
+            } else if let Some(rest) = k.strip_prefix(ENV_PREFIX) {
+                rest.to_ascii_lowercase().replace("__", ".")
+            } else {
                 continue;
             };
-            if NON_CONFIG_ENV.iter().any(|p| k.starts_with(p)) {
-                continue;
-            }
-            let key = rest.to_ascii_lowercase().replace('_', ".");
             flat.insert(key, (v, format!("environment variable {k}")));
         }
         for (k, v) in sets {
@@ -164,8 +181,9 @@ impl Config {
                 kafka.insert(p.to_string(), v.clone());
             } else if !KEYS.contains(&k.as_str()) {
                 return Err(Error::Config(format!(
-                    "unknown config key `{k}` (from {}); known keys: {}, kafka.<librdkafka property>",
+                    "unknown config key `{k}` (from {}){}; known keys: {}, kafka.<librdkafka property>",
                     origin(k),
+                    did_you_mean(k),
                     KEYS.join(", ")
                 )));
             }
@@ -222,12 +240,24 @@ impl Config {
                 t
             }
         };
-        let metrics_address = match get("metrics.address") {
-            a if a.is_empty() => None,
-            a => Some(
-                a.parse()
-                    .map_err(|e| bad("metrics.address", format!("{a:?} is not host:port: {e}")))?,
-            ),
+        let http_address = match get("http.address") {
+            a if a.is_empty() || a == "off" => None,
+            a => Some(a.parse().map_err(|e| {
+                bad(
+                    "http.address",
+                    format!("{a:?} is not host:port (or off): {e}"),
+                )
+            })?),
+        };
+        let log_format = match get("log.format").as_str() {
+            "" | "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(bad(
+                    "log.format",
+                    format!("{other:?} is not one of text, json"),
+                ))
+            }
         };
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
@@ -253,12 +283,48 @@ impl Config {
             commit_interval_ms,
             processing_guarantee,
             dlq_topic,
-            metrics_address,
+            http_address,
+            log_format,
             kafka,
             kafka_consumer,
             kafka_producer,
         })
     }
+}
+
+/// `; did you mean `x`?` for the known key nearest to `key` (a renamed key's new name, or
+/// one within a third of its length in edits), or nothing.
+fn did_you_mean(key: &str) -> String {
+    if let Some((_, new)) = RENAMED.iter().find(|(old, _)| *old == key) {
+        return format!("; it was renamed: did you mean `{new}`?");
+    }
+    let best = KEYS
+        .iter()
+        .map(|k| (edit_distance(key, k), *k))
+        .min()
+        .filter(|(d, k)| *d <= k.len().max(key.len()) / 3);
+    match best {
+        Some((_, k)) => format!("; did you mean `{k}`?"),
+        None => String::new(),
+    }
+}
+
+/// Levenshtein distance in bytes.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != *cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
@@ -397,7 +463,7 @@ mod tests {
             std::slice::from_ref(&f),
             &[],
             env(&[
-                ("ONCEFLOW_APPLICATION_ID", "from-env"),
+                ("ONCEFLOW__APPLICATION__ID", "from-env"),
                 ("ONCEFLOW_BROKER_PORT", "1"),
             ]),
         )
@@ -407,13 +473,48 @@ mod tests {
             &[f],
             &[("application.id".into(), "from-set".into())],
             env(&[
-                ("ONCEFLOW_APPLICATION_ID", "from-env"),
-                ("ONCEFLOW_KAFKA_LINGER_MS", "9"),
+                ("ONCEFLOW__APPLICATION__ID", "from-env"),
+                ("ONCEFLOW__KAFKA__LINGER__MS", "9"),
             ]),
         )
         .unwrap();
         assert_eq!(c.application_id, "from-set");
         assert_eq!(c.kafka.get("linger.ms").map(String::as_str), Some("9"));
+    }
+
+    /// The collisions: a script's own `ONCEFLOW_*` variables (the demo's
+    /// `ONCEFLOW_DEMO_STATE`, the examples' `ONCEFLOW_EXAMPLE_*`) are not config keys.
+    #[test]
+    fn single_underscore_variables_are_not_config_keys() {
+        let c = Config::load_with_env(
+            &[],
+            &[],
+            env(&[
+                ("ONCEFLOW_DEMO_STATE", "target/x"),
+                ("ONCEFLOW_EXAMPLE_INPUT", "in"),
+                ("ONCEFLOW_LOG", "debug"),
+                ("ONCEFLOW_BOOTSTRAP_SERVERS", "alias:1"),
+                ("ONCEFLOW__HTTP__ADDRESS", "off"),
+                ("ONCEFLOW__LOG__FORMAT", "json"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.bootstrap_servers, "alias:1");
+        assert_eq!(c.http_address, None);
+        assert_eq!(c.log_format, LogFormat::Json);
+        let c = Config::load_with_env(
+            &[],
+            &[],
+            env(&[
+                ("ONCEFLOW__BOOTSTRAP__SERVERS", "nested:1"),
+                ("ONCEFLOW_BOOTSTRAP_SERVERS", "alias:1"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.bootstrap_servers, "nested:1", "the nested form wins");
+        let d = Config::load_with_env(&[], &[], env(&[])).unwrap();
+        assert_eq!(d.http_address, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(d.log_format, LogFormat::Text);
     }
 
     #[test]
@@ -426,10 +527,19 @@ mod tests {
             .to_string();
         assert!(e.contains("unknown config key `bootstrap.server`"), "{e}");
         assert!(e.contains("bad.toml"), "{e}");
-        let e = Config::load_with_env(&[], &[], env(&[("ONCEFLOW_STATEDIR", "x")]))
+        assert!(e.contains("did you mean `bootstrap.servers`?"), "{e}");
+        let e = Config::load_with_env(&[], &[], env(&[("ONCEFLOW__STATEDIR", "x")]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("ONCEFLOW_STATEDIR"), "{e}");
+        assert!(e.contains("ONCEFLOW__STATEDIR"), "{e}");
+        let e = Config::load_with_env(&[], &[], env(&[("ONCEFLOW__STATE__DIRR", "x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("did you mean `state.dir`?"), "{e}");
+        let e = Config::load_with_env(&[], &[("metrics.address".into(), "x".into())], env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("renamed: did you mean `http.address`?"), "{e}");
         let e = Config::load_with_env(&[], &[("nope".into(), "1".into())], env(&[]))
             .unwrap_err()
             .to_string();
@@ -444,7 +554,8 @@ mod tests {
             ("commit.interval.ms", "soon", "positive"),
             ("processing.guarantee", "maybe", "not one of"),
             ("application.id", "a b", "internal topic"),
-            ("metrics.address", "nowhere", "host:port"),
+            ("http.address", "nowhere", "host:port"),
+            ("log.format", "xml", "not one of"),
         ] {
             let e = Config::load_with_env(&[], &set(k, v), env(&[]))
                 .unwrap_err()

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod batch;
 pub mod consumer;
 pub mod producer;
+pub mod retry;
 
 use crate::config::Config;
 use rdkafka::ClientConfig;

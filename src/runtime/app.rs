@@ -42,6 +42,9 @@ pub struct RunOptions {
     /// Set to true to stop gracefully (SIGTERM/SIGINT): finish the record in hand, commit,
     /// close the stores.
     pub shutdown: Arc<AtomicBool>,
+    /// Where the run publishes its health and restore progress (for `/health` and
+    /// `/ready`); none by default.
+    pub status: Option<Arc<super::Status>>,
 }
 
 /// What a run did.
@@ -125,6 +128,14 @@ struct Engine {
     open_txn_waits: BTreeSet<i32>,
     /// Changelog topic of each store.
     changelogs: BTreeMap<String, String>,
+    /// Published for `/health` and `/ready` (see [`Engine::publish_status`]).
+    status: Option<Arc<super::Status>>,
+    /// The assignment changed since the status was last published.
+    status_dirty: bool,
+    /// The last published status showed a restore or a wait.
+    status_restoring: bool,
+    /// An assignment was received (maybe empty).
+    assigned_once: bool,
     tasks: BTreeMap<i32, Task>,
     /// Assigned partitions whose restore is not planned yet.
     unplanned: BTreeSet<i32>,
@@ -298,6 +309,15 @@ impl App {
     /// good, a store failure, [`Error::Fenced`]). Nothing of the failed batch is committed:
     /// a restart processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
+        let status = opts.status.clone();
+        let result = self.run_inner(opts);
+        if let Some(s) = status {
+            s.finish(result.as_ref().err().map(|e| e.to_string()));
+        }
+        result
+    }
+
+    fn run_inner(&self, opts: RunOptions) -> Result<RunSummary> {
         let _lock = StateDirLock::acquire(&self.config.state_dir)?;
         // Local sink stores live under the locked state dir.
         let topology = self
@@ -334,6 +354,10 @@ impl App {
             last_plan: None,
             open_txn_waits: BTreeSet::new(),
             changelogs,
+            status: opts.status.clone(),
+            status_dirty: true,
+            status_restoring: false,
+            assigned_once: false,
             tasks: BTreeMap::new(),
             unplanned: BTreeSet::new(),
             replay_from: BTreeMap::new(),
@@ -412,10 +436,14 @@ fn run_loop(
             tracing::info!("shutdown requested: committing and closing");
             return Ok(());
         }
+        if let Some(s) = &opts.status {
+            s.beat();
+        }
         e.handle_events(consumer, events)?;
         if !e.unplanned.is_empty() {
             e.plan_restores(consumer)?;
         }
+        e.publish_status();
         let restoring = e.any_restoring();
         if restoring != e.writer_hold.is_some() {
             e.writer_hold = if restoring {

@@ -486,6 +486,7 @@ impl Protocol {
 /// Apply every task's staged writes with the changelog offsets they reached.
 fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Result<()> {
     for (p, t) in tasks.iter_mut() {
+        let _span = t.span().clone().entered();
         t.commit_state(|store| log.changelog_end(store, *p))?;
     }
     Ok(())

@@ -24,8 +24,10 @@ use std::collections::VecDeque;
 pub(super) enum Work {
     /// Run the record through the stages from this index on.
     Run(usize, Record),
-    /// Dead-letter the record (as the stage that refused it has it), then withdraw its marks.
-    Fail(Record, RecordError),
+    /// Dead-letter the record (as the stage that refused it has it), then withdraw its
+    /// marks. The index is the refusing stage's in the dead-letter counters (0: source,
+    /// node i: i + 1).
+    Fail(usize, Record, RecordError),
     /// Withdraw the marks staged for the source record at this offset.
     Withdraw(i64),
 }
@@ -55,7 +57,7 @@ impl Task {
             };
             let mut work: VecDeque<Work> = failed
                 .into_iter()
-                .map(|(rec, err)| Work::Fail(rec, err))
+                .map(|(rec, err)| Work::Fail(i + 1, rec, err))
                 .collect();
             // Records released by stage i go through stages i+1.. now.
             work.extend(forwarded.into_iter().map(|rec| Work::Run(i + 1, rec)));
@@ -108,12 +110,12 @@ impl Task {
                                 work.push_front(Work::Run(j + 1, rec));
                             }
                         }
-                        Err(StageError::Record(e)) => work.push_front(Work::Fail(keep, e)),
+                        Err(StageError::Record(e)) => work.push_front(Work::Fail(j + 1, keep, e)),
                         Err(StageError::Fatal(e)) => return Err(e),
                     }
                 }
-                Work::Fail(rec, err) => {
-                    self.dlq_counter.increment(1);
+                Work::Fail(stage, rec, err) => {
+                    self.count_dead_letter(stage);
                     self.counts.dead_lettered += 1;
                     let offset = rec.source.offset;
                     let src = (
@@ -155,7 +157,7 @@ impl Task {
                                 };
                                 self.nodes[k].1.on_withdrawn(store, w, &mut ctx)?
                             };
-                            then.extend(failed.into_iter().map(|(r, e)| Work::Fail(r, e)));
+                            then.extend(failed.into_iter().map(|(r, e)| Work::Fail(k + 1, r, e)));
                             then.extend(revived.into_iter().map(|r| Work::Run(k + 1, r)));
                         }
                     }

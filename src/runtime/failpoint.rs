@@ -4,8 +4,9 @@
 //! `name=action[@n]`: `action` is `kill` (the process sends itself SIGKILL: no cleanup, no
 //! commit) or `pause` (log `failpoint <name>: paused` and stop here forever, so a test can
 //! SIGKILL the process at that exact moment) or `stop` (log `failpoint <name>: stopped` and
-//! send itself SIGSTOP; after a SIGCONT it goes on from there: a zombie in the making);
-//! `@n` fires on the n-th hit (default 1).
+//! send itself SIGSTOP; after a SIGCONT it goes on from there: a zombie in the making) or
+//! `delay` (sleep 250 ms at the n-th hit and every later one: a slow restore, for the
+//! tests of `/ready`); `@n` fires on the n-th hit (default 1).
 //! Off, a failpoint costs one relaxed atomic load.
 //!
 //! The names, and where in the commit each point is, are in [`super::commit`]
@@ -23,6 +24,7 @@ enum Action {
     Kill,
     Pause,
     Stop,
+    Delay,
 }
 
 struct Point {
@@ -63,7 +65,8 @@ pub fn init_from_env() -> crate::Result<()> {
             "kill" => Action::Kill,
             "pause" => Action::Pause,
             "stop" => Action::Stop,
-            _ => return Err(bad("action must be kill, pause or stop")),
+            "delay" => Action::Delay,
+            _ => return Err(bad("action must be kill, pause, stop or delay")),
         };
         points.insert(
             name.to_string(),
@@ -93,7 +96,8 @@ fn fire(name: &str) {
     let Some(p) = POINTS.get().and_then(|m| m.get(name)) else {
         return;
     };
-    if p.hits.fetch_add(1, Ordering::SeqCst) + 1 != p.at {
+    let n = p.hits.fetch_add(1, Ordering::SeqCst) + 1;
+    if n != p.at && !(p.action == Action::Delay && n > p.at) {
         return;
     }
     match p.action {
@@ -112,6 +116,7 @@ fn fire(name: &str) {
             }
             eprintln!("failpoint {name}: continued");
         }
+        Action::Delay => std::thread::sleep(std::time::Duration::from_millis(250)),
         Action::Pause => {
             eprintln!("failpoint {name}: paused");
             loop {

@@ -133,10 +133,11 @@ impl CommitLog for KafkaLog<'_> {
         for p in partitions {
             tpl.add_partition(self.source_topic, *p);
         }
-        let committed = self
-            .consumer
-            .committed_offsets(tpl, Duration::from_secs(30))
-            .map_err(Error::kafka("committed offsets"))?;
+        let committed = crate::kafka::retry::retry("committed offsets", || {
+            self.consumer
+                .committed_offsets(tpl.clone(), Duration::from_secs(30))
+                .map_err(Error::kafka("committed offsets"))
+        })?;
         Ok(partitions
             .iter()
             .map(|p| {

@@ -4,8 +4,10 @@ pub mod app;
 pub mod commit;
 pub mod failpoint;
 pub mod log;
+pub mod status;
 pub mod table;
 pub mod task;
 
 pub use app::{App, RunOptions, RunSummary};
+pub use status::Status;
 pub use task::Task;

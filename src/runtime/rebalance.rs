@@ -64,8 +64,11 @@ impl Engine {
             tracing::info!(?partitions, "partitions revoked: committing their work");
             self.commit(consumer, CommitMode::Sync)?;
         }
+        self.status_dirty = true;
         for p in partitions {
             if let Some(t) = self.tasks.remove(p) {
+                let _span = t.span().clone().entered();
+                tracing::info!("task closed");
                 let c = *t.counts();
                 self.closed_counts.add(&c);
                 for r in t.restorers() {
@@ -85,6 +88,8 @@ impl Engine {
 
     fn on_assign(&mut self, consumer: &SourceConsumer, partitions: &[i32]) -> Result<()> {
         tracing::info!(?partitions, "partitions assigned");
+        self.assigned_once = true;
+        self.status_dirty = true;
         self.group_meta = consumer.group_metadata();
         let mut tpl = TopicPartitionList::new();
         for p in partitions {

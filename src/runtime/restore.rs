@@ -123,6 +123,7 @@ impl Engine {
             }
             self.open_txn_waits.remove(&p);
             let task = self.tasks.get_mut(&p).expect("filtered above");
+            let _span = task.span().clone().entered();
             for (store, topic, low, end) in ends.remove(&p).unwrap_or_default() {
                 if let Some(start) = task.plan_restore(&store, low, end)? {
                     assign
@@ -173,9 +174,11 @@ impl Engine {
                 match found {
                     Some(o) => Ok(o),
                     None => {
-                        let (low, high) = client
-                            .fetch_watermarks(topic, *p, timeout)
-                            .map_err(Error::kafka("changelog offsets"))?;
+                        let (low, high) = crate::kafka::retry::retry("changelog offsets", || {
+                            client
+                                .fetch_watermarks(topic, *p, timeout)
+                                .map_err(Error::kafka("changelog offsets"))
+                        })?;
                         Ok(if at == Offset::Beginning { low } else { high })
                     }
                 }
@@ -277,6 +280,7 @@ impl Engine {
         let log_now = self.last_restore_log.elapsed() >= Duration::from_secs(2);
         let mut finished = Vec::new();
         for (p, task) in self.tasks.iter_mut().filter(|(_, t)| t.is_restoring()) {
+            let _span = task.span().clone().entered();
             let recs = records.remove(p).unwrap_or_default();
             for (store, rs) in &recs {
                 self.restored += task.restore_records(store, rs);
@@ -321,6 +325,34 @@ impl Engine {
             self.resume(consumer, p)?;
         }
         Ok(())
+    }
+
+    /// Publish the partitions to the status when something changed: at assignment and
+    /// revocation, after each restore step, and once when the restores ended.
+    pub(super) fn publish_status(&mut self) {
+        let restoring = self.any_restoring();
+        let Some(status) = &self.status else { return };
+        if !(self.status_dirty || restoring || self.status_restoring) {
+            return;
+        }
+        let mut snapshot = crate::runtime::status::Partitions {
+            assigned_once: self.assigned_once,
+            assigned: self.tasks.keys().copied().collect(),
+            waiting: self.unplanned.iter().copied().collect(),
+            restoring: Vec::new(),
+        };
+        for (p, t) in &self.tasks {
+            for r in t.restorers() {
+                snapshot.restoring.push(crate::runtime::status::Restoring {
+                    store: r.store().to_string(),
+                    partition: *p,
+                    progress: r.progress(),
+                });
+            }
+        }
+        status.publish(snapshot);
+        self.status_dirty = false;
+        self.status_restoring = restoring;
     }
 
     pub(super) fn all_at_end(&self) -> bool {

@@ -43,7 +43,12 @@ pub struct Task {
     counts: Counts,
     cur: Vec<Record>,
     next: Vec<Record>,
-    dlq_counter: metrics::Counter,
+    /// `onceflow_dead_letters_total` by stage: `[0]` for `source` (undecodable values),
+    /// `[i + 1]` for stage `i`.
+    dlq_counters: Vec<metrics::Counter>,
+    /// The task's span: topology, partition and stores, entered around its restore and
+    /// commit work and its log lines.
+    span: tracing::Span,
     restorers: Vec<Restorer>,
     pointers: std::sync::Arc<[String]>,
     pointer_tokens: Vec<Vec<String>>,
@@ -69,15 +74,27 @@ impl Task {
         dlq_topic: &str,
     ) -> Result<Task> {
         let mut stores = Stores::new();
+        let store_names = topology.stores().join(",");
+        let span = tracing::info_span!("task", topology = topology.name(), partition, stores = %store_names);
         for s in topology.stores() {
             let engine = backend.open(&s, partition)?;
             stores.insert(s, StagedStore::new(engine, backend.writer()));
         }
+        let nodes = topology.instantiate();
+        let dlq_counters = std::iter::once("source")
+            .chain(nodes.iter().map(|(name, _)| name.as_str()))
+            .map(|stage| {
+                metrics::counter!(crate::metrics::DEAD_LETTERS,
+                    "topology" => topology.name().to_string(),
+                    "topic" => topology.source().topic.clone(),
+                    "stage" => stage.to_string())
+            })
+            .collect();
         Ok(Task {
             topic: topology.source().topic.as_str().into(),
             partition,
             format: topology.source().format.clone(),
-            nodes: topology.instantiate(),
+            nodes,
             stores,
             dlq_topic: dlq_topic.to_string(),
             position: None,
@@ -85,9 +102,8 @@ impl Task {
             counts: Counts::default(),
             cur: Vec::with_capacity(4),
             next: Vec::with_capacity(4),
-            dlq_counter: metrics::counter!(crate::metrics::DEAD_LETTERS,
-                "topology" => topology.name().to_string(),
-                "topic" => topology.source().topic.clone()),
+            dlq_counters,
+            span,
             restorers: Vec::new(),
             pointers: topology.json_pointers().into(),
             pointer_tokens: topology
@@ -128,6 +144,18 @@ impl Task {
     /// Totals since the task started.
     pub fn counts(&self) -> &Counts {
         &self.counts
+    }
+
+    /// The task's span (`task{topology, partition, stores}`).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Count one dead letter of stage `stage` (`0`: the source, `i + 1`: stage `i`).
+    pub(crate) fn count_dead_letter(&self, stage: usize) {
+        if let Some(c) = self.dlq_counters.get(stage) {
+            c.increment(1);
+        }
     }
 
     /// The task's stores.
@@ -188,7 +216,7 @@ impl Task {
             },
         };
         if let Err(reason) = decoded {
-            self.dlq_counter.increment(1);
+            self.dlq_counters[0].increment(1);
             dead(RecordError::new("source", reason), out, &mut self.counts);
             self.position = Some(offset + 1);
             return Ok(());
@@ -200,7 +228,7 @@ impl Task {
         // and its dead letter is its only output.
         let mark = out.len();
         let mut refused = false;
-        'stages: for (_, node) in self.nodes.iter_mut() {
+        'stages: for (i, (_, node)) in self.nodes.iter_mut().enumerate() {
             self.next.clear();
             for rec in self.cur.drain(..) {
                 let mut ctx = Context {
@@ -218,7 +246,7 @@ impl Task {
                         let withdrawn = out.len() - mark;
                         out.truncate(mark);
                         self.counts.records_out -= withdrawn as u64;
-                        self.dlq_counter.increment(1);
+                        self.dlq_counters[i + 1].increment(1);
                         dead(e, out, &mut self.counts);
                         // Leaving the loop drops the drain, and with it any other record
                         // of this source record.

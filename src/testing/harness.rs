@@ -959,6 +959,8 @@ impl<'a> Run<'a> {
             ("instance.id", slot.to_string()),
             ("commit.interval.ms", self.intervals[slot].to_string()),
             ("kafka.session.timeout.ms", "6000".into()),
+            // Several instances run at once: any free port for /health, /ready, /metrics.
+            ("http.address", "127.0.0.1:0".into()),
         ];
         sets.extend(extra.iter().cloned());
         sets.extend(
@@ -970,8 +972,8 @@ impl<'a> Run<'a> {
         for (k, v) in sets {
             cmd.arg("--set").arg(format!("{k}={v}"));
         }
-        // Every ONCEFLOW_* variable is a config layer of the instance (except the log
-        // filter): none of the harness's own (ONCEFLOW_BIN, ...) may reach it.
+        // The instance's config is the --set flags above: none of the harness's own
+        // ONCEFLOW_* variables (ONCEFLOW_BIN, a config layer ONCEFLOW__*) may reach it.
         for (k, _) in std::env::vars_os() {
             let k = k.to_string_lossy();
             if k.starts_with("ONCEFLOW_") && k != "ONCEFLOW_LOG" {

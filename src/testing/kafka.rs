@@ -75,9 +75,11 @@ pub fn read_topic(
         )
         .create()
         .map_err(Error::kafka("create reader"))?;
-    let md = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .map_err(Error::kafka("metadata"))?;
+    let md = crate::kafka::retry::retry("metadata", || {
+        consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .map_err(Error::kafka("metadata"))
+    })?;
     let parts: Vec<i32> = md
         .topics()
         .iter()
@@ -90,9 +92,11 @@ pub fn read_topic(
     let mut tpl = TopicPartitionList::new();
     let mut ends = std::collections::BTreeMap::new();
     for p in &parts {
-        let (lo, hi) = consumer
-            .fetch_watermarks(topic, *p, Duration::from_secs(10))
-            .map_err(Error::kafka("watermarks"))?;
+        let (lo, hi) = crate::kafka::retry::retry("watermarks", || {
+            consumer
+                .fetch_watermarks(topic, *p, Duration::from_secs(10))
+                .map_err(Error::kafka("watermarks"))
+        })?;
         ends.insert(*p, hi);
         tpl.add_partition_offset(topic, *p, Offset::Offset(lo))
             .map_err(Error::kafka("assign"))?;
@@ -253,26 +257,15 @@ impl TestProducer {
 /// Delete the consumer group `group` (its committed offsets), ignoring a missing group.
 ///
 /// # Errors
-/// [`Error::Broker`] when the broker refuses (e.g. the group still has members).
+/// [`Error::BrokerCode`] when the broker refuses (e.g. the group still has members), after
+/// the retries of transient errors.
 pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
-    use rdkafka::admin::{AdminClient, AdminOptions};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .create()
-        .map_err(Error::kafka("create admin"))?;
-    let res = futures::executor::block_on(admin.delete_groups(&[group], &AdminOptions::new()))
-        .map_err(Error::kafka("delete group"))?;
-    for r in res {
-        match r {
-            Ok(_) => {}
-            Err((_, rdkafka::types::RDKafkaErrorCode::GroupIdNotFound)) => {}
-            Err((g, code)) => {
-                return Err(Error::Broker(format!("cannot delete group {g}: {code}")))
-            }
-        }
-    }
-    Ok(())
+    let cfg = crate::config::Config::load_with_env(
+        &[],
+        &[("bootstrap.servers".into(), bootstrap.into())],
+        std::iter::empty(),
+    )?;
+    crate::kafka::admin::Admin::new(&cfg)?.delete_group(group)
 }
 
 /// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is
@@ -296,9 +289,11 @@ pub fn committed_offsets(
     for p in 0..partitions {
         tpl.add_partition(topic, p as i32);
     }
-    let c = consumer
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .map_err(Error::kafka("committed offsets"))?;
+    let c = crate::kafka::retry::retry("committed offsets", || {
+        consumer
+            .committed_offsets(tpl.clone(), Duration::from_secs(10))
+            .map_err(Error::kafka("committed offsets"))
+    })?;
     Ok((0..partitions)
         .map(
             |p| match c.find_partition(topic, p as i32).map(|e| e.offset()) {

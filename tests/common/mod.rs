@@ -204,6 +204,8 @@ pub fn start_in(
             names.state.path().join("state").display().to_string(),
         ),
         ("dlq.topic".into(), names.dlq.clone()),
+        // Tests run instances in parallel: any free port (a test may set its own).
+        ("http.address".into(), "127.0.0.1:0".into()),
     ];
     all.extend(sets.iter().map(|(k, v)| (k.to_string(), v.clone())));
     for (k, v) in all {

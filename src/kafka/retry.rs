@@ -1,0 +1,146 @@
+//! Bounded retries of transient broker errors.
+//!
+//! A broker that was just started or just created a topic answers some requests with
+//! errors that go away by themselves: its group coordinator is not elected or still loading
+//! (`NotCoordinator`, `CoordinatorLoadInProgress`, `CoordinatorNotAvailable`), a partition
+//! has no leader yet (`LeaderNotAvailable`, `NotLeaderForPartition`), a request timed out.
+//! Every admin call of onceflow and its tools goes through [`retry`], which repeats the
+//! call with a doubling backoff (100 ms up to 2 s) for at most [`DEFAULT_BUDGET`] (2 min), then
+//! returns the last error. Errors that are not transient return at once. Each retry is
+//! logged (they are rare: a broker starting, a coordinator moving).
+
+use crate::error::{Error, Result};
+use rdkafka::types::RDKafkaErrorCode;
+use std::time::{Duration, Instant};
+
+/// How long [`retry`] keeps trying a transient error: 120 s (a just-formatted broker on a
+/// busy 2-core machine took over a minute to elect its first group coordinator).
+pub const DEFAULT_BUDGET: Duration = Duration::from_secs(120);
+
+/// Whether a broker or client error code is transient, i.e. the same request may succeed
+/// when sent again a little later.
+pub fn is_retriable_code(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::NotCoordinator
+            | C::CoordinatorLoadInProgress
+            | C::CoordinatorNotAvailable
+            | C::WaitingForCoordinator
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::ReplicaNotAvailable
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::RequestTimedOut
+            | C::NetworkException
+            | C::BrokerNotAvailable
+            | C::KafkaStorageError
+            | C::FetchSessionIdNotFound
+            | C::UnknownLeaderEpoch
+            | C::FencedLeaderEpoch
+            | C::RebalanceInProgress
+            | C::OperationTimedOut
+            | C::TimedOutQueue
+            | C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::Retry
+    )
+}
+
+/// Whether `e` is a transient broker error (see [`is_retriable_code`]).
+pub fn is_retriable(e: &Error) -> bool {
+    match e {
+        Error::Kafka { source, .. } => source.rdkafka_error_code().is_some_and(is_retriable_code),
+        Error::BrokerCode { code, .. } => is_retriable_code(*code),
+        _ => false,
+    }
+}
+
+/// Run `f` until it succeeds, fails with an error that is not transient, or
+/// [`DEFAULT_BUDGET`] has passed; each transient failure is logged (at info level) with
+/// `what` and waited out with a doubling backoff from 100 ms to 2 s.
+///
+/// # Errors
+/// The first error that is not transient, or the last transient one once the budget is
+/// spent.
+pub fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
+    retry_for(what, DEFAULT_BUDGET, f)
+}
+
+/// As [`retry`], with a budget of `budget`.
+///
+/// # Errors
+/// As [`retry`].
+pub fn retry_for<T>(what: &str, budget: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = Instant::now() + budget;
+    let mut backoff = Duration::from_millis(100);
+    let mut attempt = 1u32;
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if is_retriable(&e) && Instant::now() + backoff < deadline => {
+                tracing::info!(what, attempt, error = %e, backoff_ms = backoff.as_millis() as u64,
+                    "transient broker error: retrying");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(c: RDKafkaErrorCode) -> Error {
+        Error::BrokerCode {
+            what: "delete group g".into(),
+            code: c,
+        }
+    }
+
+    #[test]
+    fn a_transient_error_is_retried_until_it_passes() {
+        let mut calls = 0;
+        let r = retry_for("t", Duration::from_secs(5), || {
+            calls += 1;
+            if calls < 3 {
+                Err(code(RDKafkaErrorCode::NotCoordinator))
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(r.unwrap(), 3);
+    }
+
+    #[test]
+    fn a_permanent_error_is_not_retried() {
+        let mut calls = 0;
+        let r: Result<()> = retry_for("t", Duration::from_secs(5), || {
+            calls += 1;
+            Err(code(RDKafkaErrorCode::TopicAuthorizationFailed))
+        });
+        assert!(r.is_err());
+        assert_eq!(calls, 1);
+    }
+
+    #[test]
+    fn retries_are_bounded_by_the_budget() {
+        let started = Instant::now();
+        let mut calls = 0;
+        let r: Result<()> = retry_for("t", Duration::from_millis(500), || {
+            calls += 1;
+            Err(code(RDKafkaErrorCode::CoordinatorLoadInProgress))
+        });
+        let e = r.unwrap_err();
+        assert!(
+            e.to_string().contains("CoordinatorLoadInProgress") || e.to_string().contains("load"),
+            "{e}"
+        );
+        assert!(calls >= 2, "{calls}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+}
