@@ -53,6 +53,8 @@ struct Outcome {
     duplicates: usize,
     losses: usize,
     restarts: usize,
+    /// The log of every run, shown when the outcome is wrong.
+    log: String,
 }
 
 /// Run the main job under exactly_once_v2 through the proxy; `inject` is called once the job
@@ -62,7 +64,39 @@ fn eos_scenario(
     broker: &ProxiedBroker,
     fault: &'static str,
     sets: &[(&str, String)],
-    inject: impl FnOnce(&KafkaProxy),
+    inject: impl Fn(&KafkaProxy),
+) -> Option<Outcome> {
+    // FAULT_SCENARIOS=<substring>: run only the scenarios whose name contains it;
+    // FAULT_RUNS=<n>: runs of each (default 1).
+    if let Ok(only) = std::env::var("FAULT_SCENARIOS") {
+        if !fault.contains(only.as_str()) {
+            return None;
+        }
+    }
+    let runs: usize = std::env::var("FAULT_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut total = eos_run(broker, fault, sets, &inject);
+    for _ in 1..runs {
+        let o = eos_run(broker, fault, sets, &inject);
+        total.runs += 1;
+        total.duplicates += o.duplicates;
+        total.losses += o.losses;
+        total.restarts += o.restarts;
+        if o.duplicates + o.losses > 0 {
+            total.log = o.log;
+        }
+    }
+    Some(total)
+}
+
+/// One run of [`eos_scenario`].
+fn eos_run(
+    broker: &ProxiedBroker,
+    fault: &'static str,
+    sets: &[(&str, String)],
+    inject: &impl Fn(&KafkaProxy),
 ) -> Outcome {
     let boot = broker.bootstrap();
     let names = gharchive_names_on(&boot, 4);
@@ -84,15 +118,24 @@ fn eos_scenario(
     });
     inject(proxy);
     let mut restarts = 0;
+    let mut log = String::new();
+    let mut stderr = run.stderr.clone();
     let (mut st, _) = run.wait(T);
     while !st.success() && restarts < 2 {
+        log.push_str(&stderr.lock().unwrap());
         eprintln!("{fault}: onceflow exited {st:?}; restarting");
         restarts += 1;
         run = start(&names, &all, &[], &["--stop-at-end"]);
+        stderr = run.stderr.clone();
         (st, _) = run.wait(T);
     }
+    log.push_str(&stderr.lock().unwrap());
+    assert!(proxy.rules_used_up(), "{fault}: the fault never fired");
     proxy.clear();
-    assert!(st.success(), "{fault}: the job did not complete after {restarts} restarts");
+    assert!(
+        st.success(),
+        "{fault}: the job did not complete after {restarts} restarts"
+    );
 
     let counts = output_counts(&boot, &names.output);
     let ids = gharchive_distinct_ids();
@@ -105,6 +148,7 @@ fn eos_scenario(
         duplicates,
         losses,
         restarts,
+        log,
     }
 }
 
@@ -129,7 +173,10 @@ fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retr
     let boot = broker.bootstrap();
     let topic = unique("proxy");
     admin(&boot).ensure_topic(&topic, 2, &[]).unwrap();
-    assert!(broker.proxy.requests(api::METADATA) > 0, "metadata went through the proxy");
+    assert!(
+        broker.proxy.requests(api::METADATA) > 0,
+        "metadata went through the proxy"
+    );
 
     let p = kafka::TestProducer::new(&boot).unwrap();
     for i in 0..50 {
@@ -138,7 +185,10 @@ fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retr
             .unwrap();
     }
     p.flush().unwrap();
-    assert!(broker.proxy.requests(api::PRODUCE) > 0, "produce went through the proxy");
+    assert!(
+        broker.proxy.requests(api::PRODUCE) > 0,
+        "produce went through the proxy"
+    );
 
     // The idempotent producer retries a produce whose response was lost; the broker drops
     // the retried batch as a duplicate: every record once.
@@ -160,7 +210,7 @@ fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retr
 fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
     let broker = ProxiedBroker::start(BASE_PORT);
     let tx_timeout = ("kafka.producer.transaction.timeout.ms", "10000".to_string());
-    let mut table = Vec::new();
+    let mut table: Vec<Option<Outcome>> = Vec::new();
     table.push(eos_scenario(&broker, "EndTxn response dropped", &[], |p| {
         p.drop_next(api::END_TXN, 1)
     }));
@@ -191,11 +241,17 @@ fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
         &[],
         |p| p.cut_for(Duration::from_secs(10)),
     ));
+    let table: Vec<Outcome> = table.into_iter().flatten().collect();
     for o in &table {
         eprintln!(
             "fault: {:<45} runs {} duplicates {} losses {} restarts {}",
             o.fault, o.runs, o.duplicates, o.losses, o.restarts
         );
+    }
+    for o in &table {
+        if (o.duplicates, o.losses) != (0, 0) {
+            eprintln!("--- log of {}:\n{}", o.fault, o.log);
+        }
     }
     for o in &table {
         assert_eq!((o.duplicates, o.losses), (0, 0), "{}", o.fault);

@@ -244,10 +244,16 @@ impl Engine {
         }
     }
 
-    /// Seek `partitions` back to the given offsets (`None`: the beginning).
-    fn rewind(&self, consumer: &SourceConsumer, partitions: &[(i32, Option<i64>)]) -> Result<()> {
+    /// Seek `partitions` back to the given offsets (`None`: the beginning); they are no
+    /// longer at their end.
+    fn rewind(
+        &mut self,
+        consumer: &SourceConsumer,
+        partitions: &[(i32, Option<i64>)],
+    ) -> Result<()> {
         let mut seek = TopicPartitionList::new();
         for (p, off) in partitions {
+            self.at_end.remove(p);
             seek.add_partition_offset(
                 &self.source_topic,
                 *p,
@@ -469,8 +475,14 @@ fn run_loop(
                     // A rebalance makes `poll` return: carry it out before anything else.
                     e.handle_events(consumer, events)?;
                     if opts.stop_at_end && e.all_at_end() {
-                        tracing::info!("every assigned partition is at its end: stopping");
-                        return Ok(());
+                        // Commit first: a failed transaction rewinds its partitions (and
+                        // clears their end marks); their records are processed again
+                        // before stopping.
+                        e.commit(consumer, CommitMode::Sync)?;
+                        if e.all_at_end() {
+                            tracing::info!("every assigned partition is at its end: stopping");
+                            return Ok(());
+                        }
                     }
                     false
                 }

@@ -275,7 +275,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn spawn_connection(shared: &Arc<Shared>, client: TcpStream, upstream: TcpStream) -> io::Result<()> {
+fn spawn_connection(
+    shared: &Arc<Shared>,
+    client: TcpStream,
+    upstream: TcpStream,
+) -> io::Result<()> {
     shared
         .conns
         .lock()
@@ -399,13 +403,24 @@ impl ProxiedBroker {
 
     /// Run `scripts/kafka ARGS` against this broker; panics when it fails.
     pub fn kafka(&self, args: &[&str]) -> String {
-        let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "scripts", "kafka"].iter().collect();
+        let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "scripts", "kafka"]
+            .iter()
+            .collect();
         let out = std::process::Command::new(script)
             .args(args)
             .env("ONCEFLOW_BROKER_PORT", self.broker_port.to_string())
-            .env("ONCEFLOW_BROKER_CONTROLLER_PORT", self.controller_port.to_string())
-            .env("ONCEFLOW_BROKER_INTERNAL_PORT", self.internal_port.to_string())
-            .env("ONCEFLOW_BROKER_ADVERTISED_PORT", self.proxy.port().to_string())
+            .env(
+                "ONCEFLOW_BROKER_CONTROLLER_PORT",
+                self.controller_port.to_string(),
+            )
+            .env(
+                "ONCEFLOW_BROKER_INTERNAL_PORT",
+                self.internal_port.to_string(),
+            )
+            .env(
+                "ONCEFLOW_BROKER_ADVERTISED_PORT",
+                self.proxy.port().to_string(),
+            )
             .env("ONCEFLOW_BROKER_DATA", self.data.path())
             .env("ONCEFLOW_BROKER_HEAP_OPTS", "-Xmx512m -Xms256m")
             .output()
@@ -421,11 +436,16 @@ impl ProxiedBroker {
 
 impl Drop for ProxiedBroker {
     fn drop(&mut self) {
-        let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "scripts", "kafka"].iter().collect();
+        let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "scripts", "kafka"]
+            .iter()
+            .collect();
         let _ = std::process::Command::new(script)
             .arg("stop")
             .env("ONCEFLOW_BROKER_PORT", self.broker_port.to_string())
-            .env("ONCEFLOW_BROKER_CONTROLLER_PORT", self.controller_port.to_string())
+            .env(
+                "ONCEFLOW_BROKER_CONTROLLER_PORT",
+                self.controller_port.to_string(),
+            )
             .env("ONCEFLOW_BROKER_DATA", self.data.path())
             .output();
     }
