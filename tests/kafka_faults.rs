@@ -12,7 +12,7 @@ mod common;
 mod fault_proxy;
 
 use common::*;
-use fault_proxy::{api, KafkaProxy, ProxiedBroker};
+use fault_proxy::{api, ProxiedBroker};
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
 use onceflow::testing::{gharchive, kafka};
@@ -46,109 +46,156 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// One scenario's outcome.
+/// One scenario's outcome, summed over its runs.
 struct Outcome {
     fault: &'static str,
+    guarantee: &'static str,
     runs: usize,
     duplicates: usize,
     losses: usize,
     restarts: usize,
-    /// The log of every run, shown when the outcome is wrong.
+    /// The log of a run whose outcome was wrong (or of the last run).
     log: String,
 }
 
-/// Run the main job under exactly_once_v2 through the proxy; `inject` is called once the job
-/// has committed a few transactions and sets up the fault. A run that exits non-zero is
-/// restarted (at most twice).
-fn eos_scenario(
-    broker: &ProxiedBroker,
+/// A fault scenario: the main job runs through the proxy under `guarantee`, slowed down
+/// (every Fetch response held 50 ms, small fetches) so that it is mid-run for several
+/// seconds; `inject` is called once it has committed once. A run that exits non-zero is
+/// restarted (at most twice; counted).
+struct Scenario {
     fault: &'static str,
-    sets: &[(&str, String)],
-    inject: impl Fn(&KafkaProxy),
-) -> Option<Outcome> {
-    // FAULT_SCENARIOS=<substring>: run only the scenarios whose name contains it;
-    // FAULT_RUNS=<n>: runs of each (default 1).
-    if let Ok(only) = std::env::var("FAULT_SCENARIOS") {
-        if !fault.contains(only.as_str()) {
-            return None;
-        }
-    }
-    let runs: usize = std::env::var("FAULT_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let mut total = eos_run(broker, fault, sets, &inject);
-    for _ in 1..runs {
-        let o = eos_run(broker, fault, sets, &inject);
-        total.runs += 1;
-        total.duplicates += o.duplicates;
-        total.losses += o.losses;
-        total.restarts += o.restarts;
-        if o.duplicates + o.losses > 0 {
-            total.log = o.log;
-        }
-    }
-    Some(total)
+    guarantee: &'static str,
+    sets: Vec<(&'static str, String)>,
+    inject: Box<dyn Fn(&ProxiedBroker)>,
 }
 
-/// One run of [`eos_scenario`].
-fn eos_run(
-    broker: &ProxiedBroker,
-    fault: &'static str,
-    sets: &[(&str, String)],
-    inject: &impl Fn(&KafkaProxy),
-) -> Outcome {
-    let boot = broker.bootstrap();
-    let names = gharchive_names_on(&boot, 4);
-    let p = kafka::TestProducer::new(&boot).unwrap();
-    let rep = gharchive::publish(&p, &names.input, 2000, 11).unwrap();
-    p.flush().unwrap();
-    let mut all: Vec<(&str, String)> = vec![
-        ("bootstrap.servers", boot.clone()),
-        ("processing.guarantee", "exactly_once_v2".into()),
-        ("commit.interval.ms", "100".into()),
-    ];
-    all.extend(sets.iter().cloned());
-
-    let proxy = &broker.proxy;
-    let before = proxy.requests(api::END_TXN);
-    let mut run = start(&names, &all, &[], &["--stop-at-end"]);
-    wait_until("three transactions", T, || {
-        proxy.requests(api::END_TXN) >= before + 3
-    });
-    inject(proxy);
-    let mut restarts = 0;
-    let mut log = String::new();
-    let mut stderr = run.stderr.clone();
-    let (mut st, _) = run.wait(T);
-    while !st.success() && restarts < 2 {
-        log.push_str(&stderr.lock().unwrap());
-        eprintln!("{fault}: onceflow exited {st:?}; restarting");
-        restarts += 1;
-        run = start(&names, &all, &[], &["--stop-at-end"]);
-        stderr = run.stderr.clone();
-        (st, _) = run.wait(T);
+impl Scenario {
+    fn new(
+        fault: &'static str,
+        guarantee: &'static str,
+        inject: impl Fn(&ProxiedBroker) + 'static,
+    ) -> Scenario {
+        Scenario {
+            fault,
+            guarantee,
+            sets: Vec::new(),
+            inject: Box::new(inject),
+        }
     }
-    log.push_str(&stderr.lock().unwrap());
-    assert!(proxy.rules_used_up(), "{fault}: the fault never fired");
-    proxy.clear();
-    assert!(
-        st.success(),
-        "{fault}: the job did not complete after {restarts} restarts"
-    );
 
-    let counts = output_counts(&boot, &names.output);
-    let ids = gharchive_distinct_ids();
-    assert_eq!(ids.len(), rep.distinct);
-    let duplicates: usize = counts.values().map(|n| n - 1).sum();
-    let losses = ids.iter().filter(|id| !counts.contains_key(*id)).count();
-    Outcome {
-        fault,
-        runs: 1,
-        duplicates,
-        losses,
-        restarts,
-        log,
+    fn set(mut self, k: &'static str, v: &str) -> Scenario {
+        self.sets.push((k, v.to_string()));
+        self
+    }
+
+    /// `FAULT_SCENARIOS=<substring>` runs only the scenarios whose name contains it;
+    /// `FAULT_RUNS=<n>` runs each n times (default 1).
+    fn run(&self, broker: &ProxiedBroker) -> Option<Outcome> {
+        if let Ok(only) = std::env::var("FAULT_SCENARIOS") {
+            if !self.fault.contains(only.as_str()) {
+                return None;
+            }
+        }
+        let runs: usize = std::env::var("FAULT_RUNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        let mut total = self.run_once(broker);
+        for _ in 1..runs {
+            let o = self.run_once(broker);
+            total.runs += 1;
+            total.duplicates += o.duplicates;
+            total.losses += o.losses;
+            total.restarts += o.restarts;
+            if o.duplicates + o.losses > 0 {
+                total.log = o.log;
+            }
+        }
+        Some(total)
+    }
+
+    fn run_once(&self, broker: &ProxiedBroker) -> Outcome {
+        let boot = broker.bootstrap();
+        let names = gharchive_names_on(&boot, 4);
+        let p = kafka::TestProducer::new(&boot).unwrap();
+        let rep = gharchive::publish(&p, &names.input, 2000, 11).unwrap();
+        p.flush().unwrap();
+        drop(p);
+        let mut all: Vec<(&str, String)> = vec![
+            ("bootstrap.servers", boot.clone()),
+            ("processing.guarantee", self.guarantee.into()),
+            ("kafka.consumer.max.partition.fetch.bytes", "16384".into()),
+        ];
+        all.extend(self.sets.iter().cloned());
+
+        let proxy = &broker.proxy;
+        let commits = || proxy.requests(api::END_TXN) + proxy.requests(api::OFFSET_COMMIT);
+        let before = commits();
+        proxy.delay_all(api::FETCH, Duration::from_millis(50));
+        let mut run = start(&names, &all, &[], &["--stop-at-end"]);
+        wait_until("a first commit", T, || commits() > before);
+        assert!(
+            run.child.try_wait().unwrap().is_none(),
+            "{}: the job ended before the fault",
+            self.fault
+        );
+        (self.inject)(broker);
+        let mut restarts = 0;
+        let mut log = String::new();
+        let mut stderr = run.stderr.clone();
+        let (mut st, _) = run.wait(T);
+        while !st.success() && restarts < 2 {
+            log.push_str(&stderr.lock().unwrap());
+            eprintln!("{}: onceflow exited {st:?}; restarting", self.fault);
+            restarts += 1;
+            run = start(&names, &all, &[], &["--stop-at-end"]);
+            stderr = run.stderr.clone();
+            (st, _) = run.wait(T);
+        }
+        log.push_str(&stderr.lock().unwrap());
+        let fired = proxy.rules_used_up();
+        proxy.clear();
+        assert!(fired, "{}: the fault never fired", self.fault);
+        assert!(
+            st.success(),
+            "{}: the job did not complete after {restarts} restarts:\n{log}",
+            self.fault
+        );
+
+        let counts = output_counts(&boot, &names.output);
+        let ids = gharchive_distinct_ids();
+        assert_eq!(ids.len(), rep.distinct);
+        let duplicates: usize = counts.values().map(|n| n - 1).sum();
+        let losses = ids.iter().filter(|id| !counts.contains_key(*id)).count();
+        Outcome {
+            fault: self.fault,
+            guarantee: self.guarantee,
+            runs: 1,
+            duplicates,
+            losses,
+            restarts,
+            log,
+        }
+    }
+}
+
+/// Print the fault table; show the log of each wrong outcome.
+fn report(table: &[Outcome]) {
+    eprintln!(
+        "{:<48} {:<16} {:>4} {:>10} {:>6} {:>8}",
+        "fault", "guarantee", "runs", "duplicates", "losses", "restarts"
+    );
+    for o in table {
+        eprintln!(
+            "fault: {:<41} {:<16} {:>4} {:>10} {:>6} {:>8}",
+            o.fault, o.guarantee, o.runs, o.duplicates, o.losses, o.restarts
+        );
+    }
+    for o in table {
+        let wrong = o.losses > 0 || (o.guarantee == "exactly_once_v2" && o.duplicates > 0);
+        if wrong {
+            eprintln!("--- log of {} ({}):\n{}", o.fault, o.guarantee, o.log);
+        }
     }
 }
 
@@ -209,51 +256,75 @@ fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retr
 #[test]
 fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
     let broker = ProxiedBroker::start(BASE_PORT);
-    let tx_timeout = ("kafka.producer.transaction.timeout.ms", "10000".to_string());
-    let mut table: Vec<Option<Outcome>> = Vec::new();
-    table.push(eos_scenario(&broker, "EndTxn response dropped", &[], |p| {
-        p.drop_next(api::END_TXN, 1)
-    }));
-    table.push(eos_scenario(
-        &broker,
-        "TxnOffsetCommit response dropped",
-        &[],
-        |p| p.drop_next(api::TXN_OFFSET_COMMIT, 1),
-    ));
-    table.push(eos_scenario(
-        &broker,
-        "EndTxn delayed past the transaction timeout",
-        std::slice::from_ref(&tx_timeout),
-        |p| p.delay_next(api::END_TXN, 1, Duration::from_secs(15)),
-    ));
-    table.push(eos_scenario(
-        &broker,
-        "Produce delayed past delivery.timeout.ms",
-        &[
-            tx_timeout.clone(),
-            ("kafka.producer.delivery.timeout.ms", "5000".to_string()),
-        ],
-        |p| p.delay_next(api::PRODUCE, 1, Duration::from_secs(8)),
-    ));
-    table.push(eos_scenario(
-        &broker,
-        "all connections cut for 10 s",
-        &[],
-        |p| p.cut_for(Duration::from_secs(10)),
-    ));
-    let table: Vec<Outcome> = table.into_iter().flatten().collect();
-    for o in &table {
-        eprintln!(
-            "fault: {:<45} runs {} duplicates {} losses {} restarts {}",
-            o.fault, o.runs, o.duplicates, o.losses, o.restarts
-        );
-    }
-    for o in &table {
-        if (o.duplicates, o.losses) != (0, 0) {
-            eprintln!("--- log of {}:\n{}", o.fault, o.log);
-        }
-    }
+    const EOS: &str = "exactly_once_v2";
+    let scenarios = [
+        Scenario::new("EndTxn response dropped", EOS, |b| {
+            b.proxy.drop_after(api::END_TXN, 1)
+        }),
+        Scenario::new("TxnOffsetCommit response dropped", EOS, |b| {
+            b.proxy.drop_after(api::TXN_OFFSET_COMMIT, 1)
+        }),
+        Scenario::new("EndTxn delayed past the transaction timeout", EOS, |b| {
+            b.proxy
+                .delay_after(api::END_TXN, 1, Duration::from_secs(15))
+        })
+        .set("kafka.producer.transaction.timeout.ms", "10000"),
+        Scenario::new("Produce delayed past delivery.timeout.ms", EOS, |b| {
+            b.proxy.delay_after(api::PRODUCE, 1, Duration::from_secs(8))
+        })
+        .set("kafka.producer.transaction.timeout.ms", "10000")
+        .set("kafka.producer.delivery.timeout.ms", "5000"),
+        Scenario::new("all connections cut for 10 s", EOS, |b| {
+            b.proxy.cut_for(Duration::from_secs(10))
+        }),
+    ];
+    let table: Vec<Outcome> = scenarios.iter().filter_map(|s| s.run(&broker)).collect();
+    report(&table);
     for o in &table {
         assert_eq!((o.duplicates, o.losses), (0, 0), "{}", o.fault);
+    }
+}
+
+/// SIGKILL the broker mid-run and start it again after `down`.
+fn broker_killed_for(down: Duration) -> impl Fn(&ProxiedBroker) {
+    move |b: &ProxiedBroker| {
+        b.kill();
+        std::thread::sleep(down);
+        b.kafka(&["start"]);
+    }
+}
+
+#[test]
+fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under_eos() {
+    let broker = ProxiedBroker::start(BASE_PORT + 10);
+    let scenarios = [
+        Scenario::new(
+            "broker SIGKILLed, back after 5 s",
+            "at_least_once",
+            broker_killed_for(Duration::from_secs(5)),
+        ),
+        Scenario::new(
+            "broker SIGKILLed, back after 5 s",
+            "exactly_once_v2",
+            broker_killed_for(Duration::from_secs(5)),
+        ),
+        Scenario::new(
+            "broker SIGKILLed, back after 60 s",
+            "at_least_once",
+            broker_killed_for(Duration::from_secs(60)),
+        ),
+        Scenario::new(
+            "broker SIGKILLed, back after 60 s",
+            "exactly_once_v2",
+            broker_killed_for(Duration::from_secs(60)),
+        ),
+    ];
+    let table: Vec<Outcome> = scenarios.iter().filter_map(|s| s.run(&broker)).collect();
+    report(&table);
+    for o in &table {
+        assert_eq!(o.losses, 0, "{} ({})", o.fault, o.guarantee);
+        if o.guarantee == "exactly_once_v2" {
+            assert_eq!(o.duplicates, 0, "{} ({})", o.fault, o.guarantee);
+        }
     }
 }

@@ -59,6 +59,8 @@ pub enum Action {
 struct Rule {
     api_key: i16,
     action: Action,
+    /// How many matching responses pass untouched before it applies.
+    skip: u32,
     /// How many more responses it applies to; `None`: all, until cleared.
     remaining: Option<u32>,
 }
@@ -86,6 +88,10 @@ impl Shared {
     fn take_action(&self, api_key: i16) -> Option<Action> {
         let mut rules = self.rules.lock().unwrap();
         let i = rules.iter().position(|r| r.api_key == api_key)?;
+        if rules[i].skip > 0 {
+            rules[i].skip -= 1;
+            return None;
+        }
         let action = rules[i].action;
         if let Some(n) = rules[i].remaining.as_mut() {
             *n -= 1;
@@ -161,17 +167,27 @@ impl KafkaProxy {
 
     /// Drop the next `n` responses of `api_key` (each closes its connection).
     pub fn drop_next(&self, api_key: i16, n: u32) {
-        self.add(api_key, Action::Drop, Some(n));
+        self.add(api_key, Action::Drop, 0, Some(n));
+    }
+
+    /// Let `skip` responses of `api_key` pass, then drop the next one.
+    pub fn drop_after(&self, api_key: i16, skip: u32) {
+        self.add(api_key, Action::Drop, skip, Some(1));
     }
 
     /// Delay the next `n` responses of `api_key` by `by`.
     pub fn delay_next(&self, api_key: i16, n: u32, by: Duration) {
-        self.add(api_key, Action::Delay(by), Some(n));
+        self.add(api_key, Action::Delay(by), 0, Some(n));
+    }
+
+    /// Let `skip` responses of `api_key` pass, then delay the next one by `by`.
+    pub fn delay_after(&self, api_key: i16, skip: u32, by: Duration) {
+        self.add(api_key, Action::Delay(by), skip, Some(1));
     }
 
     /// Delay every response of `api_key` by `by` until [`KafkaProxy::clear`].
     pub fn delay_all(&self, api_key: i16, by: Duration) {
-        self.add(api_key, Action::Delay(by), None);
+        self.add(api_key, Action::Delay(by), 0, None);
     }
 
     /// Forget every rule not used up yet.
@@ -218,13 +234,14 @@ impl KafkaProxy {
         self.shared.accepted.load(Ordering::SeqCst)
     }
 
-    fn add(&self, api_key: i16, action: Action, remaining: Option<u32>) {
+    fn add(&self, api_key: i16, action: Action, skip: u32, remaining: Option<u32>) {
         if remaining == Some(0) {
             return;
         }
         self.shared.rules.lock().unwrap().push(Rule {
             api_key,
             action,
+            skip,
             remaining,
         });
     }
@@ -399,6 +416,27 @@ impl ProxiedBroker {
     /// The address clients bootstrap from: the proxy.
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.proxy.port())
+    }
+
+    /// SIGKILL the broker (no controlled shutdown); [`ProxiedBroker::kafka`]`(&["start"])`
+    /// starts it again on the same data.
+    pub fn kill(&self) {
+        let pid = std::fs::read_to_string(self.data.path().join("kafka.pid"))
+            .expect("the broker's pid file");
+        let pid: i32 = pid.trim().parse().expect("a pid");
+        // SAFETY: kill(2) on the broker this test started.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // SAFETY: signal 0 only checks that the process exists.
+        while unsafe { libc::kill(pid, 0) } == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "broker pid {pid} survived SIGKILL"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Run `scripts/kafka ARGS` against this broker; panics when it fails.
