@@ -187,7 +187,7 @@ fn report(table: &[Outcome]) {
     );
     for o in table {
         eprintln!(
-            "fault: {:<41} {:<16} {:>4} {:>10} {:>6} {:>8}",
+            "fault: {:<48} {:<16} {:>4} {:>10} {:>6} {:>8}",
             o.fault, o.guarantee, o.runs, o.duplicates, o.losses, o.restarts
         );
     }
