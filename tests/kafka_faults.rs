@@ -264,10 +264,24 @@ fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
         Scenario::new("TxnOffsetCommit response dropped", EOS, |b| {
             b.proxy.drop_after(api::TXN_OFFSET_COMMIT, 1)
         }),
-        Scenario::new("EndTxn delayed past the transaction timeout", EOS, |b| {
-            b.proxy
-                .delay_after(api::END_TXN, 1, Duration::from_secs(15))
-        })
+        Scenario::new(
+            "EndTxn answer delayed past the transaction timeout",
+            EOS,
+            |b| {
+                b.proxy
+                    .delay_after(api::END_TXN, 1, Duration::from_secs(15))
+            },
+        )
+        .set("kafka.producer.transaction.timeout.ms", "10000"),
+        // The coordinator aborts the transaction on its timeout before the commit arrives.
+        Scenario::new(
+            "EndTxn request delayed past the transaction timeout",
+            EOS,
+            |b| {
+                b.proxy
+                    .delay_request_after(api::END_TXN, 1, Duration::from_secs(15))
+            },
+        )
         .set("kafka.producer.transaction.timeout.ms", "10000"),
         Scenario::new("Produce delayed past delivery.timeout.ms", EOS, |b| {
             b.proxy.delay_after(api::PRODUCE, 1, Duration::from_secs(8))

@@ -160,7 +160,8 @@ struct Engine {
 macro_rules! kafka_log {
     ($e:expr, $consumer:expr, $mode:expr) => {
         KafkaLog {
-            producer: &$e.producer,
+            producer: &mut $e.producer,
+            config: &$e.config,
             consumer: $consumer,
             source_topic: &$e.source_topic,
             changelogs: &$e.changelogs,
@@ -240,6 +241,7 @@ impl Engine {
         self.last_commit = Instant::now();
         match result? {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
+            Outcome::Unknown => self.reopen_all(consumer),
             Outcome::Nothing | Outcome::Committed | Outcome::Crashed(_) => Ok(()),
         }
     }

@@ -58,6 +58,8 @@ pub enum Action {
 #[derive(Debug)]
 struct Rule {
     api_key: i16,
+    /// Applies to the request (held before it reaches the broker) instead of the response.
+    request: bool,
     action: Action,
     /// How many matching responses pass untouched before it applies.
     skip: u32,
@@ -85,9 +87,11 @@ struct Shared {
 
 impl Shared {
     /// The action for the next response of `api_key`, consuming one use of its rule.
-    fn take_action(&self, api_key: i16) -> Option<Action> {
+    fn take_action(&self, api_key: i16, request: bool) -> Option<Action> {
         let mut rules = self.rules.lock().unwrap();
-        let i = rules.iter().position(|r| r.api_key == api_key)?;
+        let i = rules
+            .iter()
+            .position(|r| r.api_key == api_key && r.request == request)?;
         if rules[i].skip > 0 {
             rules[i].skip -= 1;
             return None;
@@ -185,6 +189,18 @@ impl KafkaProxy {
         self.add(api_key, Action::Delay(by), skip, Some(1));
     }
 
+    /// Let `skip` requests of `api_key` pass, then hold the next one for `by` before it
+    /// reaches the broker.
+    pub fn delay_request_after(&self, api_key: i16, skip: u32, by: Duration) {
+        self.push(Rule {
+            api_key,
+            request: true,
+            action: Action::Delay(by),
+            skip,
+            remaining: Some(1),
+        });
+    }
+
     /// Delay every response of `api_key` by `by` until [`KafkaProxy::clear`].
     pub fn delay_all(&self, api_key: i16, by: Duration) {
         self.add(api_key, Action::Delay(by), 0, None);
@@ -238,12 +254,17 @@ impl KafkaProxy {
         if remaining == Some(0) {
             return;
         }
-        self.shared.rules.lock().unwrap().push(Rule {
+        self.push(Rule {
             api_key,
+            request: false,
             action,
             skip,
             remaining,
         });
+    }
+
+    fn push(&self, rule: Rule) {
+        self.shared.rules.lock().unwrap().push(rule);
     }
 }
 
@@ -316,6 +337,10 @@ fn spawn_connection(
                     let corr = i32::from_be_bytes([frame[4], frame[5], frame[6], frame[7]]);
                     pending.lock().unwrap().insert(corr, api_key);
                     Shared::count(&mut s.counters.lock().unwrap().requests, api_key);
+                    if let Some(Action::Delay(d)) = s.take_action(api_key, true) {
+                        Shared::count(&mut s.counters.lock().unwrap().delayed, api_key);
+                        std::thread::sleep(d);
+                    }
                 }
                 if write_frame(&mut u_out, &frame).is_err() {
                     break;
@@ -334,7 +359,7 @@ fn spawn_connection(
                 let api_key = (frame.len() >= 4)
                     .then(|| i32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]))
                     .and_then(|corr| inflight.lock().unwrap().remove(&corr));
-                match api_key.and_then(|k| s.take_action(k).map(|a| (k, a))) {
+                match api_key.and_then(|k| s.take_action(k, false).map(|a| (k, a))) {
                     Some((k, Action::Drop)) => {
                         Shared::count(&mut s.counters.lock().unwrap().dropped, k);
                         break;
