@@ -311,6 +311,9 @@ fn broker_killed_for(down: Duration) -> impl Fn(&ProxiedBroker) {
 #[test]
 fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under_eos() {
     let broker = ProxiedBroker::start(BASE_PORT + 10);
+    // The 60 s outages take minutes: scripts/fault-matrix runs them (FAULT_LONG=1), the
+    // default test run only the 5 s ones.
+    let long = std::env::var("FAULT_LONG").is_ok_and(|v| v == "1");
     let scenarios = [
         Scenario::new(
             "broker SIGKILLed, back after 5 s",
@@ -333,7 +336,11 @@ fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under
             broker_killed_for(Duration::from_secs(60)),
         ),
     ];
-    let table: Vec<Outcome> = scenarios.iter().filter_map(|s| s.run(&broker)).collect();
+    let table: Vec<Outcome> = scenarios
+        .iter()
+        .filter(|s| long || !s.fault.contains("60 s"))
+        .filter_map(|s| s.run(&broker))
+        .collect();
     report(&table);
     for o in &table {
         assert_eq!(o.losses, 0, "{} ({})", o.fault, o.guarantee);
