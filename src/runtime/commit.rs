@@ -50,6 +50,18 @@
 //!   transactional.id, or the group moved on) is [`crate::Error::Fenced`]: the instance
 //!   stops. Test: `a_zombie_is_fenced_and_its_late_writes_never_appear`
 //!   (tests/kafka_eos.rs).
+//! - **Unknown outcome** (exactly_once_v2): a commit or abort that got no answer (lost or
+//!   late) may have committed or not. It is never retried blindly (librdkafka does not
+//!   implement KIP-890, and a retry after an unknown outcome can lose or repeat writes):
+//!   the producer is re-created ([`CommitLog::recreate_producer`]: its initialisation
+//!   fences the old one and settles the transaction), the staged writes are dropped, and
+//!   every partition is opened again ([`Outcome::Unknown`]: stores restored from the
+//!   changelog, records read again from the committed offsets). Tests:
+//!   `a_transaction_of_unknown_outcome_repeats_nothing_and_loses_nothing`
+//!   (tests/driver_dedup.rs) and the fault-proxy scenarios of tests/kafka_faults.rs.
+//! - **A store failure stops the instance** (a full or broken state dir): retrying cannot
+//!   help, so the open transaction is aborted and the error returned; a restart restores
+//!   from the changelog. Test: tests/kafka_state_faults.rs.
 
 use crate::config::Guarantee;
 use crate::error::{Error, Result};
