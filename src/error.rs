@@ -42,6 +42,11 @@ pub enum Error {
     /// Kafka-side condition that is not a client error (wrong partition count, missing topic).
     #[error("{0}")]
     Broker(String),
+    /// A transaction's commit or abort ended without a known outcome (its answer was lost or
+    /// came too late): it may have committed or not. Never retried blindly (librdkafka does
+    /// not implement KIP-890); the producer is re-created instead.
+    #[error("transaction outcome unknown: {0}")]
+    TransactionOutcomeUnknown(String),
     /// The broker answered a request with an error code; `what` names the request and its
     /// object (`delete group g`). Transient codes are retried first (`kafka::retry`).
     #[error("{what}: {code}")]
@@ -68,6 +73,7 @@ impl Error {
             | Error::Broker(_)
             | Error::BrokerCode { .. }
             | Error::Io { .. }
+            | Error::TransactionOutcomeUnknown(_)
             | Error::Fenced(_) => Fault::External,
         }
     }
@@ -96,6 +102,12 @@ impl Error {
             }
             _ => false,
         }
+    }
+
+    /// Whether a local store or file failed (full disk, corrupt file): not the
+    /// transaction's fault, so retrying the transaction cannot help.
+    pub fn is_store_failure(&self) -> bool {
+        matches!(self, Error::State { .. } | Error::Io { .. })
     }
 
     /// Shorthand for a [`Error::State`].

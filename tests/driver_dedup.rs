@@ -545,3 +545,37 @@ fn an_aborted_transaction_rewinds_and_repeats_nothing() {
     assert_eq!(out_ids(&d), ["a", "b", "c", "d"]);
     assert_eq!(d.committed_offset(0), Some(7));
 }
+
+/// exactly_once_v2: a transaction whose commit answer is lost, after it committed or
+/// before, is never retried blindly: the producer is re-created, the staged marks dropped,
+/// the stores restored from the changelog (which holds the marks if it committed) and the
+/// records read again from the committed offsets. Later repeats of every id are dropped
+/// and nothing is output twice or lost. (Treated as an abort, the committed case would
+/// lose the marks of c and d, and their repeats would pass again.)
+#[test]
+fn a_transaction_of_unknown_outcome_repeats_nothing_and_loses_nothing() {
+    for committed in [true, false] {
+        let mut d = by_id(Guarantee::ExactlyOnceV2, 10 * MIN).auto_commit(false);
+        for id in ["a", "b", "a"] {
+            d.pipe(ev(id, 1)).unwrap();
+        }
+        d.commit().unwrap();
+        for id in ["c", "b", "d", "c"] {
+            d.pipe(ev(id, 1)).unwrap();
+        }
+        d.lose_next_commit_answer(committed);
+        d.commit().unwrap();
+        d.commit().unwrap();
+        for id in ["a", "b", "c", "d"] {
+            d.pipe(ev(id, 2)).unwrap();
+        }
+        d.commit().unwrap();
+        assert_eq!(
+            out_ids(&d),
+            ["a", "b", "c", "d"],
+            "commit answer lost after it {}",
+            if committed { "committed" } else { "failed" }
+        );
+        assert_eq!(d.committed_offset(0), Some(11));
+    }
+}

@@ -160,7 +160,8 @@ struct Engine {
 macro_rules! kafka_log {
     ($e:expr, $consumer:expr, $mode:expr) => {
         KafkaLog {
-            producer: &$e.producer,
+            producer: &mut $e.producer,
+            config: &$e.config,
             consumer: $consumer,
             source_topic: &$e.source_topic,
             changelogs: &$e.changelogs,
@@ -240,14 +241,21 @@ impl Engine {
         self.last_commit = Instant::now();
         match result? {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
+            Outcome::Unknown => self.reopen_all(consumer),
             Outcome::Nothing | Outcome::Committed | Outcome::Crashed(_) => Ok(()),
         }
     }
 
-    /// Seek `partitions` back to the given offsets (`None`: the beginning).
-    fn rewind(&self, consumer: &SourceConsumer, partitions: &[(i32, Option<i64>)]) -> Result<()> {
+    /// Seek `partitions` back to the given offsets (`None`: the beginning); they are no
+    /// longer at their end.
+    fn rewind(
+        &mut self,
+        consumer: &SourceConsumer,
+        partitions: &[(i32, Option<i64>)],
+    ) -> Result<()> {
         let mut seek = TopicPartitionList::new();
         for (p, off) in partitions {
+            self.at_end.remove(p);
             seek.add_partition_offset(
                 &self.source_topic,
                 *p,
@@ -469,8 +477,14 @@ fn run_loop(
                     // A rebalance makes `poll` return: carry it out before anything else.
                     e.handle_events(consumer, events)?;
                     if opts.stop_at_end && e.all_at_end() {
-                        tracing::info!("every assigned partition is at its end: stopping");
-                        return Ok(());
+                        // Commit first: a failed transaction rewinds its partitions (and
+                        // clears their end marks); their records are processed again
+                        // before stopping.
+                        e.commit(consumer, CommitMode::Sync)?;
+                        if e.all_at_end() {
+                            tracing::info!("every assigned partition is at its end: stopping");
+                            return Ok(());
+                        }
                     }
                     false
                 }

@@ -50,6 +50,18 @@
 //!   transactional.id, or the group moved on) is [`crate::Error::Fenced`]: the instance
 //!   stops. Test: `a_zombie_is_fenced_and_its_late_writes_never_appear`
 //!   (tests/kafka_eos.rs).
+//! - **Unknown outcome** (exactly_once_v2): a commit or abort that got no answer (lost or
+//!   late) may have committed or not. It is never retried blindly (librdkafka does not
+//!   implement KIP-890, and a retry after an unknown outcome can lose or repeat writes):
+//!   the producer is re-created ([`CommitLog::recreate_producer`]: its initialisation
+//!   fences the old one and settles the transaction), the staged writes are dropped, and
+//!   every partition is opened again ([`Outcome::Unknown`]: stores restored from the
+//!   changelog, records read again from the committed offsets). Tests:
+//!   `a_transaction_of_unknown_outcome_repeats_nothing_and_loses_nothing`
+//!   (tests/driver_dedup.rs) and the fault-proxy scenarios of tests/kafka_faults.rs.
+//! - **A store failure stops the instance** (a full or broken state dir): retrying cannot
+//!   help, so the open transaction is aborted and the error returned; a restart restores
+//!   from the changelog. Test: tests/kafka_state_faults.rs.
 
 use crate::config::Guarantee;
 use crate::error::{Error, Result};
@@ -164,6 +176,16 @@ pub trait CommitLog {
     /// [`Error::Fenced`] or a broker error.
     fn abort_transaction(&mut self) -> Result<()>;
 
+    /// After a transaction of unknown outcome ([`Error::TransactionOutcomeUnknown`]):
+    /// replace the transactional producer by a new one with the same transactional.id,
+    /// whose initialisation fences the old one and lets the coordinator finish the old
+    /// transaction (committed if its commit reached the coordinator, else aborted). Never a
+    /// blind retry of the commit (librdkafka does not implement KIP-890).
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] or a broker error: the instance stops.
+    fn recreate_producer(&mut self) -> Result<()>;
+
     /// Commit source `offsets` outside a transaction (at_least_once).
     ///
     /// # Errors
@@ -199,6 +221,13 @@ pub enum Outcome {
     Aborted(Vec<(i32, Option<i64>)>),
     /// The instance died at this failpoint (only a test log says so).
     Crashed(&'static str),
+    /// exactly_once_v2: the transaction's outcome is unknown (its commit or abort got no
+    /// answer). The producer was re-created (which settled the transaction one way or the
+    /// other) and every staged write dropped. The stores may now lack the marks of a
+    /// transaction that did commit, so every partition must be opened again as after an
+    /// assignment: stores restored from the changelog, records read again from the
+    /// committed offsets.
+    Unknown,
 }
 
 /// The commit protocol of one instance: the guarantee, the open transaction, and what
@@ -330,9 +359,26 @@ impl Protocol {
             Ok(()) => {}
             Err(Stop::Crash(name)) => return Ok(Outcome::Crashed(name)),
             Err(Stop::Error(e)) if !eos || matches!(e, Error::Fenced(_)) => return Err(e),
+            Err(Stop::Error(e)) if e.is_store_failure() => {
+                // Not the transaction's fault: aborting and trying again would fail the
+                // same way forever. Nothing of this commit becomes visible; the instance
+                // stops, and a restart restores from the changelog.
+                tracing::error!(error = %e, "state store failed: aborting the transaction and stopping");
+                if let Err(a) = self.abort_transaction(log) {
+                    tracing::warn!(error = %a, "the abort after a store failure failed too");
+                }
+                return Err(e);
+            }
+            Err(Stop::Error(e @ Error::TransactionOutcomeUnknown(_))) => {
+                return self.recover(log, tasks, &e);
+            }
             Err(Stop::Error(e)) => {
                 tracing::warn!(error = %e, "transaction failed: aborting and rewinding to the committed offsets");
-                return self.abort(log, tasks).map(Outcome::Aborted);
+                return match self.abort(log, tasks) {
+                    Ok(seek) => Ok(Outcome::Aborted(seek)),
+                    Err(a @ Error::TransactionOutcomeUnknown(_)) => self.recover(log, tasks, &a),
+                    Err(a) => Err(a),
+                };
             }
         }
         if eos {
@@ -441,6 +487,30 @@ impl Protocol {
         }
         self.processed = 0;
         Ok(seek)
+    }
+
+    /// A transaction of unknown outcome: drop every staged write, forget the transaction,
+    /// re-create the producer ([`CommitLog::recreate_producer`]); the caller opens every
+    /// partition again ([`Outcome::Unknown`]).
+    ///
+    /// # Errors
+    /// As [`CommitLog::recreate_producer`].
+    fn recover(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        e: &Error,
+    ) -> Result<Outcome> {
+        tracing::warn!(error = %e, "transaction outcome unknown: re-creating the producer (never a blind retry), then restoring and reading again from the committed offsets");
+        self.txn_open = false;
+        self.processed = 0;
+        self.out.clear();
+        for t in tasks.values_mut() {
+            t.abort(None);
+        }
+        log.recreate_producer()?;
+        metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "unknown").increment(1);
+        Ok(Outcome::Unknown)
     }
 
     /// Partitions lost (exactly_once_v2: the group moved on without this instance): abort

@@ -16,8 +16,11 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
 pub struct KafkaLog<'a> {
-    /// Sends outputs, changelog records and transactions.
-    pub producer: &'a OutputProducer,
+    /// Sends outputs, changelog records and transactions; replaced after a transaction of
+    /// unknown outcome.
+    pub producer: &'a mut OutputProducer,
+    /// To create a new producer.
+    pub config: &'a crate::config::Config,
     /// Commits offsets (at_least_once) and fetches committed ones.
     pub consumer: &'a SourceConsumer,
     /// The source topic.
@@ -45,6 +48,27 @@ impl KafkaLog<'_> {
                 .map_err(Error::kafka("build offsets"))?;
         }
         Ok(tpl)
+    }
+}
+
+/// The error of a transaction's commit (`commit`) or abort, with its outcome: fenced stays
+/// fenced; a commit refused with an abortable error (a record failed, the transaction
+/// timed out at the coordinator) has not committed and may be aborted; anything else (the
+/// answer lost or late: librdkafka calls it retriable) leaves the outcome unknown, and is
+/// [`Error::TransactionOutcomeUnknown`].
+fn unknown_unless_known(e: Error, commit: bool) -> Error {
+    let abortable = match &e {
+        Error::Fenced(_) => return e,
+        Error::Kafka {
+            source: rdkafka::error::KafkaError::Transaction(t),
+            ..
+        } => commit && t.txn_requires_abort() && !t.is_retriable(),
+        _ => false,
+    };
+    if abortable {
+        e
+    } else {
+        Error::TransactionOutcomeUnknown(e.to_string())
     }
 }
 
@@ -108,17 +132,29 @@ impl CommitLog for KafkaLog<'_> {
     fn commit_transaction(&mut self) -> Result<()> {
         self.producer
             .commit_transaction()
-            .map_err(|e| self.fenced_or(e))
+            .map_err(|e| unknown_unless_known(self.fenced_or(e), true))
     }
 
     fn abort_transaction(&mut self) -> Result<()> {
         let r = self
             .producer
             .abort_transaction()
-            .map_err(|e| self.fenced_or(e));
+            .map_err(|e| unknown_unless_known(self.fenced_or(e), false));
         // The failed deliveries belonged to the aborted transaction.
         self.producer.reset_failures();
         r
+    }
+
+    fn recreate_producer(&mut self) -> Result<()> {
+        let fresh = OutputProducer::new(self.config, self.changelogs.values().cloned().collect())?;
+        // InitProducerId with the same transactional.id: bumps the epoch (the old producer
+        // is fenced) and returns once the coordinator has finished the old transaction,
+        // committed if its EndTxn(commit) reached it, else aborted.
+        fresh.init_transactions().map_err(|e| self.fenced_or(e))?;
+        tracing::info!(transactional_id = %self.transactional_id, "transactional producer re-created");
+        // The old producer goes (fenced: whatever it still held can no longer land).
+        *self.producer = fresh;
+        Ok(())
     }
 
     fn commit_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {

@@ -65,6 +65,13 @@ impl Engine {
             self.commit(consumer, CommitMode::Sync)?;
         }
         self.status_dirty = true;
+        self.close_tasks(partitions);
+        Ok(())
+    }
+
+    /// Close the tasks of `partitions` (their staged writes are gone or committed), and
+    /// forget their restore and end-of-input state.
+    fn close_tasks(&mut self, partitions: &[i32]) {
         for p in partitions {
             if let Some(t) = self.tasks.remove(p) {
                 let _span = t.span().clone().entered();
@@ -82,6 +89,56 @@ impl Engine {
             self.open_txn_waits.remove(p);
             self.replay_from.remove(p);
             self.at_end.remove(p);
+        }
+    }
+
+    /// After a transaction of unknown outcome (the producer re-created, staged writes
+    /// dropped): open every partition again as on an assignment. Its task restores its
+    /// stores from the changelog (which holds the transaction's marks if it committed),
+    /// and its records are read again from the committed offset, fetched stable now that
+    /// the re-created producer's initialisation has settled the transaction.
+    ///
+    /// # Errors
+    /// A broker error fetching the committed offsets or seeking, or a store error.
+    pub(super) fn reopen_all(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        let parts: Vec<i32> = self.tasks.keys().copied().collect();
+        self.close_tasks(&parts);
+        let tpl = Engine::tpl_of(&self.source_topic, &parts, None)?;
+        let committed = crate::kafka::retry::retry("committed offsets", || {
+            consumer
+                .committed_offsets(tpl.clone(), std::time::Duration::from_secs(30))
+                .map_err(crate::Error::kafka("committed offsets"))
+        })?;
+        let mut seek = TopicPartitionList::new();
+        for p in &parts {
+            let at = match committed
+                .find_partition(&self.source_topic, *p)
+                .map(|e| e.offset())
+            {
+                Some(rdkafka::Offset::Offset(o)) => {
+                    // Where a record fetched before the seek would otherwise resume it.
+                    self.replay_from.insert(*p, o);
+                    rdkafka::Offset::Offset(o)
+                }
+                _ => rdkafka::Offset::Beginning,
+            };
+            seek.add_partition_offset(&self.source_topic, *p, at)
+                .map_err(crate::Error::kafka("build offsets"))?;
+        }
+        self.on_assign(consumer, &parts)?;
+        for p in &parts {
+            if let Some(o) = self.replay_from.get(p) {
+                tracing::info!(
+                    partition = *p,
+                    offset = *o,
+                    "reading again from the committed offset"
+                );
+            }
+        }
+        if seek.count() > 0 {
+            consumer
+                .seek_partitions(seek, std::time::Duration::from_secs(30))
+                .map_err(crate::Error::kafka("seek"))?;
         }
         Ok(())
     }

@@ -120,6 +120,9 @@ struct MemoryLog {
     armed: Option<String>,
     /// Refuse the next transaction commit with an abortable error.
     fail_commit: bool,
+    /// Lose the answer of the next transaction commit: `Some(true)` after it committed,
+    /// `Some(false)` before it reached the coordinator.
+    lose_commit_answer: Option<bool>,
 }
 
 impl MemoryLog {
@@ -190,10 +193,25 @@ impl CommitLog for MemoryLog {
                 "transaction commit refused (injected by the test driver)".into(),
             ));
         }
-        self.land();
-        for (p, o) in std::mem::take(&mut self.txn_offsets) {
-            self.committed.insert(p, o);
+        let lost = self.lose_commit_answer.take();
+        if lost != Some(false) {
+            self.land();
+            for (p, o) in std::mem::take(&mut self.txn_offsets) {
+                self.committed.insert(p, o);
+            }
         }
+        match lost {
+            Some(committed) => Err(crate::Error::TransactionOutcomeUnknown(format!(
+                "commit answer lost (injected by the test driver; it {} committed)",
+                if committed { "had" } else { "had not" }
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn recreate_producer(&mut self) -> Result<()> {
+        // The new producer's initialisation aborts a transaction that never committed.
+        self.lose_in_flight();
         Ok(())
     }
 
@@ -395,6 +413,14 @@ impl TestDriver {
                 self.crash();
                 self.crashed_at = Some(name);
             }
+            Outcome::Unknown => {
+                // As the runtime: every partition opened again, its stores restored from
+                // the changelog, its records read again from the committed offsets.
+                for t in std::mem::take(&mut self.tasks).into_values() {
+                    self.counts.add(t.counts());
+                }
+                self.restart()?;
+            }
             Outcome::Aborted(seek) => {
                 // As the runtime: read again from the committed offsets.
                 for (p, off) in seek {
@@ -429,6 +455,14 @@ impl TestDriver {
     /// offsets (as the runtime seeks back).
     pub fn fail_next_transaction(&mut self) {
         self.log.fail_commit = true;
+    }
+
+    /// exactly_once_v2: the answer to the next transaction commit is lost, after the
+    /// commit took effect (`committed`) or before; the protocol cannot know which, so it
+    /// re-creates the producer, drops its staged state, restores and reads again from the
+    /// committed offsets.
+    pub fn lose_next_commit_answer(&mut self, committed: bool) {
+        self.log.lose_commit_answer = Some(committed);
     }
 
     /// The failpoint the driver last died at ([`Self::crash_at`]).

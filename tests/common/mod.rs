@@ -62,6 +62,13 @@ pub struct Names {
 
 /// An isolated run of a topology given as YAML text with `{input}` and `{output}` holes.
 pub fn names_for(yaml: &str, partitions: usize) -> Names {
+    let names = names_without_topics(yaml);
+    create_topics(&[&names.input, &names.output, &names.dlq], partitions);
+    names
+}
+
+/// As [`names_for`], creating no topic (for a broker other than [`bootstrap`]).
+pub fn names_without_topics(yaml: &str) -> Names {
     let input = unique("in");
     let output = unique("out");
     let dlq = unique("dlq");
@@ -73,7 +80,6 @@ pub fn names_for(yaml: &str, partitions: usize) -> Names {
         yaml.replace("{input}", &input).replace("{output}", &output),
     )
     .unwrap();
-    create_topics(&[&input, &output, &dlq], partitions);
     Names {
         input,
         output,
@@ -93,16 +99,25 @@ impl Names {
 
 /// Copy the shipped gharchive topology with its topic names replaced by unique ones.
 pub fn gharchive_names(partitions: usize) -> Names {
+    names_for(&gharchive_yaml(), partitions)
+}
+
+/// As [`gharchive_names`], creating no topic.
+pub fn gharchive_names_no_topics() -> Names {
+    names_without_topics(&gharchive_yaml())
+}
+
+/// The shipped gharchive topology with `{input}` / `{output}` holes for its topics.
+fn gharchive_yaml() -> String {
     let shipped = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/topologies/gharchive-dedup.yaml"
     ))
     .unwrap();
     assert!(shipped.contains("gharchive.events") && shipped.contains("gharchive.unique"));
-    let yaml = shipped
+    shipped
         .replace("gharchive.events", "{input}")
-        .replace("gharchive.unique", "{output}");
-    names_for(&yaml, partitions)
+        .replace("gharchive.unique", "{output}")
 }
 
 /// The distinct event ids of the shipped GH Archive data.

@@ -1,0 +1,169 @@
+//! Faults of the state dir under exactly_once_v2, on the real broker and the GH Archive data:
+//! a state dir that fills up (a small tmpfs), and a sled database truncated on disk. The
+//! changelog is the truth: whatever happens to the local store, read_committed output keeps
+//! every id exactly once.
+
+mod common;
+
+use common::*;
+use onceflow::testing::{gharchive, kafka};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(240);
+
+fn eos() -> Vec<(&'static str, String)> {
+    vec![
+        ("processing.guarantee", "exactly_once_v2".into()),
+        ("commit.interval.ms", "100".into()),
+    ]
+}
+
+fn output_counts(topic: &str) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for r in kafka::read_topic(&bootstrap(), topic, true, T).unwrap() {
+        *m.entry(json_id(r.value.as_deref())).or_default() += 1;
+    }
+    m
+}
+
+/// Every distinct id exactly once in `topic`, read_committed; prints the fault table row.
+fn assert_each_id_once(fault: &str, topic: &str, restarts: usize) {
+    let counts = output_counts(topic);
+    let ids = gharchive_distinct_ids();
+    let duplicates: usize = counts.values().map(|n| n - 1).sum();
+    let losses = ids.iter().filter(|id| !counts.contains_key(*id)).count();
+    eprintln!(
+        "fault: {fault:<48} {:<16} {:>4} {duplicates:>10} {losses:>6} {restarts:>8}",
+        "exactly_once_v2", 1
+    );
+    assert_eq!((duplicates, losses), (0, 0), "{fault}: duplicates, losses");
+}
+
+/// A tmpfs mounted for the test's lifetime; `None` where mounting is not allowed.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(Tmpfs { dir })
+    }
+
+    fn resize(&self, size: &str) {
+        let st = Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(self.dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success(), "remount the tmpfs with {size}");
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+#[test]
+fn a_full_state_dir_stops_the_instance_clearly_and_a_restart_with_space_loses_and_repeats_nothing()
+{
+    let Some(fs) = Tmpfs::mount("1m") else {
+        eprintln!("*** SKIPPED *** cannot mount a tmpfs here (needs root)");
+        return;
+    };
+    let names = gharchive_names(4);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    gharchive::publish(&p, &names.input, 2000, 5).unwrap();
+    p.flush().unwrap();
+    let mut sets = eos();
+    sets.push(("state.dir", fs.path().join("state").display().to_string()));
+
+    let run = start(&names, &sets, &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(T);
+    let log = log.lock().unwrap().clone();
+    assert!(
+        !st.success(),
+        "the job must stop when its state dir is full:\n{log}"
+    );
+    assert!(
+        log.contains("No space left on device") || log.to_lowercase().contains("no space"),
+        "the error names the cause:\n{log}"
+    );
+    // What was committed so far has no repeats.
+    let counts = output_counts(&names.output);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "repeats before the restart"
+    );
+
+    fs.resize("256m");
+    let (st, _) = start(&names, &sets, &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "the restart with space completes");
+    assert_each_id_once("state dir full (tmpfs)", &names.output, 1);
+}
+
+/// The largest file under `dir`.
+fn largest_file(dir: &Path) -> PathBuf {
+    let mut best: Option<(u64, PathBuf)> = None;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().map(Result::unwrap) {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if best.as_ref().is_none_or(|(n, _)| m.len() > *n) {
+                best = Some((m.len(), e.path()));
+            }
+        }
+    }
+    best.expect("a file in the state dir").1
+}
+
+#[test]
+fn a_truncated_sled_database_is_set_aside_and_restored_from_the_changelog() {
+    let names = gharchive_names(4);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    gharchive::publish(&p, &names.input, 2000, 6).unwrap();
+    p.flush().unwrap();
+    let (st, _) = start(&names, &eos(), &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success());
+
+    // Cut the database file in half, then deliver every event again.
+    let f = largest_file(&names.state_dir());
+    let len = std::fs::metadata(&f).unwrap().len();
+    assert!(len > 4096, "{} is {len} bytes", f.display());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    gharchive::publish(&p, &names.input, 0, 7).unwrap();
+    p.flush().unwrap();
+
+    let run = start(&names, &eos(), &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, out) = run.wait(T);
+    let log = log.lock().unwrap().clone();
+    assert!(
+        st.success(),
+        "the job runs on a truncated state dir:\n{log}"
+    );
+    assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}\n{log}");
+    assert_each_id_once("sled database truncated", &names.output, 0);
+}
