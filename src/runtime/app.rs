@@ -220,6 +220,15 @@ impl Engine {
     /// Run one commit (`runtime::commit`); after an aborted transaction, seek the
     /// partitions back to their committed offsets.
     fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
+        if self.protocol.guarantee() == crate::config::Guarantee::ExactlyOnceV2 {
+            // The group metadata of now, not of the last assignment: under the cooperative
+            // protocol the generation moves on without a callback to this instance (others
+            // join or leave), and the coordinator refuses offsets sent with an older one.
+            // A member that lost its partitions never gets a newer generation before the
+            // run loop has carried out the loss (librdkafka waits for the unassign), so
+            // a zombie's offsets are still refused (KIP-447).
+            self.group_meta = consumer.group_metadata();
+        }
         let mut log = kafka_log!(self, consumer, mode);
         let result = self
             .protocol
@@ -369,9 +378,13 @@ impl App {
         // itself; an announced one the loop did not carry out is done now.
         consumer.context().defer_rebalances(false);
         rebalance::settle(&consumer, &events);
-        if result.is_ok() {
+        if result.is_ok() && !consumer::is_static_member(&self.config) {
             consumer.unsubscribe();
         }
+        // A static member does not leave: closing the consumer (on drop) sends no
+        // LeaveGroup (KIP-345), so the group keeps its partitions for it until
+        // `session.timeout.ms` and a restart within that time moves nothing. (An
+        // unsubscribe would leave the group and move every partition twice.)
         let mut counts = e.closed_counts;
         for t in e.tasks.values() {
             counts.add(t.counts());
