@@ -380,3 +380,30 @@ fn a_static_member_restarted_within_the_session_timeout_moves_and_restores_nothi
     );
     assert_exactly_once(&output_ids(&names), per_partition);
 }
+
+#[test]
+fn two_running_instances_with_one_instance_id_the_older_stops_with_a_clear_error() {
+    let names = names_for(TOPOLOGY, PARTITIONS as usize);
+    let at_least_once = |state: &str| -> Vec<(&'static str, String)> {
+        vec![
+            ("instance.id", "same".into()),
+            (
+                "state.dir",
+                names.state.path().join(state).display().to_string(),
+            ),
+        ]
+    };
+    let first = start(&names, &at_least_once("one"), &[], &[]);
+    wait_settled(&[&first]);
+    let second = start(&names, &at_least_once("two"), &[], &[]);
+    let log = first.stderr.clone();
+    let (st, _) = first.wait(T);
+    let log = log.lock().unwrap().clone();
+    assert!(!st.success(), "the fenced instance exits non-zero");
+    assert!(
+        log.contains("group.instance.id") && log.contains("its own instance.id"),
+        "the fenced instance says why:\n{log}"
+    );
+    wait_settled(&[&second]);
+    stop(second, "the newer instance");
+}

@@ -468,6 +468,9 @@ fn run_loop(
                     true
                 }
                 Some(Err(err)) => {
+                    if let Some((code, reason)) = consumer.client().fatal_error() {
+                        return Err(fatal_consumer_error(code, &reason));
+                    }
                     tracing::warn!(error = %err, "consumer error");
                     false
                 }
@@ -483,6 +486,22 @@ fn run_loop(
                 break;
             }
         }
+    }
+}
+
+/// The error that stops an instance whose consumer failed for good. The one such failure
+/// to expect is a static member fenced (KIP-345): another running instance joined with the
+/// same `group.instance.id`, i.e. the same `application.id` and `instance.id`.
+fn fatal_consumer_error(code: rdkafka::types::RDKafkaErrorCode, reason: &str) -> Error {
+    if code == rdkafka::types::RDKafkaErrorCode::FencedInstanceId {
+        Error::Fenced(format!(
+            "another instance joined the consumer group with this instance's group.instance.id ({reason}); \
+             every running instance needs its own instance.id: this instance stops"
+        ))
+    } else {
+        Error::Fenced(format!(
+            "the source consumer failed for good ({code:?}: {reason}): this instance stops"
+        ))
     }
 }
 
