@@ -221,12 +221,13 @@ impl Engine {
     /// partitions back to their committed offsets.
     fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
         if self.protocol.guarantee() == crate::config::Guarantee::ExactlyOnceV2 {
-            // The group metadata of now, not of the last assignment: under the cooperative
-            // protocol the generation moves on without a callback to this instance (others
-            // join or leave), and the coordinator refuses offsets sent with an older one.
-            // A member that lost its partitions never gets a newer generation before the
-            // run loop has carried out the loss (librdkafka waits for the unassign), so
-            // a zombie's offsets are still refused (KIP-447).
+            // The group metadata of now, not of the last assignment (as Kafka Streams
+            // does): under the cooperative protocol the generation can move on between two
+            // assignments of this instance (a revocation comes after the new generation's
+            // SyncGroup), and offsets sent with an older generation may be refused. A
+            // member that lost its partitions gets no newer generation before the run loop
+            // has carried out the loss (librdkafka waits for the unassign), so a zombie's
+            // offsets are still refused (KIP-447).
             self.group_meta = consumer.group_metadata();
         }
         let mut log = kafka_log!(self, consumer, mode);
