@@ -76,6 +76,12 @@ pub struct Config {
     pub commit_interval_ms: u64,
     /// `instance.id` (default the host name): unique per instance of an application.
     pub instance_id: String,
+    /// The consumer's `group.instance.id` (static membership, KIP-345):
+    /// `<application.id>-<instance.id>` when `instance.id` is set explicitly; `None` (a
+    /// dynamic member) when it defaulted to the host name, so that two processes on one
+    /// host never fence each other. `kafka.consumer.group.instance.id` overrides it (empty:
+    /// off).
+    pub group_instance_id: Option<String>,
     /// `processing.guarantee` (default at_least_once).
     pub processing_guarantee: Guarantee,
     /// `dlq.topic` (default `<application.id>.dlq`).
@@ -263,9 +269,9 @@ impl Config {
         if state_dir.is_empty() {
             return Err(bad("state.dir", "must not be empty".into()));
         }
-        let instance_id = match get("instance.id") {
-            id if id.is_empty() => host_name(),
-            id => id,
+        let (instance_id, explicit) = match get("instance.id") {
+            id if id.is_empty() => (host_name(), false),
+            id => (id, true),
         };
         if let Err(r) =
             crate::topology::check_topic_name(&format!("{application_id}-{instance_id}"))
@@ -275,8 +281,10 @@ impl Config {
                 format!("it is part of the transactional.id: {r}"),
             ));
         }
+        let group_instance_id = explicit.then(|| format!("{application_id}-{instance_id}"));
         Ok(Config {
             instance_id,
+            group_instance_id,
             bootstrap_servers,
             application_id,
             state_dir: Path::new(&state_dir).to_path_buf(),

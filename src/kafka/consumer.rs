@@ -140,7 +140,12 @@ impl ConsumerContext for SourceContext {
 }
 
 /// Create the source consumer: group `application.id`, manual commits, `read_committed`,
-/// `auto.offset.reset=earliest`; then the user's `kafka.*` and `kafka.consumer.*`.
+/// `auto.offset.reset=earliest`, cooperative incremental rebalancing
+/// (`partition.assignment.strategy=cooperative-sticky`: a rebalance takes away only the
+/// partitions that move, the others keep processing) and static membership
+/// (`group.instance.id`, see [`Config::group_instance_id`]); then the user's `kafka.*` and
+/// `kafka.consumer.*`, which win (an empty `group.instance.id` turns static membership
+/// off).
 ///
 /// `partition_eof` turns on librdkafka's end-of-partition events (used by `--stop-at-end`);
 /// rebalances are sent to `events` while [`SourceContext::defer_rebalances`] is on.
@@ -156,23 +161,39 @@ pub fn create(
         events,
         deferred: AtomicBool::new(false),
     };
-    crate::kafka::client_config(
-        cfg,
-        &[
-            ("group.id", cfg.application_id.as_str()),
-            ("enable.auto.commit", "false"),
-            ("enable.auto.offset.store", "false"),
-            ("auto.offset.reset", "earliest"),
-            ("isolation.level", "read_committed"),
-            (
-                "enable.partition.eof",
-                if partition_eof { "true" } else { "false" },
-            ),
-        ],
-        &cfg.kafka_consumer,
-    )
-    .create_with_context(ctx)
-    .map_err(crate::kafka::config_error)
+    source_config(cfg, partition_eof)
+        .create_with_context(ctx)
+        .map_err(crate::kafka::config_error)
+}
+
+fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
+    let mut defaults = vec![
+        ("group.id", cfg.application_id.as_str()),
+        ("enable.auto.commit", "false"),
+        ("enable.auto.offset.store", "false"),
+        ("auto.offset.reset", "earliest"),
+        ("isolation.level", "read_committed"),
+        ("partition.assignment.strategy", "cooperative-sticky"),
+        (
+            "enable.partition.eof",
+            if partition_eof { "true" } else { "false" },
+        ),
+    ];
+    if let Some(id) = &cfg.group_instance_id {
+        defaults.push(("group.instance.id", id.as_str()));
+    }
+    let mut c = crate::kafka::client_config(cfg, &defaults, &cfg.kafka_consumer);
+    if c.get("group.instance.id").is_some_and(str::is_empty) {
+        c.remove("group.instance.id");
+    }
+    c
+}
+
+/// Whether the source consumer of `cfg` is a static member of its group (KIP-345): it then
+/// does not leave the group when it stops, so a restart within `session.timeout.ms` gets
+/// its partitions back without a rebalance.
+pub fn is_static_member(cfg: &Config) -> bool {
+    source_config(cfg, false).get("group.instance.id").is_some()
 }
 
 /// Create the restore consumer: no group, manual assignment of changelog partitions,
@@ -237,6 +258,55 @@ pub fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
 #[cfg(test)]
 mod restore_consumer_tests {
     use super::*;
+
+    fn load(sets: &[(&str, &str)]) -> Config {
+        let sets: Vec<(String, String)> = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::load_with_env(&[], &sets, std::iter::empty()).unwrap()
+    }
+
+    #[test]
+    fn the_source_consumer_is_cooperative_and_static_when_instance_id_is_set() {
+        let cfg = load(&[("application.id", "app"), ("instance.id", "a1")]);
+        let c = source_config(&cfg, false);
+        assert_eq!(
+            c.get("partition.assignment.strategy"),
+            Some("cooperative-sticky")
+        );
+        assert_eq!(c.get("group.instance.id"), Some("app-a1"));
+        assert!(is_static_member(&cfg));
+
+        // instance.id left to the host name: a dynamic member (two processes on one host
+        // must not fence each other), still cooperative.
+        let cfg = load(&[("application.id", "app")]);
+        let c = source_config(&cfg, false);
+        assert_eq!(c.get("group.instance.id"), None);
+        assert_eq!(
+            c.get("partition.assignment.strategy"),
+            Some("cooperative-sticky")
+        );
+        assert!(!is_static_member(&cfg));
+    }
+
+    #[test]
+    fn the_users_group_instance_id_and_strategy_win() {
+        let cfg = load(&[
+            ("instance.id", "a1"),
+            ("kafka.consumer.group.instance.id", "mine"),
+            ("kafka.consumer.partition.assignment.strategy", "range"),
+        ]);
+        let c = source_config(&cfg, false);
+        assert_eq!(c.get("group.instance.id"), Some("mine"));
+        assert_eq!(c.get("partition.assignment.strategy"), Some("range"));
+        let cfg = load(&[
+            ("instance.id", "a1"),
+            ("kafka.consumer.group.instance.id", ""),
+        ]);
+        assert_eq!(source_config(&cfg, false).get("group.instance.id"), None);
+        assert!(!is_static_member(&cfg));
+    }
 
     #[test]
     fn the_restore_consumer_stays_read_committed_whatever_the_user_sets() {

@@ -232,6 +232,16 @@ impl Engine {
     /// Run one commit (`runtime::commit`); after an aborted transaction, seek the
     /// partitions back to their committed offsets.
     fn commit(&mut self, consumer: &SourceConsumer, mode: CommitMode) -> Result<()> {
+        if self.protocol.guarantee() == crate::config::Guarantee::ExactlyOnceV2 {
+            // The group metadata of now, not of the last assignment (as Kafka Streams
+            // does): under the cooperative protocol the generation can move on between two
+            // assignments of this instance (a revocation comes after the new generation's
+            // SyncGroup), and offsets sent with an older generation may be refused. A
+            // member that lost its partitions gets no newer generation before the run loop
+            // has carried out the loss (librdkafka waits for the unassign), so a zombie's
+            // offsets are still refused (KIP-447).
+            self.group_meta = consumer.group_metadata();
+        }
         let mut log = kafka_log!(self, consumer, mode);
         let result = self
             .protocol
@@ -397,9 +407,13 @@ impl App {
         // itself; an announced one the loop did not carry out is done now.
         consumer.context().defer_rebalances(false);
         rebalance::settle(&consumer, &events);
-        if result.is_ok() {
+        if result.is_ok() && !consumer::is_static_member(&self.config) {
             consumer.unsubscribe();
         }
+        // A static member does not leave: closing the consumer (on drop) sends no
+        // LeaveGroup (KIP-345), so the group keeps its partitions for it until
+        // `session.timeout.ms` and a restart within that time moves nothing. (An
+        // unsubscribe would leave the group and move every partition twice.)
         let mut counts = e.closed_counts;
         for t in e.tasks.values() {
             counts.add(t.counts());
@@ -493,6 +507,9 @@ fn run_loop(
                     true
                 }
                 Some(Err(err)) => {
+                    if let Some((code, reason)) = consumer.client().fatal_error() {
+                        return Err(fatal_consumer_error(code, &reason));
+                    }
                     tracing::warn!(error = %err, "consumer error");
                     false
                 }
@@ -508,6 +525,22 @@ fn run_loop(
                 break;
             }
         }
+    }
+}
+
+/// The error that stops an instance whose consumer failed for good. The one such failure
+/// to expect is a static member fenced (KIP-345): another running instance joined with the
+/// same `group.instance.id`, i.e. the same `application.id` and `instance.id`.
+fn fatal_consumer_error(code: rdkafka::types::RDKafkaErrorCode, reason: &str) -> Error {
+    if code == rdkafka::types::RDKafkaErrorCode::FencedInstanceId {
+        Error::Fenced(format!(
+            "another instance joined the consumer group with this instance's group.instance.id ({reason}); \
+             every running instance needs its own instance.id: this instance stops"
+        ))
+    } else {
+        Error::Fenced(format!(
+            "the source consumer failed for good ({code:?}: {reason}): this instance stops"
+        ))
     }
 }
 

@@ -3,8 +3,11 @@
 //!
 //! - **Assigned**: assign, pause at once (nothing is processed before the restore), create
 //!   the tasks; the restore is planned by the loop (`restore.rs`).
-//! - **Revoked**: commit the work of every partition (the producer flush covers them all),
-//!   close the revoked tasks, unassign. Under exactly_once_v2, partitions *lost* (the group
+//! - **Revoked**: commit the work of every partition (the producer flush covers them all;
+//!   under exactly_once_v2 the open transaction holds them all), close the revoked tasks,
+//!   unassign them. Under the cooperative protocol (the default, `kafka::consumer`) an
+//!   event names only the partitions that move: the others keep their tasks, stores and
+//!   position and go on processing right after this commit. Under exactly_once_v2, partitions *lost* (the group
 //!   moved on without this instance, e.g. after a long stop) are not committed: other
 //!   instances may own them already, so the open transaction is aborted and the staged
 //!   state dropped.
@@ -58,8 +61,20 @@ impl Engine {
                 ?partitions,
                 "partitions lost (this instance left the group): aborting the open transaction"
             );
+            let kept: Vec<i32> = (self.tasks.keys())
+                .filter(|p| !partitions.contains(p))
+                .copied()
+                .collect();
             let mut log = kafka_log!(self, consumer, CommitMode::Sync);
-            self.protocol.abort_lost(&mut log, &mut self.tasks)?;
+            if kept.is_empty() {
+                self.protocol.abort_lost(&mut log, &mut self.tasks)?;
+            } else {
+                // librdkafka loses the whole assignment at once; should it ever lose a
+                // part, the partitions kept rewind to their committed offsets.
+                let seek = self.protocol.abort(&mut log, &mut self.tasks)?;
+                let seek: Vec<_> = seek.into_iter().filter(|(p, _)| kept.contains(p)).collect();
+                self.rewind(consumer, &seek)?;
+            }
         } else {
             tracing::info!(?partitions, "partitions revoked: committing their work");
             self.commit(consumer, CommitMode::Sync)?;

@@ -521,7 +521,7 @@ impl StateTools {
             .collect::<Vec<_>>()
             .join(", ");
         Err(Error::Broker(format!(
-            "refusing to {doing}: consumer group {} has {} active member(s): {list}; stop every instance of the application first",
+            "refusing to {doing}: consumer group {} has {} active member(s): {list}; stop every instance of the application first (a stopped static member, one with instance.id set, stays in the group until its session.timeout.ms has passed)",
             self.config.application_id,
             members.len()
         )))
