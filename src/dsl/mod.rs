@@ -48,7 +48,7 @@ use crate::error::Error;
 use crate::processor::expr::{BytesFn, Computed, Predicate};
 use crate::processor::key::KeySource;
 use crate::processor::route::{RouteBranch, RouteSpec};
-use crate::processor::stages::{ConflictPolicy, DedupSpec, SinkSpec, TimeSource};
+use crate::processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
 use crate::processor::transform::{FilterSpec, MapSpec};
 use crate::topology::{
     EnrichSpec, Format, MissingPolicy, ProtoFormat, StageKind, TableSpec, Topology, TopologyBuilder,
@@ -733,6 +733,7 @@ impl Compiler {
                 "fingerprint",
                 "on_conflict",
                 "duplicates_to",
+                "partitioning",
             ],
             "filter" => &["name", "when"],
             "map" => &["name", "set", "rename", "drop"],
@@ -970,6 +971,16 @@ impl Compiler {
         if let Some(n) = f.get("duplicates_to") {
             match self.string(n, place, "duplicates_to") {
                 Some(t) => spec.duplicates_to = Some(t),
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("partitioning") {
+            match self
+                .choice(n, place, "partitioning", &["source", "repartition"])
+                .as_deref()
+            {
+                Some("source") => spec.partitioning = Some(Partitioning::Source),
+                Some(_) => spec.partitioning = Some(Partitioning::Repartition),
                 None => ok = false,
             }
         }
