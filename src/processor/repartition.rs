@@ -97,6 +97,14 @@ pub fn route(
     let mut k = Vec::with_capacity(32);
     key.extract_into(record, &mut k)?;
     let partition = partition_for(&k, partitions);
+    Ok(unrouted(record, topic, partition, Some(Bytes::from(k))))
+}
+
+/// The repartition record for `record` with its Kafka key `key` on `partition`, with value,
+/// timestamp and headers as read plus the source-coordinate headers (kept as they are when
+/// the record already carries them). [`route`] builds on it; a caller uses it directly for
+/// a record without a dedup key, which the dedup stage then dead-letters.
+pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>) -> OutRecord {
     let mut headers = record.headers.clone();
     if source_of(&headers).is_none() {
         let h = |s: String| Some(Bytes::from(s.into_bytes()));
@@ -108,14 +116,14 @@ pub fn route(
         ));
         headers.push((SOURCE_OFFSET.into(), h(record.source.offset.to_string())));
     }
-    Ok(OutRecord {
+    OutRecord {
         topic: topic.to_string(),
         partition: Some(partition),
-        key: Some(Bytes::from(k)),
+        key,
         value: record.value.clone(),
         headers,
         timestamp: record.timestamp,
-    })
+    }
 }
 
 #[cfg(test)]
