@@ -25,7 +25,7 @@
 mod deploy;
 
 use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::DedupSpec;
+use onceflow::processor::stages::{DedupSpec, Partitioning};
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 
 /// Events of `input` deduplicated by `/event_id` over 24 h of event time: first
@@ -36,7 +36,10 @@ pub fn topology(input: &str, output: &str, duplicates: &str) -> Topology {
         .dedup(
             "dedup-events",
             DedupSpec::new(KeySource::JsonPointer("/event_id".into()))
-                .with_duplicates_to(duplicates),
+                .with_duplicates_to(duplicates)
+                // Repartition: clients key events by user or session (or not at all), so
+                // copies of one event_id may arrive on different partitions.
+                .with_partitioning(Partitioning::Repartition),
         )
         .sink("unique", output)
         .build()

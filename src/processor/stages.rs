@@ -146,19 +146,13 @@ impl DedupSpec {
             ),
             (Some(Partitioning::Source), _) => (
                 Partitioning::Source,
-                "stated: the user promises that all copies of a key share a source partition",
+                "stated: the user's promise that copies of a key share a partition",
             ),
-            (Some(Partitioning::Repartition), _) => (
-                Partitioning::Repartition,
-                "stated: records are routed by the dedup key through the repartition topic",
-            ),
-            (None, KeySource::KafkaKey) => (
-                Partitioning::Source,
-                "default for key kafka_key: the producer's partitioner puts equal keys on one partition",
-            ),
+            (Some(Partitioning::Repartition), _) => (Partitioning::Repartition, "stated"),
+            (None, KeySource::KafkaKey) => (Partitioning::Source, "default for key kafka_key"),
             (None, _) => (
                 Partitioning::Repartition,
-                "default for a key other than kafka_key: copies may arrive on different partitions",
+                "default for a key other than kafka_key",
             ),
         }
     }

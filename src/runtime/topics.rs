@@ -33,9 +33,18 @@ impl App {
     /// checked to have the source's partition count.
     ///
     /// # Errors
-    /// [`Error::Broker`] when the source topic is missing, a changelog has another partition
+    /// [`Error::Config`] when a dedup stage has `partitioning: repartition` in effect (not
+    /// run by the runtime yet); [`Error::Broker`] when the source topic is missing, a changelog has another partition
     /// count than the source, or topics cannot be created.
     pub fn prepare_topics(&self) -> Result<usize> {
+        // Never let copies on different partitions pass silently: until the runtime runs
+        // the repartition hop, a stage that needs it is refused before anything is created.
+        if let Some((_, name, d)) = self.topology.repartitioned().first() {
+            return Err(Error::Config(format!(
+                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which `onceflow run` does not run yet (the test driver does); if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
+                d.key.describe()
+            )));
+        }
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
         let n = admin.partition_count(src)?.ok_or_else(|| {
