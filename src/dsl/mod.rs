@@ -1314,7 +1314,7 @@ mod tests {
         let cases = [
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: {json_pointer: /id}, ttll: 1h}\n  - sink: {topic: b}\n",
-                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to",
+                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to, partitioning",
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {name: d, key: {json_pointer: /id}, ttl: 2 parsecs}\n  - sink: {topic: b}\n",

@@ -92,3 +92,44 @@ impl App {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+    use crate::processor::key::KeySource;
+    use crate::processor::stages::{DedupSpec, Partitioning};
+    use crate::runtime::App;
+    use crate::topology::{Format, TopologyBuilder};
+
+    /// A stage that needs the repartition hop is refused before any topic is touched (the
+    /// broker address is unreachable on purpose: the refusal comes first).
+    #[test]
+    fn a_stage_needing_repartition_is_refused_at_start() {
+        let cfg = Config::load_with_env(
+            &[],
+            &[("bootstrap.servers".into(), "127.0.0.1:1".into())],
+            Vec::new(),
+        )
+        .unwrap();
+        let t = |p: Option<Partitioning>| {
+            let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+            spec.partitioning = p;
+            TopologyBuilder::new("t")
+                .source("in", Format::Json)
+                .dedup("by-id", spec)
+                .sink("out", "out")
+                .build()
+                .unwrap()
+        };
+        for p in [None, Some(Partitioning::Repartition)] {
+            let err = App::new(cfg.clone(), t(p))
+                .prepare_topics()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("\"by-id\""), "{err}");
+            assert!(err.contains("partitioning: source"), "{err}");
+        }
+        // Stated `source`: nothing to refuse.
+        assert!(t(Some(Partitioning::Source)).repartitioned().is_empty());
+    }
+}
