@@ -101,7 +101,10 @@ fn validate_command_exits_1_with_every_error() {
     let (code, out, _) = onceflow(&["validate", "topologies/analytics-dedup.yaml"]);
     assert_eq!(
         (code, out.as_str()),
-        (0, "topologies/analytics-dedup.yaml: ok\n")
+        (
+            0,
+            "topologies/analytics-dedup.yaml: ok\n  dedup seen-events: partitioning=repartition (stated)\n"
+        )
     );
     let (code, _, err) = onceflow(&["validate", "topologies/does-not-exist.yaml"]);
     assert_eq!(code, 1);
