@@ -25,7 +25,7 @@
 mod deploy;
 
 use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::DedupSpec;
+use onceflow::processor::stages::{DedupSpec, Partitioning};
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 
 /// Events of `input` deduplicated by `/event_id` over 24 h of event time: first
@@ -36,7 +36,10 @@ pub fn topology(input: &str, output: &str, duplicates: &str) -> Topology {
         .dedup(
             "dedup-events",
             DedupSpec::new(KeySource::JsonPointer("/event_id".into()))
-                .with_duplicates_to(duplicates),
+                .with_duplicates_to(duplicates)
+                // Repartition: clients key events by user or session (or not at all), so
+                // copies of one event_id may arrive on different partitions.
+                .with_partitioning(Partitioning::Repartition),
         )
         .sink("unique", output)
         .build()
@@ -60,6 +63,7 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use onceflow::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
     use onceflow::processor::stages::{
         DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
     };
@@ -123,35 +127,40 @@ mod tests {
                 )
             })
             .collect();
-        let of = |partition: &str, offset: &str| {
+        // Read back from the repartition topic: keyed by the event id, with the source
+        // coordinates (analytics.events, partition 0, offset) in headers.
+        let of = |offset: &str, first: &str| {
             vec![
+                (SOURCE_TOPIC.to_string(), "analytics.events".to_string()),
+                (SOURCE_PARTITION.to_string(), "0".to_string()),
+                (SOURCE_OFFSET.to_string(), offset.to_string()),
                 (DUPLICATE_KIND.to_string(), "duplicate".to_string()),
-                (DUPLICATE_OF_PARTITION.to_string(), partition.to_string()),
-                (DUPLICATE_OF_OFFSET.to_string(), offset.to_string()),
+                (DUPLICATE_OF_PARTITION.to_string(), "0".to_string()),
+                (DUPLICATE_OF_OFFSET.to_string(), first.to_string()),
             ]
         };
         let mut first = vec![("relay".to_string(), "r2".to_string())];
-        first.extend(of("0", "0"));
+        first.extend(of("2", "0"));
         assert_eq!(
             side,
             vec![
                 (
-                    Some("client-7".to_string()),
+                    Some("a".to_string()),
                     r#"{"event_id":"a","t":7200000}"#.to_string(),
                     Some(2 * hour),
                     first,
                 ),
                 (
-                    None,
+                    Some("b".to_string()),
                     r#"{"event_id":"b","t":10800000}"#.to_string(),
                     Some(3 * hour),
-                    of("0", "1"),
+                    of("4", "1"),
                 ),
                 (
-                    None,
+                    Some("a".to_string()),
                     r#"{"event_id":"a","t":93600000}"#.to_string(),
                     Some(26 * hour),
-                    of("0", "3"),
+                    of("5", "3"),
                 ),
             ]
         );

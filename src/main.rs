@@ -102,8 +102,15 @@ fn main() -> ExitCode {
         Command::State(args) => onceflow::tools::cli::state_main(args),
         Command::Reset(args) => onceflow::tools::cli::reset_main(args),
         Command::Validate { topology } => match onceflow::dsl::load(&topology) {
-            Ok(_) => {
+            Ok(t) => {
                 println!("{}: ok", topology.display());
+                // Which partitioning each dedup stage runs under, and why.
+                for s in t.stages() {
+                    if let onceflow::topology::StageKind::Dedup(d) = &s.kind {
+                        let (p, why) = d.effective_partitioning();
+                        println!("  dedup {}: partitioning={} ({why})", s.name, p.name());
+                    }
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -25,6 +25,9 @@ fn topology(key: KeySource, ttl_ms: i64, time: TimeSource, format: Format) -> To
     let mut spec = DedupSpec::new(key);
     spec.ttl_ms = ttl_ms;
     spec.time = time;
+    // These tests pipe every copy of a key to one partition (the promise of `source`);
+    // tests/driver_repartition.rs covers copies on several partitions.
+    spec.partitioning = Some(onceflow::processor::stages::Partitioning::Source);
     TopologyBuilder::new("t")
         .source("in", format)
         .dedup("dedup", spec)

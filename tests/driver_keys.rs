@@ -123,7 +123,7 @@ name: t
 source: { topic: in, format: json }
 stages:
   - map: { set: { seen: 'true' } }
-  - dedup: { name: dedup, key: { json_pointer: /id } }
+  - dedup: { name: dedup, key: { json_pointer: /id }, partitioning: source }
   - sink: { topic: out }
 "#,
     );

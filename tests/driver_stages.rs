@@ -247,7 +247,7 @@ name: t
 source: { topic: in }
 stages:
   - map: { rename: { ident: id } }
-  - dedup: { key: { json_pointer: /id } }
+  - dedup: { key: { json_pointer: /id }, partitioning: source }
   - sink: { topic: out }
 "#,
     );
@@ -489,7 +489,9 @@ fn builder_closures_do_what_expressions_do() {
         )
         .dedup(
             "dedup",
-            DedupSpec::new(KeySource::JsonPointer("/id".into())).with_duplicates_to("dups"),
+            DedupSpec::new(KeySource::JsonPointer("/id".into()))
+                .with_duplicates_to("dups")
+                .with_partitioning(onceflow::processor::stages::Partitioning::Source),
         )
         .route(
             "split",

@@ -101,7 +101,10 @@ fn validate_command_exits_1_with_every_error() {
     let (code, out, _) = onceflow(&["validate", "topologies/analytics-dedup.yaml"]);
     assert_eq!(
         (code, out.as_str()),
-        (0, "topologies/analytics-dedup.yaml: ok\n")
+        (
+            0,
+            "topologies/analytics-dedup.yaml: ok\n  dedup seen-events: partitioning=repartition (stated)\n"
+        )
     );
     let (code, _, err) = onceflow(&["validate", "topologies/does-not-exist.yaml"]);
     assert_eq!(code, 1);
@@ -124,7 +127,8 @@ fn describe_text_names_stages_topics_stores_and_changelogs() {
         out,
         "Topology: analytics-dedup
   Source: topic analytics.events (format json)
-  Dedup: seen-events key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates
+  Repartition: topic shop-seen-events-repartition keyed by json pointer /event_id
+  Dedup: seen-events key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates partitioning=repartition (stated)
   Sink: unique topics=analytics.unique key=`value.user_id` header[event-name]=`value.event`
   Topics written: analytics.duplicates (json), analytics.unique (json)
   Store: seen-events (stage seen-events) changelog shop-seen-events-changelog
@@ -139,7 +143,7 @@ fn describe_mermaid_and_dot() {
         t.describe_as(DescribeFormat::Mermaid, "onceflow"),
         r#"flowchart LR
   t0(["topic analytics.events"])
-  s0["dedup seen-events<br/>key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates"]
+  s0["dedup seen-events<br/>key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates partitioning=repartition (stated)"]
   t1(["topic analytics.duplicates"])
   st0_0[("store seen-events<br/>changelog onceflow-seen-events-changelog")]
   s1["sink unique<br/>topics=analytics.unique key=`value.user_id` header[event-name]=`value.event`"]

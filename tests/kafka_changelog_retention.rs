@@ -82,7 +82,7 @@ fn topic_config(topic: &str, name: &str) -> Option<String> {
 #[test]
 fn a_live_entry_survives_an_outage_longer_than_ttl_plus_grace() {
     let names = names_for(
-        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 5s, grace: 0s}\n  - sink: {topic: '{output}'}\n",
+        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 5s, grace: 0s, partitioning: source}\n  - sink: {topic: '{output}'}\n",
         1,
     );
     let ids: Vec<String> = (1..=5).map(|i| format!("id-{i}")).collect();
@@ -144,7 +144,7 @@ fn a_live_entry_survives_an_outage_longer_than_ttl_plus_grace() {
 #[test]
 fn a_changelog_made_for_another_ttl_is_corrected_at_start_up() {
     let names = names_for(
-        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 2h, grace: 0s}\n  - sink: {topic: '{output}'}\n",
+        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 2h, grace: 0s, partitioning: source}\n  - sink: {topic: '{output}'}\n",
         1,
     );
     let changelog = format!("{}-dedup-changelog", names.app);
@@ -194,7 +194,7 @@ fn a_restore_warns_when_changelog_records_were_deleted_under_it() {
     use rdkafka::admin::{AdminClient, AdminOptions};
     use rdkafka::TopicPartitionList;
     let names = names_for(
-        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n",
+        "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n",
         1,
     );
     // DeleteRecords needs `delete` in the policy: a changelog that never deletes by time or

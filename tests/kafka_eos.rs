@@ -72,7 +72,7 @@ fn transactional_producer(
 
 #[test]
 fn upstream_aborted_transactions_never_reach_the_state() {
-    let yaml = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n";
+    let yaml = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n";
     let names = names_for(yaml, 1);
     for (codec, tag) in [("lz4", "l"), ("zstd", "z")] {
         let p = transactional_producer(&unique(&format!("upstream-{codec}")), codec);

@@ -18,7 +18,7 @@ stages:
       name: shape
       set: { kind: value.type }
       drop: [payload]
-  - dedup: { name: seen, key: { json_pointer: /id }, duplicates_to: "{dups}" }
+  - dedup: { name: seen, key: { json_pointer: /id }, duplicates_to: "{dups}", partitioning: source }
   - route:
       name: split
       routes:

@@ -27,7 +27,7 @@ fn scenario(guarantee: &str) {
         r#"name: marks
 source: {{ topic: "{{input}}", format: json }}
 stages:
-  - dedup: {{ name: seen, key: {{ json_pointer: /id }}, ttl: 24h }}
+  - dedup: {{ name: seen, key: {{ json_pointer: /id }}, ttl: 24h, partitioning: source }}
   - http:
       name: hook
       url: "{url}"

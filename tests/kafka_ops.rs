@@ -159,7 +159,7 @@ fn metrics_endpoint_serves_every_named_metric_with_its_labels() {
         r#"name: ops-metrics
 source: {{ topic: "{{input}}", format: json }}
 stages:
-  - dedup: {{ name: dedup, key: {{ json_pointer: /id }}, ttl: 1h }}
+  - dedup: {{ name: dedup, key: {{ json_pointer: /id }}, ttl: 1h, partitioning: source }}
   - file: {{ name: effects, path: "{}", line: "{{value}}", idempotency: {{ key: "{{value./id}}" }} }}
   - sink: {{ topic: "{{output}}" }}
 "#,

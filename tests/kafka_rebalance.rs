@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 const T: Duration = Duration::from_secs(120);
 const PARTITIONS: i32 = 6;
 const COMMIT_MS: u64 = 500;
-const TOPOLOGY: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n";
+const TOPOLOGY: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n";
 
 fn sets(names: &Names, instance: &str) -> Vec<(&'static str, String)> {
     let mut s = vec![

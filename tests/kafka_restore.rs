@@ -40,8 +40,8 @@ fn outputs(names: &Names) -> Vec<String> {
         .collect()
 }
 
-const BY_ID: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 10m}\n  - sink: {topic: '{output}'}\n";
-const BY_HEADER: &str = "name: t\nsource: {topic: '{input}', format: bytes}\nstages:\n  - dedup: {name: dedup, key: {header: msg-id}, ttl: 1h}\n  - sink: {topic: '{output}'}\n";
+const BY_ID: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 10m, partitioning: source}\n  - sink: {topic: '{output}'}\n";
+const BY_HEADER: &str = "name: t\nsource: {topic: '{input}', format: bytes}\nstages:\n  - dedup: {name: dedup, key: {header: msg-id}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n";
 
 #[test]
 fn a_restore_completes_before_the_first_source_record() {
@@ -277,7 +277,7 @@ fn two_processes_on_one_state_dir_fail_fast() {
     assert!(st.success());
 }
 
-const TWO_STORES: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: by_id, key: {json_pointer: /id}, ttl: 1h}\n  - dedup: {name: by_k, key: {json_pointer: /k}, ttl: 1h}\n  - sink: {topic: '{output}'}\n";
+const TWO_STORES: &str = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: by_id, key: {json_pointer: /id}, ttl: 1h, partitioning: source}\n  - dedup: {name: by_k, key: {json_pointer: /k}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n";
 
 /// Two dedup stores (two changelogs read by one restore consumer), exactly_once_v2 (each
 /// changelog ends in a commit marker, several transactions in it), one partition with empty

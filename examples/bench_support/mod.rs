@@ -262,6 +262,8 @@ pub fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
     spec.ttl_ms = TTL_MS;
     spec.time = TimeSource::Event;
+    // Source: the benchmark publishes every copy of an id with the same Kafka key.
+    spec.partitioning = Some(onceflow::processor::stages::Partitioning::Source);
     TopologyBuilder::new("bench-dedup")
         .source(input, Format::Json)
         .dedup("dedup", spec)

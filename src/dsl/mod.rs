@@ -48,7 +48,7 @@ use crate::error::Error;
 use crate::processor::expr::{BytesFn, Computed, Predicate};
 use crate::processor::key::KeySource;
 use crate::processor::route::{RouteBranch, RouteSpec};
-use crate::processor::stages::{ConflictPolicy, DedupSpec, SinkSpec, TimeSource};
+use crate::processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
 use crate::processor::transform::{FilterSpec, MapSpec};
 use crate::topology::{
     EnrichSpec, Format, MissingPolicy, ProtoFormat, StageKind, TableSpec, Topology, TopologyBuilder,
@@ -733,6 +733,7 @@ impl Compiler {
                 "fingerprint",
                 "on_conflict",
                 "duplicates_to",
+                "partitioning",
             ],
             "filter" => &["name", "when"],
             "map" => &["name", "set", "rename", "drop"],
@@ -970,6 +971,16 @@ impl Compiler {
         if let Some(n) = f.get("duplicates_to") {
             match self.string(n, place, "duplicates_to") {
                 Some(t) => spec.duplicates_to = Some(t),
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("partitioning") {
+            match self
+                .choice(n, place, "partitioning", &["source", "repartition"])
+                .as_deref()
+            {
+                Some("source") => spec.partitioning = Some(Partitioning::Source),
+                Some(_) => spec.partitioning = Some(Partitioning::Repartition),
                 None => ok = false,
             }
         }
@@ -1303,7 +1314,7 @@ mod tests {
         let cases = [
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: {json_pointer: /id}, ttll: 1h}\n  - sink: {topic: b}\n",
-                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to",
+                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to, partitioning",
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {name: d, key: {json_pointer: /id}, ttl: 2 parsecs}\n  - sink: {topic: b}\n",

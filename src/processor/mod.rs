@@ -13,6 +13,7 @@ pub mod fingerprint;
 pub mod json_scan;
 pub mod key;
 pub mod record;
+pub mod repartition;
 pub mod route;
 pub mod stages;
 pub mod transform;

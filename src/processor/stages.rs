@@ -47,6 +47,38 @@ impl ConflictPolicy {
     }
 }
 
+/// How a dedup stage's key meets the source's partitioning.
+///
+/// A dedup store is partition-local: a copy is caught only on the partition that holds the
+/// first copy's mark. Either the source already puts every copy of a key on one partition
+/// (`Source`, the user's promise) or onceflow routes the records by the dedup key through
+/// the internal topic `<application.id>-<stage>-repartition` first (`Repartition`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Partitioning {
+    /// The user's promise: all copies of a key already share a source partition (the Kafka
+    /// key is the dedup key, or determines it). Copies on different partitions each pass.
+    Source,
+    /// Route the stage's input by the dedup key (raw bytes) through the repartition topic,
+    /// so that all copies of a key meet on one partition whatever their Kafka key.
+    Repartition,
+}
+
+impl Partitioning {
+    /// Name as written in topology files: `source` or `repartition`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Partitioning::Source => "source",
+            Partitioning::Repartition => "repartition",
+        }
+    }
+}
+
+/// The internal topic a repartitioned dedup stage routes its input through:
+/// `<application.id>-<stage>-repartition`.
+pub fn repartition_topic(application_id: &str, stage: &str) -> String {
+    format!("{application_id}-{stage}-repartition")
+}
+
 /// Settings of a dedup stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DedupSpec {
@@ -76,6 +108,10 @@ pub struct DedupSpec {
     /// the `onceflow.duplicate.of.*` headers naming the first occurrence); default none:
     /// duplicates are dropped.
     pub duplicates_to: Option<String>,
+    /// How the key meets the partitioning; `None` (the default) means `Source` for
+    /// `key: kafka_key` and `Repartition` for every other key (see
+    /// [`DedupSpec::effective_partitioning`]).
+    pub partitioning: Option<Partitioning>,
 }
 
 impl DedupSpec {
@@ -91,6 +127,34 @@ impl DedupSpec {
             grace_ms: 3600 * 1000,
             max_keys: None,
             duplicates_to: None,
+            partitioning: None,
+        }
+    }
+
+    /// State how the key meets the source's partitioning (default: `Source` for the Kafka
+    /// key, `Repartition` otherwise; see [`Partitioning`]).
+    pub fn with_partitioning(mut self, partitioning: Partitioning) -> Self {
+        self.partitioning = Some(partitioning);
+        self
+    }
+
+    /// The partitioning that applies, and why (for `validate` and `describe`).
+    pub fn effective_partitioning(&self) -> (Partitioning, &'static str) {
+        match (self.partitioning, &self.key) {
+            (Some(Partitioning::Source), KeySource::KafkaKey) => (
+                Partitioning::Source,
+                "stated; the Kafka key is the dedup key",
+            ),
+            (Some(Partitioning::Source), _) => (
+                Partitioning::Source,
+                "stated: the user's promise that copies of a key share a partition",
+            ),
+            (Some(Partitioning::Repartition), _) => (Partitioning::Repartition, "stated"),
+            (None, KeySource::KafkaKey) => (Partitioning::Source, "default for key kafka_key"),
+            (None, _) => (
+                Partitioning::Repartition,
+                "default for a key other than kafka_key",
+            ),
         }
     }
 

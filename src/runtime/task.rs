@@ -513,7 +513,9 @@ fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64)
 }
 
 /// Build the dead-letter record for a refused source record: its key, value, timestamp and
-/// headers as read, plus the `onceflow.dlq.*` headers naming source and reason.
+/// headers as read, plus the `onceflow.dlq.*` headers naming source and reason. A record
+/// read from a repartition topic is named by its original source (its
+/// `onceflow.source.*` headers), not by its repartition coordinates.
 pub fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
@@ -524,6 +526,9 @@ pub fn dead_letter(
     err: &RecordError,
 ) -> OutRecord {
     let h = |s: String| Some(Bytes::from(s.into_bytes()));
+    // A record read back from a repartition topic names its original source record.
+    let original = crate::processor::repartition::source_of(&headers);
+    let source = original.as_ref().unwrap_or(source);
     headers.push((dlq_headers::TOPIC.into(), h(source.0.clone())));
     headers.push((dlq_headers::PARTITION.into(), h(source.1.to_string())));
     headers.push((dlq_headers::OFFSET.into(), h(source.2.to_string())));

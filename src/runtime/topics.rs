@@ -32,10 +32,19 @@ impl App {
     /// (corrected when it could).
     ///
     /// # Errors
-    /// [`Error::Broker`] when the source topic is missing, a changelog has another partition
-    /// count than the source or a configuration that cannot be corrected, or topics cannot
-    /// be created.
+    /// [`Error::Config`] when a dedup stage has `partitioning: repartition` in effect (not
+    /// run by the runtime yet); [`Error::Broker`] when the source topic is missing, a
+    /// changelog has another partition count than the source or a configuration that cannot
+    /// be corrected, or topics cannot be created.
     pub fn prepare_topics(&self) -> Result<usize> {
+        // Never let copies on different partitions pass silently: until the runtime runs
+        // the repartition hop, a stage that needs it is refused before anything is created.
+        if let Some((_, name, d)) = self.topology.repartitioned().first() {
+            return Err(Error::Config(format!(
+                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which `onceflow run` does not run yet (the test driver does); if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
+                d.key.describe()
+            )));
+        }
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
         let n = admin.partition_count(src)?.ok_or_else(|| {
@@ -83,5 +92,46 @@ impl App {
             }
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+    use crate::processor::key::KeySource;
+    use crate::processor::stages::{DedupSpec, Partitioning};
+    use crate::runtime::App;
+    use crate::topology::{Format, TopologyBuilder};
+
+    /// A stage that needs the repartition hop is refused before any topic is touched (the
+    /// broker address is unreachable on purpose: the refusal comes first).
+    #[test]
+    fn a_stage_needing_repartition_is_refused_at_start() {
+        let cfg = Config::load_with_env(
+            &[],
+            &[("bootstrap.servers".into(), "127.0.0.1:1".into())],
+            Vec::new(),
+        )
+        .unwrap();
+        let t = |p: Option<Partitioning>| {
+            let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+            spec.partitioning = p;
+            TopologyBuilder::new("t")
+                .source("in", Format::Json)
+                .dedup("by-id", spec)
+                .sink("out", "out")
+                .build()
+                .unwrap()
+        };
+        for p in [None, Some(Partitioning::Repartition)] {
+            let err = App::new(cfg.clone(), t(p))
+                .prepare_topics()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("\"by-id\""), "{err}");
+            assert!(err.contains("partitioning: source"), "{err}");
+        }
+        // Stated `source`: nothing to refuse.
+        assert!(t(Some(Partitioning::Source)).repartitioned().is_empty());
     }
 }

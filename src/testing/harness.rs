@@ -654,7 +654,7 @@ impl<'a> Run<'a> {
                 .map_err(|e| format!("create topic {t}: {e}"))?;
         }
         let yaml = format!(
-            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: /id }}\n      ttl: 24h\n      time: event\n  - sink:\n      name: out\n      topic: {}\n",
+            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: /id }}\n      ttl: 24h\n      time: event\n      partitioning: source\n  - sink:\n      name: out\n      topic: {}\n",
             self.input, self.output
         );
         std::fs::write(&self.topology, yaml).map_err(|e| format!("topology: {e}"))?;

@@ -99,6 +99,20 @@ pub struct TestDriver {
     restored: u64,
     crashed_at: Option<&'static str>,
     tables: TableState,
+    /// The repartition hop of a dedup stage with `partitioning: repartition`, if any.
+    hop: Option<Hop>,
+    /// With a hop: the next offset per source partition (`inputs` then holds the
+    /// repartition topic, which the tasks read).
+    source_offsets: BTreeMap<i32, i64>,
+}
+
+/// The driver's repartition topic: piped records are routed by the dedup key onto its
+/// partitions, and the tasks run on those (see [`TestDriver::source_partitions`]).
+struct Hop {
+    topic: String,
+    key: crate::processor::key::KeySource,
+    partitions: i32,
+    format: crate::topology::Format,
 }
 
 /// A changelog record sent and not yet durable: (store, partition), key, value.
@@ -261,8 +275,46 @@ impl TestDriver {
             restored: 0,
             crashed_at: None,
             tables: TableState::default(),
+            hop: None,
+            source_offsets: BTreeMap::new(),
         }
         .with_tables()
+        .with_hop()
+    }
+
+    /// Set up the repartition hop when the first stage is a dedup with `partitioning:
+    /// repartition` (application id `test`, 1 partition until [`Self::source_partitions`]).
+    fn with_hop(mut self) -> Self {
+        let first = self
+            .topology
+            .repartitioned()
+            .first()
+            .and_then(|(i, name, d)| {
+                (*i == 0).then(|| Hop {
+                    topic: crate::processor::stages::repartition_topic("test", name),
+                    key: d.key.clone(),
+                    partitions: 1,
+                    format: self.topology.source().format.clone(),
+                })
+            });
+        self.hop = first;
+        self
+    }
+
+    /// The source's partition count, which the repartition topic of a dedup stage with
+    /// `partitioning: repartition` gets (default 1; set it before piping). Records are
+    /// routed onto those partitions by Kafka's default partitioner over the dedup key.
+    pub fn source_partitions(mut self, n: i32) -> Self {
+        if let Some(h) = self.hop.as_mut() {
+            h.partitions = n.max(1);
+        }
+        self
+    }
+
+    /// The driver's repartition topic (`test-<stage>-repartition`), when the first stage is
+    /// a dedup with `partitioning: repartition`.
+    pub fn repartition_topic(&self) -> Option<&str> {
+        self.hop.as_ref().map(|h| h.topic.as_str())
     }
 
     /// Commit under `guarantee` (default at_least_once). Under exactly_once_v2 outputs,
@@ -350,11 +402,44 @@ impl TestDriver {
             .unwrap_or_default()
     }
 
-    /// Pipe one record; returns its offset.
+    /// Pipe one record; returns its offset in its source partition.
+    ///
+    /// When the first stage is a dedup with `partitioning: repartition`, the record is
+    /// first routed by its dedup key onto a partition of the repartition topic
+    /// ([`Self::source_partitions`]), and that partition's task processes it.
     ///
     /// # Errors
-    /// A store failure from the task.
+    /// A store failure from the task; [`crate::Error::Config`] when a dedup stage other
+    /// than the first repartitions its input (not supported by the driver yet).
     pub fn pipe(&mut self, r: TestRecord) -> Result<i64> {
+        if self.hop.is_none() {
+            if let Some((_, name, _)) = self.topology.repartitioned().first() {
+                return Err(crate::Error::Config(format!(
+                    "dedup stage {name:?} repartitions its input, which the test driver supports only for a first stage; put it first, or state `partitioning: source`"
+                )));
+            }
+        }
+        if self.hop.is_some() {
+            let n = self.source_offsets.entry(r.partition).or_default();
+            let offset = *n;
+            *n += 1;
+            let rec = Record {
+                key: r.key,
+                value: r.value,
+                headers: r.headers,
+                timestamp: r.timestamp,
+                json: None,
+                fields: None,
+                source: SourceMeta {
+                    topic: self.topology.source().topic.as_str().into(),
+                    partition: r.partition,
+                    offset,
+                },
+            };
+            let routed = self.route(rec);
+            self.process(routed)?;
+            return Ok(offset);
+        }
         let input = self.inputs.entry(r.partition).or_default();
         let offset = input.len() as i64;
         let rec = Record {
@@ -373,6 +458,43 @@ impl TestDriver {
         input.push(rec.clone());
         self.process(rec)?;
         Ok(offset)
+    }
+
+    /// Route a source record through the repartition hop: it is appended to the repartition
+    /// topic's partition that its dedup key hashes to (a record without a key keeps its
+    /// Kafka key, and the dedup stage dead-letters it there). The hop is durable at once
+    /// here; in the runtime it is part of the commit.
+    fn route(&mut self, rec: Record) -> Record {
+        let hop = self.hop.as_ref().expect("called with a hop");
+        let mut view = rec.clone();
+        if hop.key.needs_json() {
+            view.json = rec.value.as_deref().and_then(|v| hop.format.decode(v).ok());
+        }
+        let out = crate::processor::repartition::route(&view, &hop.key, &hop.topic, hop.partitions)
+            .unwrap_or_else(|_| {
+                let p = match rec.key.as_deref() {
+                    Some(k) => crate::processor::repartition::partition_for(k, hop.partitions),
+                    None => rec.source.partition.rem_euclid(hop.partitions),
+                };
+                crate::processor::repartition::unrouted(&rec, &hop.topic, p, rec.key.clone())
+            });
+        let p = out.partition.unwrap_or(0);
+        let log = self.inputs.entry(p).or_default();
+        let routed = Record {
+            key: out.key,
+            value: out.value,
+            headers: out.headers,
+            timestamp: out.timestamp,
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic: out.topic.as_str().into(),
+                partition: p,
+                offset: log.len() as i64,
+            },
+        };
+        log.push(routed.clone());
+        routed
     }
 
     /// Process one source record and send its outputs; commit if auto-commit is on.

@@ -671,7 +671,7 @@ impl StateTools {
             let app = &self.config.application_id;
             for t in [
                 changelog_topic(app, &st.name),
-                format!("{app}-{}-repartition", st.name),
+                crate::processor::stages::repartition_topic(app, &st.name),
             ] {
                 if admin.partition_count(&t)?.is_some() {
                     topics.push(t);

@@ -3,6 +3,7 @@
 //! with their changelog topics.
 
 use super::{StageKind, Topology};
+use crate::processor::stages::{repartition_topic, Partitioning};
 use crate::state::restore::changelog_topic;
 use std::fmt::Write as _;
 
@@ -59,6 +60,8 @@ fn settings(kind: &StageKind) -> String {
             if let Some(t) = &d.duplicates_to {
                 let _ = write!(s, " duplicates_to={t}");
             }
+            let (p, why) = d.effective_partitioning();
+            let _ = write!(s, " partitioning={} ({why})", p.name());
             s
         }
         StageKind::Sink(k) => {
@@ -172,6 +175,16 @@ impl Topology {
             );
         }
         for st in &self.stages {
+            if let StageKind::Dedup(d) = &st.kind {
+                if d.effective_partitioning().0 == Partitioning::Repartition {
+                    let _ = writeln!(
+                        s,
+                        "  Repartition: topic {} keyed by {}",
+                        repartition_topic(app, &st.name),
+                        d.key.describe()
+                    );
+                }
+            }
             let _ = writeln!(
                 s,
                 "  {}: {} {}",

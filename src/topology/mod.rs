@@ -126,6 +126,25 @@ impl Topology {
             .collect()
     }
 
+    /// The dedup stages with `partitioning: repartition` in effect (stated or by default),
+    /// with their index in the stage list: each reads its input back from
+    /// `<application.id>-<stage>-repartition`.
+    pub fn repartitioned(&self) -> Vec<(usize, &str, &DedupSpec)> {
+        self.stages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match &s.kind {
+                StageKind::Dedup(d)
+                    if d.effective_partitioning().0
+                        == crate::processor::stages::Partitioning::Repartition =>
+                {
+                    Some((i, s.name.as_str(), d))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The JSON pointers the stages read, for decoding without a tree.
     pub fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();

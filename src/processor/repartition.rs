@@ -1,0 +1,193 @@
+//! The repartition hop of a dedup stage with `partitioning: repartition`.
+//!
+//! A dedup store is partition-local, so all copies of a key must reach one partition. When
+//! the source does not promise that, the stage's input is written to the internal topic
+//! `<application.id>-<stage>-repartition` (see [`super::stages::repartition_topic`]), keyed
+//! by the dedup key bytes as extracted (raw, never decoded), on the partition Kafka's
+//! default partitioner gives that key (murmur2, as a Java or librdkafka producer would), with
+//! the original value, timestamp and headers, plus headers naming the source coordinates
+//! (topic, partition, offset) so that a dead letter further down names the original record.
+//! The stages from the dedup on read the repartition topic.
+//!
+//! Nothing here does I/O: [`route`] is a pure function of the record.
+
+use super::key::{KeyError, KeySource};
+use super::{OutRecord, Record};
+use bytes::Bytes;
+
+/// Header naming the source topic of a repartitioned record.
+pub const SOURCE_TOPIC: &str = "onceflow.source.topic";
+/// Header naming the source partition of a repartitioned record (decimal text).
+pub const SOURCE_PARTITION: &str = "onceflow.source.partition";
+/// Header naming the source offset of a repartitioned record (decimal text).
+pub const SOURCE_OFFSET: &str = "onceflow.source.offset";
+
+/// Kafka's murmur2 hash (the Java client's `Utils.murmur2`, also librdkafka's
+/// `murmur2_random` partitioner).
+pub fn murmur2(data: &[u8]) -> i32 {
+    const SEED: u32 = 0x9747_b28c;
+    const M: u32 = 0x5bd1_e995;
+    const R: u32 = 24;
+    let len = data.len();
+    let mut h: u32 = SEED ^ (len as u32);
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> R;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h as i32
+}
+
+/// The partition of `key` among `partitions` (≥ 1), as Kafka's default partitioner picks it:
+/// `(murmur2(key) & 0x7fffffff) % partitions`.
+pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
+    let n = partitions.max(1);
+    (murmur2(key) & 0x7fff_ffff) % n
+}
+
+/// The source coordinates a repartitioned record carries (topic, partition, offset), or
+/// `None` when the headers are absent or not well formed.
+pub fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i64)> {
+    let get = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+    };
+    Some((
+        get(SOURCE_TOPIC)?.to_string(),
+        get(SOURCE_PARTITION)?.parse().ok()?,
+        get(SOURCE_OFFSET)?.parse().ok()?,
+    ))
+}
+
+/// The repartition record for `record`: to `topic`, keyed by the dedup key `key` takes from
+/// it, on [`partition_for`] that key among `partitions`, with value, timestamp and headers as
+/// read plus the source-coordinate headers (kept as they are when the record already
+/// carries them, so the first source is named).
+///
+/// # Errors
+/// The [`KeyError`] of a record without a usable key: such a record is not routed (the
+/// caller keeps it on its source partition, where the dedup stage dead-letters it).
+pub fn route(
+    record: &Record,
+    key: &KeySource,
+    topic: &str,
+    partitions: i32,
+) -> Result<OutRecord, KeyError> {
+    let mut k = Vec::with_capacity(32);
+    key.extract_into(record, &mut k)?;
+    let partition = partition_for(&k, partitions);
+    Ok(unrouted(record, topic, partition, Some(Bytes::from(k))))
+}
+
+/// The repartition record for `record` with its Kafka key `key` on `partition`, with value,
+/// timestamp and headers as read plus the source-coordinate headers (kept as they are when
+/// the record already carries them). [`route`] builds on it; a caller uses it directly for
+/// a record without a dedup key, which the dedup stage then dead-letters.
+pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>) -> OutRecord {
+    let mut headers = record.headers.clone();
+    if source_of(&headers).is_none() {
+        let h = |s: String| Some(Bytes::from(s.into_bytes()));
+        headers.retain(|(n, _)| n != SOURCE_TOPIC && n != SOURCE_PARTITION && n != SOURCE_OFFSET);
+        headers.push((SOURCE_TOPIC.into(), h(record.source.topic.to_string())));
+        headers.push((
+            SOURCE_PARTITION.into(),
+            h(record.source.partition.to_string()),
+        ));
+        headers.push((SOURCE_OFFSET.into(), h(record.source.offset.to_string())));
+    }
+    OutRecord {
+        topic: topic.to_string(),
+        partition: Some(partition),
+        key,
+        value: record.value.clone(),
+        headers,
+        timestamp: record.timestamp,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values from the Java client (`Utils.murmur2` / `DefaultPartitioner`), as published
+    /// in Kafka's own partitioner tests.
+    #[test]
+    fn murmur2_matches_kafka() {
+        assert_eq!(murmur2(b"21"), -973_932_308);
+        assert_eq!(murmur2(b"foobar"), -790_332_482);
+        assert_eq!(murmur2(b"a-little-bit-long-string"), -985_981_536);
+        assert_eq!(murmur2(b"a-little-bit-longer-string"), -1_486_304_829);
+        assert_eq!(
+            murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"),
+            -58_897_971
+        );
+        assert_eq!(murmur2(b"abc"), 479_470_107);
+    }
+
+    #[test]
+    fn partition_is_stable_and_in_range() {
+        for n in 1..9 {
+            for k in [&b""[..], b"a", b"\xff\x00binary", b"event-42"] {
+                let p = partition_for(k, n);
+                assert!((0..n).contains(&p));
+                assert_eq!(p, partition_for(k, n));
+            }
+        }
+    }
+
+    #[test]
+    fn source_headers_round_trip_and_are_kept_once() {
+        let rec = Record {
+            key: Some(Bytes::from_static(b"user-1")),
+            value: Some(Bytes::from_static(br#"{"id":"x"}"#)),
+            headers: vec![("h".into(), Some(Bytes::from_static(b"v")))],
+            timestamp: Some(42),
+            json: Some(serde_json::json!({"id": "x"})),
+            fields: None,
+            source: crate::processor::SourceMeta {
+                topic: "events".into(),
+                partition: 3,
+                offset: 17,
+            },
+        };
+        let key = KeySource::JsonPointer("/id".into());
+        let out = route(&rec, &key, "app-d-repartition", 4).unwrap();
+        assert_eq!(out.key.as_deref(), Some(&b"x"[..]));
+        assert_eq!(out.partition, Some(partition_for(b"x", 4)));
+        assert_eq!(out.timestamp, Some(42));
+        assert_eq!(out.headers[0].0, "h");
+        assert_eq!(source_of(&out.headers), Some(("events".into(), 3, 17)));
+        // A second hop keeps the first source.
+        let mut again = rec.clone();
+        again.headers = out.headers.clone();
+        again.source.offset = 99;
+        let out2 = route(&again, &key, "t", 4).unwrap();
+        assert_eq!(source_of(&out2.headers), Some(("events".into(), 3, 17)));
+        assert_eq!(out2.headers.len(), out.headers.len());
+        // No key: not routed.
+        let mut none = rec;
+        none.json = Some(serde_json::json!({}));
+        assert!(route(&none, &key, "t", 4).is_err());
+    }
+}
