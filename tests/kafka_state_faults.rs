@@ -134,8 +134,12 @@ fn largest_file(dir: &Path) -> PathBuf {
     best.expect("a file in the state dir").1
 }
 
+/// sled reads a truncated log back to its last whole batch, so the store opens with an
+/// older checkpoint (each batch carries its changelog offset) and the restore brings back
+/// the rest from the changelog. (Not yet: detecting the damage and setting the tree aside
+/// with a log line; sled itself reports nothing here.)
 #[test]
-fn a_truncated_sled_database_is_set_aside_and_restored_from_the_changelog() {
+fn a_truncated_sled_database_loses_and_repeats_nothing() {
     let names = gharchive_names(4);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     gharchive::publish(&p, &names.input, 2000, 6).unwrap();
