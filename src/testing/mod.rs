@@ -402,6 +402,23 @@ impl TestDriver {
             .unwrap_or_default()
     }
 
+    /// `r` as the source record at `offset` of its partition.
+    fn source_record(&self, r: TestRecord, offset: i64) -> Record {
+        Record {
+            key: r.key,
+            value: r.value,
+            headers: r.headers,
+            timestamp: r.timestamp,
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic: self.topology.source().topic.as_str().into(),
+                partition: r.partition,
+                offset,
+            },
+        }
+    }
+
     /// Pipe one record; returns its offset in its source partition.
     ///
     /// When the first stage is a dedup with `partitioning: repartition`, the record is
@@ -423,39 +440,14 @@ impl TestDriver {
             let n = self.source_offsets.entry(r.partition).or_default();
             let offset = *n;
             *n += 1;
-            let rec = Record {
-                key: r.key,
-                value: r.value,
-                headers: r.headers,
-                timestamp: r.timestamp,
-                json: None,
-                fields: None,
-                source: SourceMeta {
-                    topic: self.topology.source().topic.as_str().into(),
-                    partition: r.partition,
-                    offset,
-                },
-            };
-            let routed = self.route(rec);
+            let routed = self.route(self.source_record(r, offset));
             self.process(routed)?;
             return Ok(offset);
         }
-        let input = self.inputs.entry(r.partition).or_default();
-        let offset = input.len() as i64;
-        let rec = Record {
-            key: r.key,
-            value: r.value,
-            headers: r.headers,
-            timestamp: r.timestamp,
-            json: None,
-            fields: None,
-            source: SourceMeta {
-                topic: self.topology.source().topic.as_str().into(),
-                partition: r.partition,
-                offset,
-            },
-        };
-        input.push(rec.clone());
+        let offset = self.inputs.get(&r.partition).map_or(0, |i| i.len() as i64);
+        let partition = r.partition;
+        let rec = self.source_record(r, offset);
+        self.inputs.entry(partition).or_default().push(rec.clone());
         self.process(rec)?;
         Ok(offset)
     }
