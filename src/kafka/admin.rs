@@ -265,8 +265,10 @@ impl Admin {
     ) -> Result<std::collections::BTreeMap<String, (String, bool)>> {
         let opts = AdminOptions::new().request_timeout(Some(self.timeout));
         let spec = [ResourceSpecifier::Topic(topic)];
-        let res = futures::executor::block_on(self.client.describe_configs(&spec, &opts))
-            .map_err(Error::kafka("describe configs"))?;
+        let res = retry("describe configs", || {
+            futures::executor::block_on(self.client.describe_configs(&spec, &opts))
+                .map_err(Error::kafka("describe configs"))
+        })?;
         let resource = res
             .into_iter()
             .next()
