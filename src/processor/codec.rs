@@ -103,7 +103,7 @@ impl Format {
                 Value::String(s) => Ok(s.as_bytes().to_vec()),
                 other => Err(format!(
                     "the string codec needs a string value, the record is {}",
-                    json_type(other)
+                    crate::processor::key::json_type(other)
                 )),
             },
             Format::Protobuf(p) => p.encode(view),
@@ -281,17 +281,6 @@ pub fn encode_for_sink(
     }
     let view = source.decode(value)?;
     sink.encode(&view).map(|b| Some(Bytes::from(b)))
-}
-
-fn json_type(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 //! update changes later joins, never earlier ones (no re-join of past records).
 
 use super::codec::{view_mut, Format};
-use super::key::KeySource;
+use super::key::{json_type, KeySource};
 use super::{Context, Processor, Record, StageError};
 use crate::error::{Error, RecordError};
 use serde_json::Value;
@@ -255,7 +255,7 @@ fn place(view: &mut Value, tokens: &[String], pointer: &str, row: Value) -> Resu
     let Value::Object(map) = view else {
         return Err(format!(
             "the record is {}, enrich needs a JSON object",
-            type_name(view)
+            json_type(view)
         ));
     };
     let Some((last, path)) = tokens.split_last() else {
@@ -268,7 +268,7 @@ fn place(view: &mut Value, tokens: &[String], pointer: &str, row: Value) -> Resu
             }
             other => Err(format!(
                 "the table row is {}; merging into the top level (into \"\") needs an object row",
-                type_name(&other)
+                json_type(&other)
             )),
         };
     };
@@ -284,24 +284,13 @@ fn place(view: &mut Value, tokens: &[String], pointer: &str, row: Value) -> Resu
                 return Err(format!(
                     "cannot set {pointer}: /{} is {}, not an object",
                     at.join("/"),
-                    type_name(other)
+                    json_type(other)
                 ));
             }
         }
     }
     cur.insert(last.clone(), row);
     Ok(())
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 #[cfg(test)]

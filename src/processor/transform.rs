@@ -5,6 +5,7 @@
 //! expression fails on it; neither ever panics on input.
 
 use super::expr::{ensure_json, plan, projection, Bindings, Computed, Predicate};
+use super::key::json_type;
 use super::{Context, Processor, Record, StageError};
 use crate::error::RecordError;
 use serde_json::Value;
@@ -167,17 +168,6 @@ fn tokens(p: &str) -> Vec<String> {
         .collect()
 }
 
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a bool",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
 /// Remove and return the value at `p`; `None` when any step is missing.
 fn take(root: &mut Value, p: &str) -> Option<Value> {
     let toks = tokens(p);
@@ -198,7 +188,7 @@ fn put(root: &mut Value, p: &str, v: Value) -> Result<(), String> {
     let mut cur = root;
     let mut at = String::new();
     for t in parents {
-        let k = kind(cur);
+        let k = json_type(cur);
         let here = if at.is_empty() { "the value" } else { &at };
         let Some(obj) = cur.as_object_mut() else {
             return Err(format!("cannot set {p}: {here} is {k}, not an object"));
@@ -209,7 +199,7 @@ fn put(root: &mut Value, p: &str, v: Value) -> Result<(), String> {
         at.push('/');
         at.push_str(t);
     }
-    let k = kind(cur);
+    let k = json_type(cur);
     cur.as_object_mut()
         .ok_or_else(|| {
             let parent = if at.is_empty() { "the value" } else { &at };
@@ -244,7 +234,7 @@ impl MapFields {
             None => return Err("value is null; map needs a JSON object".into()),
             Some(Value::Object(_)) => {}
             Some(other) => {
-                return Err(format!("value is {}; map needs a JSON object", kind(other)))
+                return Err(format!("value is {}; map needs a JSON object", json_type(other)))
             }
         }
         let computed = {
