@@ -21,9 +21,6 @@
 //! ONCEFLOW_EXAMPLE_DUPLICATES. The same idea as a file (which also sets the output key
 //! and a header): topologies/analytics-dedup.yaml.
 
-#[path = "deploy_support/mod.rs"]
-mod deploy;
-
 use onceflow::processor::key::KeySource;
 use onceflow::processor::stages::{DedupSpec, Partitioning};
 use onceflow::topology::{Format, Topology, TopologyBuilder};
@@ -53,7 +50,7 @@ pub fn topology(input: &str, output: &str, duplicates: &str) -> Topology {
 
 fn main() -> std::process::ExitCode {
     let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    deploy::main(topology(
+    onceflow::deploy::main(topology(
         &var("ONCEFLOW_EXAMPLE_INPUT", "analytics.events"),
         &var("ONCEFLOW_EXAMPLE_OUTPUT", "analytics.unique"),
         &var("ONCEFLOW_EXAMPLE_DUPLICATES", "analytics.duplicates"),

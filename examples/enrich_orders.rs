@@ -15,9 +15,6 @@
 //! Topic names can be changed with ONCEFLOW_EXAMPLE_ORDERS, ONCEFLOW_EXAMPLE_CUSTOMERS and
 //! ONCEFLOW_EXAMPLE_OUTPUT. The same topology as a file: topologies/enrich-orders.yaml.
 
-#[path = "deploy_support/mod.rs"]
-mod deploy;
-
 use onceflow::processor::key::KeySource;
 use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
 
@@ -47,7 +44,7 @@ pub fn topology(orders: &str, customers: &str, output: &str) -> Topology {
 
 fn main() -> std::process::ExitCode {
     let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    deploy::main(topology(
+    onceflow::deploy::main(topology(
         &var("ONCEFLOW_EXAMPLE_ORDERS", "orders"),
         &var("ONCEFLOW_EXAMPLE_CUSTOMERS", "customers"),
         &var("ONCEFLOW_EXAMPLE_OUTPUT", "orders.enriched"),

@@ -20,9 +20,6 @@
 //! a file, with CEL expressions where this uses closures:
 //! topologies/routing-by-event-type.yaml.
 
-#[path = "deploy_support/mod.rs"]
-mod deploy;
-
 use onceflow::processor::route::RouteSpec;
 use onceflow::processor::transform::MapSpec;
 use onceflow::processor::Record;
@@ -82,7 +79,7 @@ pub fn topology(input: &str, prefix: &str) -> Topology {
 
 fn main() -> std::process::ExitCode {
     let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    deploy::main(topology(
+    onceflow::deploy::main(topology(
         &var("ONCEFLOW_EXAMPLE_INPUT", "gharchive.events"),
         &var("ONCEFLOW_EXAMPLE_PREFIX", "gharchive."),
     ))

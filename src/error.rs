@@ -16,6 +16,29 @@ pub enum Fault {
     Internal,
 }
 
+impl Fault {
+    /// What an operator does about an error of this kind, for the last line `onceflow run`
+    /// prints before it exits.
+    pub fn hint(self) -> &'static str {
+        match self {
+            Fault::User => "fix the config or topology named above and start again",
+            Fault::External => {
+                "a system outside onceflow failed; a restart resumes from the last commit"
+            }
+            Fault::Internal => "this is a bug in onceflow; please report it with the log",
+        }
+    }
+
+    /// The exit code of `onceflow run` for an error of this kind: 2 for the user's config or
+    /// topology (as for errors found before the run starts), 1 otherwise.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Fault::User => 2,
+            Fault::External | Fault::Internal => 1,
+        }
+    }
+}
+
 /// Every error onceflow returns from its public API.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -151,3 +174,22 @@ impl fmt::Display for RecordError {
 }
 
 impl std::error::Error for RecordError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config or topology error is the user's (exit 2, like errors found before the run);
+    /// a broker or disk failure is outside onceflow (exit 1, a restart resumes).
+    #[test]
+    fn who_is_at_fault_sets_the_exit_code() {
+        let user = Error::Config("commit.interval.ms: not a number".into());
+        assert_eq!(user.fault(), Fault::User);
+        assert_eq!(user.fault().exit_code(), 2);
+        let disk = Error::state("dedup/0", "No space left on device");
+        assert_eq!(disk.fault(), Fault::External);
+        assert_eq!(disk.fault().exit_code(), 1);
+        assert!(disk.fault().hint().contains("restart"));
+        assert_ne!(Fault::User.hint(), Fault::External.hint());
+    }
+}

@@ -7,6 +7,7 @@
 //! protocol; [`testing::TestDriver`] runs it without a broker.
 
 pub mod config;
+pub mod deploy;
 pub mod dsl;
 pub mod error;
 pub mod http;

@@ -1,12 +1,8 @@
 //! The `onceflow` command: run, validate and describe topologies.
 
 use clap::{Parser, Subcommand};
-use onceflow::config::{parse_set, Config};
-use onceflow::runtime::{App, RunOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -57,40 +53,6 @@ enum Command {
     /// Delete an application's internal topics, group offsets and local state
     /// (--dry-run lists them); refused while instances run.
     Reset(onceflow::tools::cli::ResetArgs),
-}
-
-/// Set `flag` on SIGTERM or SIGINT; a second signal exits at once.
-fn watch_signals(flag: Arc<AtomicBool>) {
-    std::thread::spawn(move || {
-        let rt = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the signal handler");
-                return;
-            }
-        };
-        rt.block_on(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                tracing::error!("cannot install signal handlers");
-                return;
-            };
-            for n in 0.. {
-                tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-                if n > 0 {
-                    eprintln!("second signal: exiting without committing");
-                    std::process::exit(130);
-                }
-                flag.store(true, Ordering::SeqCst);
-            }
-        });
-    });
 }
 
 fn main() -> ExitCode {
@@ -145,43 +107,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let sets: Result<Vec<_>, _> = sets.iter().map(|s| parse_set(s)).collect();
-            let config = match sets.and_then(|s| Config::load(&configs, &s)) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("{e}");
-                    return ExitCode::from(2);
-                }
-            };
-            onceflow::logging::init(config.log_format);
-            let status = match onceflow::http::start(&config) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("{e}");
-                    return ExitCode::from(2);
-                }
-            };
-            if let Err(e) = onceflow::runtime::failpoint::init_from_env() {
-                eprintln!("{e}");
-                return ExitCode::from(2);
-            }
-            let shutdown = Arc::new(AtomicBool::new(false));
-            watch_signals(shutdown.clone());
-            let app = App::new(config, topo);
-            match app.run(RunOptions {
-                stop_at_end,
-                shutdown,
-                status: Some(status),
-            }) {
-                Ok(summary) => {
-                    println!("{}", summary.line());
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("onceflow: {e}");
-                    ExitCode::from(1)
-                }
-            }
+            onceflow::deploy::run(topo, &configs, &sets, stop_at_end)
         }
     }
 }

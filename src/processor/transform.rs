@@ -234,7 +234,10 @@ impl MapFields {
             None => return Err("value is null; map needs a JSON object".into()),
             Some(Value::Object(_)) => {}
             Some(other) => {
-                return Err(format!("value is {}; map needs a JSON object", json_type(other)))
+                return Err(format!(
+                    "value is {}; map needs a JSON object",
+                    json_type(other)
+                ))
             }
         }
         let computed = {

@@ -1,0 +1,151 @@
+//! Topologies as binaries: the runner behind `onceflow run` and behind a program that builds
+//! its topology in Rust.
+//!
+//! A deployable program is its topology plus one call:
+//!
+//! ```no_run
+//! use onceflow::topology::{Format, TopologyBuilder};
+//!
+//! fn main() -> std::process::ExitCode {
+//!     let topology = TopologyBuilder::new("copy-orders")
+//!         .source("orders", Format::Json)
+//!         .sink("copied", "orders.copy")
+//!         .build()
+//!         .expect("a valid topology");
+//!     onceflow::deploy::main(topology)
+//! }
+//! ```
+//!
+//! Such a binary takes `[--config FILE]... [--set KEY=VALUE]... [--stop-at-end] [--describe]`.
+//! Config comes in layers as for `onceflow run`: built-in defaults, the files in order, then
+//! `ONCEFLOW__*` environment variables, then `--set`. SIGTERM or SIGINT stops gracefully (the
+//! work done is committed); a second signal exits at once with code 130.
+//!
+//! Exit codes: 0 done; 1 the run failed for a reason outside onceflow (broker, disk, sink:
+//! a restart resumes from the last commit); 2 bad arguments, config or topology.
+
+use crate::config::{parse_set, Config};
+use crate::runtime::{App, RunOptions};
+use crate::topology::Topology;
+use clap::Parser;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// The command line of a deployable topology binary.
+#[derive(Parser, Debug)]
+#[command(about = "Run this program's onceflow topology against Kafka")]
+struct Args {
+    /// A config file (TOML); may be given several times, later files win.
+    #[arg(long = "config", value_name = "FILE")]
+    configs: Vec<PathBuf>,
+    /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Stop once every assigned partition has been read to its end, committing everything.
+    #[arg(long)]
+    stop_at_end: bool,
+    /// Print the topology (source, stages, topics, stores and changelogs) and exit.
+    #[arg(long)]
+    describe: bool,
+}
+
+/// Run `topology` with the config named on this process's command line until stopped, and
+/// return the process's exit code (see the module doc for the arguments and codes).
+pub fn main(topology: Topology) -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS // --help, --version
+            };
+        }
+    };
+    if args.describe {
+        print!("{}", topology.describe());
+        return ExitCode::SUCCESS;
+    }
+    run(topology, &args.configs, &args.sets, args.stop_at_end)
+}
+
+/// Run `topology` with config from `files` (in order) and `sets` (`KEY=VALUE`, winning over
+/// files and environment) until SIGTERM/SIGINT, or until every assigned partition has been
+/// read to its end when `stop_at_end`; print the `summary:` line and return the exit code.
+///
+/// Errors are printed to stderr, with a last line saying what to do about them.
+pub fn run(topology: Topology, files: &[PathBuf], sets: &[String], stop_at_end: bool) -> ExitCode {
+    let sets: Result<Vec<_>, _> = sets.iter().map(|s| parse_set(s)).collect();
+    let config = match sets.and_then(|s| Config::load(files, &s)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    crate::logging::init(config.log_format);
+    let status = match crate::http::start(&config) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = crate::runtime::failpoint::init_from_env() {
+        eprintln!("{e}");
+        return ExitCode::from(2);
+    }
+    let shutdown = Arc::new(AtomicBool::new(false));
+    watch_signals(shutdown.clone());
+    match App::new(config, topology).run(RunOptions {
+        stop_at_end,
+        shutdown,
+        status: Some(status),
+    }) {
+        Ok(summary) => {
+            println!("{}", summary.line());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let fault = e.fault();
+            eprintln!("onceflow: {e}\nonceflow: {}", fault.hint());
+            ExitCode::from(fault.exit_code())
+        }
+    }
+}
+
+/// Set `flag` on SIGTERM or SIGINT; a second signal exits at once (code 130).
+fn watch_signals(flag: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the signal handler");
+                return;
+            }
+        };
+        rt.block_on(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                tracing::error!("cannot install signal handlers");
+                return;
+            };
+            loop {
+                tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+                if flag.swap(true, Ordering::SeqCst) {
+                    eprintln!("second signal: exiting without committing");
+                    std::process::exit(130);
+                }
+            }
+        });
+    });
+}
