@@ -9,7 +9,7 @@ mod sink_support;
 
 use onceflow::processor::{Record, SourceMeta};
 use onceflow::sink::effects::Effector;
-use onceflow::sink::store::{IdempotencyStore, RedisStore, SledStore};
+use onceflow::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
 use onceflow::sink::{idempotency_scope, redis_prefix, EffectSpec, PostgresSpec, Secret};
 use onceflow::topology::{Format, TopologyBuilder};
 use sink_support::{postgres_url, redis_url};
@@ -81,8 +81,8 @@ fn colliding_pairs_stay_apart_in_sled() {
     let dir = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
-        let a = SledStore::open(dir.path(), &idempotency_scope(&t1, &s1)).unwrap();
-        let b = SledStore::open(dir.path(), &idempotency_scope(&t2, &s2)).unwrap();
+        let a = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t1, &s1)).unwrap();
+        let b = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t2, &s2)).unwrap();
         rt.block_on(async {
             a.complete(&k1, b"done by the first", Duration::from_secs(60))
                 .await
@@ -106,7 +106,7 @@ fn colliding_pairs_stay_apart_in_redis() {
                 let url = url.clone();
                 async move {
                     let prefix = redis_prefix(&idempotency_scope(&t, &s));
-                    RedisStore::connect(&url, prefix.as_bytes(), Duration::from_secs(2))
+                    RedisIdempotencyStore::connect(&url, prefix.as_bytes(), Duration::from_secs(2))
                         .await
                         .unwrap()
                 }

@@ -6,7 +6,7 @@
 //! [`Effector::run`] performs the effect on the sink runtime. Errors never carry URLs,
 //! connection strings or header values: they can hold secrets.
 
-use super::protocol::{EffectError, Outcome};
+use super::protocol::{EffectError, EffectOutcome};
 use super::store::{TransactionMark, RELEASE_LUA};
 use super::template::Template;
 use super::{EffectSpec, Secret};
@@ -411,7 +411,7 @@ impl Effector {
         scope: &str,
         key: &[u8],
         prep: &Prepared,
-    ) -> Result<Outcome, String> {
+    ) -> Result<EffectOutcome, String> {
         match prep {
             Prepared::Sql(params) => self.pg(Some((table, scope, key)), params).await,
             _ => Err("internal error: inbox for a non-SQL effect".into()),
@@ -422,7 +422,7 @@ impl Effector {
         &self,
         inbox: Option<(&str, &str, &[u8])>,
         params: &[String],
-    ) -> Result<Outcome, String> {
+    ) -> Result<EffectOutcome, String> {
         let Kind::Postgres {
             url,
             sql,
@@ -720,7 +720,7 @@ async fn pg_once(
     inbox: Option<(&str, &str, &[u8])>,
     sql: &str,
     params: &[String],
-) -> Result<Outcome, tokio_postgres::Error> {
+) -> Result<EffectOutcome, tokio_postgres::Error> {
     use tokio_postgres::types::{ToSql, Type};
     let types = vec![Type::TEXT; params.len()];
     let args: Vec<&(dyn ToSql + Sync)> = params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
@@ -728,7 +728,7 @@ async fn pg_once(
         None => {
             let stmt = c.prepare_typed(sql, &types).await?;
             let n = c.execute(&stmt, &args).await?;
-            Ok(Outcome::Done(format!("{n} rows").into_bytes()))
+            Ok(EffectOutcome::Done(format!("{n} rows").into_bytes()))
         }
         Some((table, sink, key)) => {
             let tx = c.transaction().await?;
@@ -738,12 +738,12 @@ async fn pg_once(
             let fresh = tx.execute(&ins, &[&sink, &k]).await?;
             if fresh == 0 {
                 tx.rollback().await?;
-                return Ok(Outcome::SkippedDuplicate(b"inbox".to_vec()));
+                return Ok(EffectOutcome::SkippedDuplicate(b"inbox".to_vec()));
             }
             let stmt = tx.prepare_typed(sql, &types).await?;
             let n = tx.execute(&stmt, &args).await?;
             tx.commit().await?;
-            Ok(Outcome::Done(format!("{n} rows").into_bytes()))
+            Ok(EffectOutcome::Done(format!("{n} rows").into_bytes()))
         }
     }
 }

@@ -39,7 +39,7 @@ pub mod template;
 
 use crate::processor::key::KeySource;
 use crate::topology::{Format, Stage, StageKind};
-pub use protocol::{EffectError, InFlight, OnStoreError, Outcome, Policy};
+pub use protocol::{EffectError, EffectOutcome, InFlight, OnStoreError, ReservationPolicy};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 pub use template::Template;
@@ -242,7 +242,7 @@ pub struct ExternalSinkSpec {
     /// The idempotency store.
     pub store: StoreSpec,
     /// The reservation protocol's settings.
-    pub policy: Policy,
+    pub policy: ReservationPolicy,
     /// Effects in flight at once per partition (default 16); records with the same key run
     /// in order.
     pub concurrency: usize,
@@ -257,7 +257,7 @@ impl ExternalSinkSpec {
             resolved_key: None,
             max_key_bytes: 1024,
             store,
-            policy: Policy::default(),
+            policy: ReservationPolicy::default(),
             concurrency: 16,
         }
     }

@@ -42,7 +42,7 @@ pub enum OnStoreError {
 
 /// Protocol settings of one sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Policy {
+pub struct ReservationPolicy {
     /// How long a reservation holds before another attempt may take the key (default 5 min).
     /// It must outlast the effect with its retries (checked for HTTP sinks at build time).
     pub lease: Duration,
@@ -61,9 +61,9 @@ pub struct Policy {
     pub store_retry_for: Duration,
 }
 
-impl Default for Policy {
+impl Default for ReservationPolicy {
     fn default() -> Self {
-        Policy {
+        ReservationPolicy {
             lease: Duration::from_secs(300),
             completed_ttl: Duration::from_secs(7 * 24 * 3600),
             in_flight: InFlight::Wait(Duration::from_secs(30)),
@@ -124,7 +124,7 @@ impl std::fmt::Display for EffectError {
 
 /// How an effect ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum EffectOutcome {
     /// The effect ran now; its result.
     Done(Vec<u8>),
     /// The key was completed before (a redelivery or a twin); the stored result.
@@ -134,20 +134,22 @@ pub enum Outcome {
     Unprotected(Vec<u8>),
 }
 
-impl Outcome {
+impl EffectOutcome {
     /// The metric label: `done`, `skipped_duplicate` or `unprotected`.
     pub fn label(&self) -> &'static str {
         match self {
-            Outcome::Done(_) => "done",
-            Outcome::SkippedDuplicate(_) => "skipped_duplicate",
-            Outcome::Unprotected(_) => "unprotected",
+            EffectOutcome::Done(_) => "done",
+            EffectOutcome::SkippedDuplicate(_) => "skipped_duplicate",
+            EffectOutcome::Unprotected(_) => "unprotected",
         }
     }
 
     /// The effect's result (run now or stored).
     pub fn result(&self) -> &[u8] {
         match self {
-            Outcome::Done(r) | Outcome::SkippedDuplicate(r) | Outcome::Unprotected(r) => r,
+            EffectOutcome::Done(r)
+            | EffectOutcome::SkippedDuplicate(r)
+            | EffectOutcome::Unprotected(r) => r,
         }
     }
 }
@@ -187,9 +189,9 @@ where
 pub async fn run_once<F, Fut>(
     store: &dyn IdempotencyStore,
     key: &[u8],
-    policy: &Policy,
+    policy: &ReservationPolicy,
     mut effect: F,
-) -> Result<Outcome, EffectError>
+) -> Result<EffectOutcome, EffectError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Vec<u8>, EffectError>>,
@@ -213,10 +215,10 @@ where
                 }
                 OnStoreError::FailOpen => {
                     tracing::warn!(error = %e, "idempotency store unreachable: running the effect unprotected (fail_open)");
-                    return effect().await.map(Outcome::Unprotected);
+                    return effect().await.map(EffectOutcome::Unprotected);
                 }
             },
-            Ok(Reservation::Completed(r)) => return Ok(Outcome::SkippedDuplicate(r)),
+            Ok(Reservation::Completed(r)) => return Ok(EffectOutcome::SkippedDuplicate(r)),
             Ok(Reservation::Acquired) => {
                 return match effect().await {
                     Ok(result) => {
@@ -230,7 +232,7 @@ where
                             // stays in flight until its lease expires.
                             tracing::error!(error = %e, "effect done but its completed mark could not be stored; a redelivery after the lease may repeat it");
                         }
-                        Ok(Outcome::Done(result))
+                        Ok(EffectOutcome::Done(result))
                     }
                     Err(e) if e.unknown => {
                         tracing::error!(reason = %e, "effect outcome unknown: its key stays in flight until the lease expires");
@@ -256,7 +258,7 @@ where
                         pause = (pause * 2).min(Duration::from_millis(250));
                         match store.lookup(key).await {
                             Ok(Some(Reservation::Completed(r))) => {
-                                return Ok(Outcome::SkippedDuplicate(r))
+                                return Ok(EffectOutcome::SkippedDuplicate(r))
                             }
                             Ok(None) => break, // released or expired: try to reserve
                             Ok(_) | Err(_) if Instant::now() < until => continue,
@@ -297,27 +299,27 @@ fn test_runtime() -> tokio::runtime::Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::store::MemoryStore;
+    use crate::sink::store::MemoryIdempotencyStore;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
     use super::test_runtime as rt;
 
-    fn quick() -> Policy {
-        Policy {
+    fn quick() -> ReservationPolicy {
+        ReservationPolicy {
             lease: Duration::from_millis(300),
             in_flight: InFlight::Wait(Duration::from_secs(2)),
             raise_backoff: Duration::from_millis(30),
             in_flight_give_up: Duration::from_secs(3),
             store_retry_for: Duration::from_millis(300),
-            ..Policy::default()
+            ..ReservationPolicy::default()
         }
     }
 
     #[test]
     fn completed_key_is_never_run_again() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
             let eff = || async {
                 n.fetch_add(1, Ordering::SeqCst);
@@ -325,10 +327,10 @@ mod tests {
             };
             assert_eq!(
                 run_once(&s, b"k", &quick(), eff).await,
-                Ok(Outcome::Done(b"r1".to_vec()))
+                Ok(EffectOutcome::Done(b"r1".to_vec()))
             );
             let again = run_once(&s, b"k", &quick(), eff).await;
-            assert_eq!(again, Ok(Outcome::SkippedDuplicate(b"r1".to_vec())));
+            assert_eq!(again, Ok(EffectOutcome::SkippedDuplicate(b"r1".to_vec())));
             assert_eq!(n.load(Ordering::SeqCst), 1);
             // A different key runs.
             run_once(&s, b"k2", &quick(), eff).await.unwrap();
@@ -339,7 +341,7 @@ mod tests {
     #[test]
     fn failure_releases_and_never_marks_done() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             let r = run_once(&s, b"k", &quick(), || async {
                 Err::<Vec<u8>, _>("boom".into())
             })
@@ -347,14 +349,14 @@ mod tests {
             assert_eq!(r, Err("boom".into()));
             assert_eq!(s.lookup(b"k").await.unwrap(), None);
             let r = run_once(&s, b"k", &quick(), || async { Ok(b"ok".to_vec()) }).await;
-            assert_eq!(r, Ok(Outcome::Done(b"ok".to_vec())));
+            assert_eq!(r, Ok(EffectOutcome::Done(b"ok".to_vec())));
         });
     }
 
     #[test]
     fn an_unknown_outcome_keeps_the_reservation_until_its_lease() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             let r = run_once(&s, b"k", &quick(), || async {
                 Err::<Vec<u8>, _>(EffectError::unknown("reply lost"))
             })
@@ -368,7 +370,7 @@ mod tests {
     #[test]
     fn expired_lease_lets_the_next_attempt_run() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             // A holder that died: reserved, never completed nor released.
             assert_eq!(
                 s.reserve(b"k", 1, Duration::from_millis(100))
@@ -376,13 +378,13 @@ mod tests {
                     .unwrap(),
                 Reservation::Acquired
             );
-            let p = Policy {
+            let p = ReservationPolicy {
                 in_flight: InFlight::Raise,
                 ..quick()
             };
             let t = Instant::now();
             let r = run_once(&s, b"k", &p, || async { Ok(b"x".to_vec()) }).await;
-            assert_eq!(r, Ok(Outcome::Done(b"x".to_vec())));
+            assert_eq!(r, Ok(EffectOutcome::Done(b"x".to_vec())));
             assert!(
                 t.elapsed() >= Duration::from_millis(60),
                 "ran before the lease expired"
@@ -391,13 +393,13 @@ mod tests {
     }
 
     async fn twins(
-        policy: Policy,
+        policy: ReservationPolicy,
     ) -> (
-        Result<Outcome, EffectError>,
-        Result<Outcome, EffectError>,
+        Result<EffectOutcome, EffectError>,
+        Result<EffectOutcome, EffectError>,
         usize,
     ) {
-        let s = MemoryStore::new();
+        let s = MemoryIdempotencyStore::new();
         let n = Arc::new(AtomicUsize::new(0));
         let slow = {
             let n = n.clone();
@@ -421,14 +423,14 @@ mod tests {
     /// result.
     fn twins_make_one_effect(in_flight: InFlight) {
         rt().block_on(async {
-            let p = Policy {
+            let p = ReservationPolicy {
                 lease: Duration::from_secs(5),
                 in_flight,
                 ..quick()
             };
             let (a, b, n) = twins(p).await;
-            assert_eq!(a, Ok(Outcome::Done(b"result-1".to_vec())));
-            assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"result-1".to_vec())));
+            assert_eq!(a, Ok(EffectOutcome::Done(b"result-1".to_vec())));
+            assert_eq!(b, Ok(EffectOutcome::SkippedDuplicate(b"result-1".to_vec())));
             assert_eq!(n, 1);
         });
     }
@@ -446,9 +448,9 @@ mod tests {
     #[test]
     fn twin_gives_up_when_in_flight_too_long() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             s.reserve(b"k", 1, Duration::from_secs(60)).await.unwrap();
-            let p = Policy {
+            let p = ReservationPolicy {
                 in_flight: InFlight::Raise,
                 in_flight_give_up: Duration::from_millis(200),
                 ..quick()
@@ -461,7 +463,7 @@ mod tests {
     #[test]
     fn store_errors_fail_closed_or_open() {
         rt().block_on(async {
-            let s = MemoryStore::new();
+            let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
             let eff = || async {
                 n.fetch_add(1, Ordering::SeqCst);
@@ -471,7 +473,7 @@ mod tests {
             s.fail_next(2);
             assert_eq!(
                 run_once(&s, b"a", &quick(), eff).await,
-                Ok(Outcome::Done(b"r".to_vec()))
+                Ok(EffectOutcome::Done(b"r".to_vec()))
             );
             // A long one: closed never runs the effect.
             s.fail_next(1000);
@@ -479,13 +481,13 @@ mod tests {
             assert!(r.unwrap_err().reason.contains("fail_closed"));
             assert_eq!(n.load(Ordering::SeqCst), 1);
             // Open runs it, unprotected.
-            let p = Policy {
+            let p = ReservationPolicy {
                 on_store_error: OnStoreError::FailOpen,
                 ..quick()
             };
             assert_eq!(
                 run_once(&s, b"b", &p, eff).await,
-                Ok(Outcome::Unprotected(b"r".to_vec()))
+                Ok(EffectOutcome::Unprotected(b"r".to_vec()))
             );
             assert_eq!(n.load(Ordering::SeqCst), 2);
         });
@@ -497,18 +499,18 @@ mod tests {
 #[cfg(test)]
 mod real_store_tests {
     use super::*;
-    use crate::sink::store::{RedisStore, SledStore};
+    use crate::sink::store::{RedisIdempotencyStore, SledIdempotencyStore};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
     async fn suite(s: Arc<dyn IdempotencyStore>, ns: &str) {
-        let p = Policy {
+        let p = ReservationPolicy {
             lease: Duration::from_millis(400),
             in_flight: InFlight::Wait(Duration::from_secs(3)),
             raise_backoff: Duration::from_millis(30),
             in_flight_give_up: Duration::from_secs(5),
             store_retry_for: Duration::from_millis(300),
-            ..Policy::default()
+            ..ReservationPolicy::default()
         };
         let k = |s: &str| format!("{ns}{s}").into_bytes();
         let n = Arc::new(AtomicUsize::new(0));
@@ -527,11 +529,11 @@ mod real_store_tests {
         let key = [k("order-9:invoice"), vec![0xff, 0x00, 0x80]].concat();
         assert_eq!(
             run_once(&*s, &key, &p, eff("r1")).await,
-            Ok(Outcome::Done(b"r1".to_vec()))
+            Ok(EffectOutcome::Done(b"r1".to_vec()))
         );
         assert_eq!(
             run_once(&*s, &key, &p, eff("r2")).await,
-            Ok(Outcome::SkippedDuplicate(b"r1".to_vec()))
+            Ok(EffectOutcome::SkippedDuplicate(b"r1".to_vec()))
         );
         // A failure releases and never marks done.
         let f = k("fails");
@@ -555,7 +557,7 @@ mod real_store_tests {
         );
         assert_eq!(
             run_once(&*s, &e, &p, eff("r3")).await,
-            Ok(Outcome::Done(b"r3".to_vec()))
+            Ok(EffectOutcome::Done(b"r3".to_vec()))
         );
         // Twins: one effect, both see its result.
         let t = k("twin");
@@ -563,8 +565,8 @@ mod real_store_tests {
             tokio::time::sleep(Duration::from_millis(30)).await;
             run_once(&*s, &t, &p, eff("t2")).await
         });
-        assert_eq!(a, Ok(Outcome::Done(b"t1".to_vec())));
-        assert_eq!(b, Ok(Outcome::SkippedDuplicate(b"t1".to_vec())));
+        assert_eq!(a, Ok(EffectOutcome::Done(b"t1".to_vec())));
+        assert_eq!(b, Ok(EffectOutcome::SkippedDuplicate(b"t1".to_vec())));
         assert_eq!(n.load(Ordering::SeqCst), 3);
     }
 
@@ -573,7 +575,7 @@ mod real_store_tests {
     #[test]
     fn sled_store_keeps_the_protocol() {
         let dir = tempfile::tempdir().unwrap();
-        let s = SledStore::open(&dir.path().join("db"), "t").unwrap();
+        let s = SledIdempotencyStore::open(&dir.path().join("db"), "t").unwrap();
         rt().block_on(suite(Arc::new(s), ""));
     }
 
@@ -584,7 +586,7 @@ mod real_store_tests {
             return;
         };
         rt().block_on(async {
-            let s = RedisStore::connect(&url, b"unit:", Duration::from_secs(2))
+            let s = RedisIdempotencyStore::connect(&url, b"unit:", Duration::from_secs(2))
                 .await
                 .unwrap();
             let ns = format!("{}-{}:", std::process::id(), rand::random::<u32>());

@@ -13,8 +13,8 @@
 //! idempotency record: `store: none`, or an unreachable store under `fail_open`.
 
 use super::effects::{Effector, Prepared};
-use super::protocol::{run_once, EffectError, Outcome};
-use super::store::{IdempotencyStore, RedisStore, SledStore};
+use super::protocol::{run_once, EffectError, EffectOutcome};
+use super::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
 use super::{EffectSpec, ExternalSinkSpec, KeyRule, StoreSpec};
 use crate::error::{Error, RecordError};
 use crate::processor::{Context, Processor, Record, StageError};
@@ -52,15 +52,14 @@ impl Shared {
                     StoreSpec::None | StoreSpec::Postgres { .. } => None,
                     StoreSpec::Sled { .. } => {
                         let path = self.sled_path()?;
-                        Some(
-                            Arc::new(SledStore::open(path, &self.scope).map_err(|e| e.0)?)
-                                as Arc<dyn IdempotencyStore>,
-                        )
+                        Some(Arc::new(
+                            SledIdempotencyStore::open(path, &self.scope).map_err(|e| e.0)?,
+                        ) as Arc<dyn IdempotencyStore>)
                     }
                     StoreSpec::Redis { url, .. } => {
                         let url = url.resolve().map_err(|e| format!("idempotency.url: {e}"))?;
                         Some(Arc::new(
-                            RedisStore::connect(
+                            RedisIdempotencyStore::connect(
                                 &url,
                                 self.redis_prefix().as_bytes(),
                                 std::time::Duration::from_secs(2),
@@ -103,7 +102,7 @@ impl Shared {
         }
     }
 
-    async fn effect(&self, key: Vec<u8>, prep: Prepared) -> Result<Outcome, EffectError> {
+    async fn effect(&self, key: Vec<u8>, prep: Prepared) -> Result<EffectOutcome, EffectError> {
         let eff = self.effector.as_ref().map_err(|e| e.clone())?;
         let policy = &self.spec.policy;
         if let StoreSpec::Postgres { table } = &self.spec.store {
@@ -111,7 +110,10 @@ impl Shared {
         }
         if matches!(self.spec.store, StoreSpec::None) {
             // No store, no protection: reported as such, never as `done`.
-            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
+            return eff
+                .run(Some(&key), &prep)
+                .await
+                .map(EffectOutcome::Unprotected);
         }
         if matches!(self.spec.store, StoreSpec::Sled { .. }) {
             // A setting, not an outage: no retry.
@@ -141,22 +143,30 @@ impl Shared {
                     .into()),
                     super::OnStoreError::FailOpen => {
                         tracing::warn!(sink = %self.name, error = %e, "idempotency store unavailable: running unprotected (fail_open)");
-                        eff.run(Some(&key), &prep).await.map(Outcome::Unprotected)
+                        eff.run(Some(&key), &prep)
+                            .await
+                            .map(EffectOutcome::Unprotected)
                     }
                 };
             }
         };
         let Some(store) = store else {
             // Only `none` has no store here (postgres returned above): unprotected.
-            return eff.run(Some(&key), &prep).await.map(Outcome::Unprotected);
+            return eff
+                .run(Some(&key), &prep)
+                .await
+                .map(EffectOutcome::Unprotected);
         };
         if self.redis_transaction {
             let prefix = self.redis_prefix();
             let prep = &prep;
             return run_once(store.as_ref(), &key, policy, || {
                 // A fresh mark per run of the effect: a lost reply is settled by its own mark.
-                let mark =
-                    RedisStore::transaction_mark(prefix.as_bytes(), &key, policy.completed_ttl);
+                let mark = RedisIdempotencyStore::transaction_mark(
+                    prefix.as_bytes(),
+                    &key,
+                    policy.completed_ttl,
+                );
                 async move { eff.run_redis_in_transaction(prep, &mark).await }
             })
             .await;
@@ -168,7 +178,7 @@ impl Shared {
 struct Pending {
     key: Vec<u8>,
     record: Record,
-    handle: tokio::task::JoinHandle<Result<Outcome, EffectError>>,
+    handle: tokio::task::JoinHandle<Result<EffectOutcome, EffectError>>,
 }
 
 /// The external sink processor of one task.
@@ -252,9 +262,9 @@ impl ExternalSink {
         match r {
             Ok(o) => {
                 let idx = match o {
-                    Outcome::Done(_) => 0,
-                    Outcome::SkippedDuplicate(_) => 1,
-                    Outcome::Unprotected(_) => {
+                    EffectOutcome::Done(_) => 0,
+                    EffectOutcome::SkippedDuplicate(_) => 1,
+                    EffectOutcome::Unprotected(_) => {
                         if !matches!(s.spec.store, StoreSpec::None) {
                             tracing::warn!(sink = %s.name, "effect ran unprotected (idempotency store unreachable, fail_open)");
                         }
@@ -264,9 +274,9 @@ impl ExternalSink {
                 s.counters[idx].increment(1);
                 let c = ctx.counts();
                 match o {
-                    Outcome::Done(_) => c.effects_done += 1,
-                    Outcome::SkippedDuplicate(_) => c.effects_skipped += 1,
-                    Outcome::Unprotected(_) => c.effects_unprotected += 1,
+                    EffectOutcome::Done(_) => c.effects_done += 1,
+                    EffectOutcome::SkippedDuplicate(_) => c.effects_skipped += 1,
+                    EffectOutcome::Unprotected(_) => c.effects_unprotected += 1,
                 }
                 if self.forward {
                     let mut rec = p.record;

@@ -5,9 +5,9 @@
 //! its lease expires) or *completed* (with the stored result, until its TTL expires). A key
 //! with no entry, or with an expired lease, is free. Keys are raw bytes, stored as given.
 //!
-//! - [`MemoryStore`]: one process, for tests (it can be told to fail, to test the policies);
-//! - [`SledStore`]: one instance, local disk (a sled tree per sink);
-//! - [`RedisStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
+//! - [`MemoryIdempotencyStore`]: one process, for tests (it can be told to fail, to test the policies);
+//! - [`SledIdempotencyStore`]: one instance, local disk (a sled tree per sink);
+//! - [`RedisIdempotencyStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
 //!
 //! The memory and sled stores share one implementation of the steps over a [`LocalMap`]
 //! (get, compare-and-swap, put, persist); only the map differs.
@@ -256,14 +256,14 @@ type Entries = HashMap<Vec<u8>, Vec<u8>>;
 /// In-process store for tests: a map behind a mutex, with real time for leases. It can be
 /// set to fail the next `n` operations, to exercise `on_store_error`.
 #[derive(Default, Clone)]
-pub struct MemoryStore {
+pub struct MemoryIdempotencyStore {
     map: Arc<Mutex<Entries>>,
     fail_next: Arc<AtomicUsize>,
     /// Operations served (reserve, complete, release, lookup), failed or not.
     pub ops: Arc<AtomicUsize>,
 }
 
-impl MemoryStore {
+impl MemoryIdempotencyStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
@@ -292,7 +292,7 @@ impl MemoryStore {
     }
 }
 
-impl LocalMap for MemoryStore {
+impl LocalMap for MemoryIdempotencyStore {
     fn begin(&self) -> Result<(), StoreError> {
         self.check()
     }
@@ -328,19 +328,19 @@ impl LocalMap for MemoryStore {
 /// against redelivery to this instance (crash, restart, retry, a twin from another local
 /// partition) but not against a twin on another instance: use Redis for that.
 #[derive(Clone)]
-pub struct SledStore {
+pub struct SledIdempotencyStore {
     tree: sled::Tree,
 }
 
 static SLED_DBS: std::sync::OnceLock<Mutex<HashMap<std::path::PathBuf, sled::Db>>> =
     std::sync::OnceLock::new();
 
-impl SledStore {
+impl SledIdempotencyStore {
     /// Open (or reuse, within this process) the database at `path` and its tree `tree`.
     ///
     /// # Errors
     /// [`StoreError`] when sled cannot open the path.
-    pub fn open(path: &std::path::Path, tree: &str) -> Result<SledStore, StoreError> {
+    pub fn open(path: &std::path::Path, tree: &str) -> Result<SledIdempotencyStore, StoreError> {
         let dbs = SLED_DBS.get_or_init(Default::default);
         let mut dbs = dbs
             .lock()
@@ -361,7 +361,7 @@ impl SledStore {
         let tree = db
             .open_tree(format!("idempotency:{tree}"))
             .map_err(|e| StoreError(format!("sled tree {tree}: {e}")))?;
-        Ok(SledStore { tree })
+        Ok(SledIdempotencyStore { tree })
     }
 
     fn err(e: sled::Error) -> StoreError {
@@ -369,7 +369,7 @@ impl SledStore {
     }
 }
 
-impl LocalMap for SledStore {
+impl LocalMap for SledIdempotencyStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         Ok(self.tree.get(key).map_err(Self::err)?.map(|v| v.to_vec()))
     }
@@ -410,7 +410,7 @@ impl LocalMap for SledStore {
 /// `SET k I<token> NX PX <lease>`; completed: `SET k C<result> PX <ttl>`; release deletes the
 /// key only while it still holds our token (a Lua script, so it is atomic).
 #[derive(Clone)]
-pub struct RedisStore {
+pub struct RedisIdempotencyStore {
     conn: redis::aio::ConnectionManager,
     prefix: Vec<u8>,
     op_timeout: Duration,
@@ -435,7 +435,7 @@ pub struct TransactionMark {
     pub ttl_ms: u64,
 }
 
-impl RedisStore {
+impl RedisIdempotencyStore {
     /// Connect to `url` (`redis://host:port/db`). Each operation times out after `op_timeout`.
     ///
     /// # Errors
@@ -445,7 +445,7 @@ impl RedisStore {
         url: &str,
         prefix: &[u8],
         op_timeout: Duration,
-    ) -> Result<RedisStore, StoreError> {
+    ) -> Result<RedisIdempotencyStore, StoreError> {
         let client = redis::Client::open(url).map_err(|e| {
             StoreError(format!(
                 "redis idempotency store: invalid URL ({:?})",
@@ -463,7 +463,7 @@ impl RedisStore {
         .await
         .map_err(|_| StoreError("redis idempotency store: connect timed out".into()))?
         .map_err(|e| StoreError(format!("redis idempotency store: connect failed: {e}")))?;
-        Ok(RedisStore {
+        Ok(RedisIdempotencyStore {
             conn,
             prefix: prefix.to_vec(),
             op_timeout,
@@ -508,7 +508,7 @@ impl RedisStore {
     }
 }
 
-impl IdempotencyStore for RedisStore {
+impl IdempotencyStore for RedisIdempotencyStore {
     fn reserve<'a>(
         &'a self,
         key: &'a [u8],
