@@ -38,8 +38,8 @@
 //! Validation happens before anything connects, and every problem is reported, not only
 //! the first: unknown fields, wrong types, unknown stage kinds, missing fields, duplicate
 //! stage names, expressions that do not parse, bad topic names, and the builder's checks.
-//! Each error reads `file:line:column: <where>, field `<field>`: <what>`, where `<where>`
-//! names the stage (`stage `dedup` (dedup)`) or the top-level section.
+//! Each error reads ``file:line:column: WHERE, field `FIELD`: WHAT``, where WHERE names
+//! the stage (``stage `dedup` (dedup)``) or the top-level section.
 
 mod compile;
 pub mod node;

@@ -314,7 +314,7 @@ struct Job {
 /// commit order per store, so neither processing nor restore waits on the engine's write
 /// cost (sled: several microseconds a key here).
 ///
-/// Durability: a batch is written as one engine batch (chunks of [`WRITE_CHUNK`] ops, only
+/// Durability: a batch is written as one engine batch (chunks of `WRITE_CHUNK` ops, only
 /// the last chunk storing the batch's changelog offset), so the stored offset never runs
 /// ahead of the data it stands for. A crash (or a closed store, whose remaining batches are
 /// skipped) leaves the engine with a prefix of the batches and an older offset; the
