@@ -33,19 +33,26 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+/// How to run a topology: the arguments `onceflow run` and a deployable binary share.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RunArgs {
+    /// A config file (TOML); may be given several times, later files win.
+    #[arg(long = "config", value_name = "FILE")]
+    pub configs: Vec<PathBuf>,
+    /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Stop once every assigned partition has been read to its end, committing everything.
+    #[arg(long)]
+    pub stop_at_end: bool,
+}
+
 /// The command line of a deployable topology binary.
 #[derive(Parser, Debug)]
 #[command(about = "Run this program's onceflow topology against Kafka")]
 struct Args {
-    /// A config file (TOML); may be given several times, later files win.
-    #[arg(long = "config", value_name = "FILE")]
-    configs: Vec<PathBuf>,
-    /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    sets: Vec<String>,
-    /// Stop once every assigned partition has been read to its end, committing everything.
-    #[arg(long)]
-    stop_at_end: bool,
+    #[command(flatten)]
+    run: RunArgs,
     /// Print the topology (source, stages, topics, stores and changelogs) and exit.
     #[arg(long)]
     describe: bool,
@@ -69,17 +76,18 @@ pub fn main(topology: Topology) -> ExitCode {
         print!("{}", topology.describe());
         return ExitCode::SUCCESS;
     }
-    run(topology, &args.configs, &args.sets, args.stop_at_end)
+    run(topology, &args.run)
 }
 
-/// Run `topology` with config from `files` (in order) and `sets` (`KEY=VALUE`, winning over
-/// files and environment) until SIGTERM/SIGINT, or until every assigned partition has been
-/// read to its end when `stop_at_end`; print the `summary:` line and return the exit code.
+/// Run `topology` with config from `args.configs` (in order) and `args.sets` (`KEY=VALUE`,
+/// winning over files and environment) until SIGTERM/SIGINT, or until every assigned
+/// partition has been read to its end with `args.stop_at_end`; print the `summary:` line and
+/// return the exit code.
 ///
 /// Errors are printed to stderr, with a last line saying what to do about them.
-pub fn run(topology: Topology, files: &[PathBuf], sets: &[String], stop_at_end: bool) -> ExitCode {
-    let sets: Result<Vec<_>, _> = sets.iter().map(|s| parse_set(s)).collect();
-    let config = match sets.and_then(|s| Config::load(files, &s)) {
+pub fn run(topology: Topology, args: &RunArgs) -> ExitCode {
+    let sets: Result<Vec<_>, _> = args.sets.iter().map(|s| parse_set(s)).collect();
+    let config = match sets.and_then(|s| Config::load(&args.configs, &s)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -101,7 +109,7 @@ pub fn run(topology: Topology, files: &[PathBuf], sets: &[String], stop_at_end: 
     let shutdown = Arc::new(AtomicBool::new(false));
     watch_signals(shutdown.clone());
     match App::new(config, topology).run(RunOptions {
-        stop_at_end,
+        stop_at_end: args.stop_at_end,
         shutdown,
         status: Some(status),
     }) {

@@ -19,17 +19,10 @@ struct Cli {
 enum Command {
     /// Run a topology against Kafka until SIGTERM/SIGINT (or the end of input with --stop-at-end).
     Run {
-        /// The topology file (YAML).
+        /// The topology file (YAML, or TOML when named *.toml).
         topology: PathBuf,
-        /// A config file (TOML); may be given several times, later files win.
-        #[arg(long = "config", value_name = "FILE")]
-        configs: Vec<PathBuf>,
-        /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-        /// Stop once every assigned partition has been read to its end, committing everything.
-        #[arg(long)]
-        stop_at_end: bool,
+        #[command(flatten)]
+        args: onceflow::deploy::RunArgs,
     },
     /// Check a topology file (YAML, or TOML when named *.toml) without connecting to
     /// anything; prints every error (file:line:column, stage, field) and exits 1 if there is any.
@@ -94,12 +87,7 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Run {
-            topology,
-            configs,
-            sets,
-            stop_at_end,
-        } => {
+        Command::Run { topology, args } => {
             let topo = match onceflow::dsl::load(&topology) {
                 Ok(t) => t,
                 Err(e) => {
@@ -107,7 +95,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            onceflow::deploy::run(topo, &configs, &sets, stop_at_end)
+            onceflow::deploy::run(topo, &args)
         }
     }
 }

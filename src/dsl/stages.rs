@@ -261,54 +261,34 @@ impl Compiler {
             return None;
         }
         if let Some(n) = f.get("set") {
-            match &n.val {
-                Val::Map(es) => {
-                    for (k, kpos, v) in es {
-                        let path = self.field_path(k, *kpos, place, "set");
-                        let func: Option<Computed> = self.func(v, place, "set");
-                        match (path, func) {
-                            (Some(p), Some(fun)) => spec.set.push((p, fun)),
-                            _ => ok = false,
-                        }
-                    }
-                }
-                other => {
-                    ok = false;
-                    self.wrong_type(
-                        n.pos,
-                        place,
-                        Some("set"),
-                        "a map of field to expression",
-                        other,
-                    );
-                }
-            }
+            ok &= self.each_entry(
+                n,
+                place,
+                "set",
+                "a map of field to expression",
+                |c, k, kpos, v| {
+                    let path = c.field_path(k, kpos, place, "set");
+                    let func: Option<Computed> = c.func(v, place, "set");
+                    spec.set.push((path?, func?));
+                    Some(())
+                },
+            );
         }
         if let Some(n) = f.get("rename") {
-            match &n.val {
-                Val::Map(es) => {
-                    for (k, kpos, v) in es {
-                        let from = self.field_path(k, *kpos, place, "rename");
-                        let to = self
-                            .string(v, place, "rename")
-                            .and_then(|t| self.field_path(&t, v.pos, place, "rename"));
-                        match (from, to) {
-                            (Some(a), Some(b)) => spec.rename.push((a, b)),
-                            _ => ok = false,
-                        }
-                    }
-                }
-                other => {
-                    ok = false;
-                    self.wrong_type(
-                        n.pos,
-                        place,
-                        Some("rename"),
-                        "a map of old name to new name",
-                        other,
-                    );
-                }
-            }
+            ok &= self.each_entry(
+                n,
+                place,
+                "rename",
+                "a map of old name to new name",
+                |c, k, kpos, v| {
+                    let from = c.field_path(k, kpos, place, "rename");
+                    let to = c
+                        .string(v, place, "rename")
+                        .and_then(|t| c.field_path(&t, v.pos, place, "rename"));
+                    spec.rename.push((from?, to?));
+                    Some(())
+                },
+            );
         }
         if let Some(n) = f.get("drop") {
             match &n.val {
@@ -528,5 +508,32 @@ impl Compiler {
             });
         }
         Some((name, StageKind::External(Box::new(spec))))
+    }
+
+    /// Read each entry of the map `n` (field `field`) with `read`, which gives `None` when
+    /// the entry is wrong (having reported it); a node that is not a map is reported as
+    /// `what`. Whether every entry was read.
+    fn each_entry(
+        &mut self,
+        n: &Node,
+        place: &str,
+        field: &str,
+        what: &str,
+        mut read: impl FnMut(&mut Self, &str, Pos, &Node) -> Option<()>,
+    ) -> bool {
+        match &n.val {
+            Val::Map(es) => {
+                let mut ok = true;
+                for (k, kpos, v) in es {
+                    // Every entry is read, so that every error is reported.
+                    ok &= read(self, k, *kpos, v).is_some();
+                }
+                ok
+            }
+            other => {
+                self.wrong_type(n.pos, place, Some(field), what, other);
+                false
+            }
+        }
     }
 }
