@@ -412,16 +412,7 @@ impl Compiler {
             _ => &["name", "topic", "topics", "key", "headers", "format"],
         };
         // The stage's name first, so every later message can use it.
-        let name = match body.val.clone() {
-            Val::Map(es) => es
-                .iter()
-                .find(|(k, _, _)| k == "name")
-                .and_then(|(_, _, n)| match &n.val {
-                    Val::Str(s) => Some(s.clone()),
-                    _ => None,
-                }),
-            _ => None,
-        };
+        let name = body.str_field("name");
         let default_name = match kind.as_str() {
             "dedup" => "dedup".to_string(),
             "enrich" => match &body.val {
@@ -496,16 +487,7 @@ impl Compiler {
     /// One item of `tables:`.
     pub(super) fn table(&mut self, i: usize, item: &Node) -> Option<TableSpec> {
         let anon = format!("table #{}", i + 1);
-        let name = match &item.val {
-            Val::Map(es) => es
-                .iter()
-                .find(|(k, _, _)| k == "name")
-                .and_then(|(_, _, n)| match &n.val {
-                    Val::Str(s) => Some(s.clone()),
-                    _ => None,
-                }),
-            _ => None,
-        };
+        let name = item.str_field("name");
         let place = name.as_ref().map_or(anon, |n| format!("table `{n}`"));
         let f = self.fields(item, &place, None, &["name", "topic", "format"])?;
         if let Some(n) = &name {

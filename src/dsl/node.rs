@@ -36,6 +36,23 @@ pub struct Node {
     pub val: Val,
 }
 
+impl Node {
+    /// The string value of field `key` when this node is a map that has it as a string
+    /// (e.g. a stage's `name`, read first so later messages can use it).
+    pub fn str_field(&self, key: &str) -> Option<String> {
+        match &self.val {
+            Val::Map(es) => es
+                .iter()
+                .find(|(k, _, _)| k == key)
+                .and_then(|(_, _, n)| match &n.val {
+                    Val::Str(s) => Some(s.clone()),
+                    _ => None,
+                }),
+            _ => None,
+        }
+    }
+}
+
 /// The value of a [`Node`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Val {
