@@ -35,7 +35,10 @@ fn load(names: &Names) -> gharchive::LoadReport {
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     let rep = gharchive::publish_random_keys(&p, &names.input, 2000, 7).unwrap();
     assert_eq!(rep.distinct, 15_129);
-    assert!(rep.published > rep.distinct, "the load publishes duplicates");
+    assert!(
+        rep.published > rep.distinct,
+        "the load publishes duplicates"
+    );
     rep
 }
 
@@ -59,7 +62,10 @@ fn assert_copies_spread(input: &str) {
             .insert(r.partition);
     }
     let spread = parts.values().filter(|p| p.len() > 1).count();
-    assert!(spread > 100, "only {spread} ids have copies on two partitions");
+    assert!(
+        spread > 100,
+        "only {spread} ids have copies on two partitions"
+    );
 }
 
 /// Log start offsets of `topic`'s partitions.
@@ -110,8 +116,7 @@ fn run_and_check(guarantee: &str) {
     // The repartition topic: the source's partition count, every record consumed and
     // committed, then purged up to the committed offset.
     let topic = format!("{}-dedup-repartition", names.app);
-    let committed =
-        kafka::committed_offsets(&bootstrap(), &names.app, &topic, PARTITIONS).unwrap();
+    let committed = kafka::committed_offsets(&bootstrap(), &names.app, &topic, PARTITIONS).unwrap();
     let committed: Vec<i64> = committed.into_iter().map(|c| c.unwrap_or(0)).collect();
     assert_eq!(
         committed.iter().sum::<i64>() >= rep.published as i64,
@@ -119,13 +124,20 @@ fn run_and_check(guarantee: &str) {
         "committed repartition offsets {committed:?} cover the {} records",
         rep.published
     );
-    assert_eq!(log_starts(&topic), committed, "purged up to the committed offsets");
+    assert_eq!(
+        log_starts(&topic),
+        committed,
+        "purged up to the committed offsets"
+    );
     let src = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, PARTITIONS)
         .unwrap()
         .into_iter()
         .map(|c| c.unwrap_or(0))
         .sum::<i64>();
-    assert_eq!(src, rep.published as i64, "source offsets committed to the end");
+    assert_eq!(
+        src, rep.published as i64,
+        "source offsets committed to the end"
+    );
 }
 
 #[test]
