@@ -149,3 +149,128 @@ fn at_least_once_random_keys_give_each_distinct_id_once() {
 fn exactly_once_random_keys_give_each_distinct_id_once_read_committed() {
     run_and_check("exactly_once_v2");
 }
+
+/// Two, then three instances under exactly_once_v2 while GH Archive events and 100,000
+/// synthetic events (25% repeats) flow with random Kafka keys; instances stop (SIGTERM),
+/// one is killed (SIGKILL) and restarted, others start. The router and the stateful
+/// partitions move between instances with their state; read_committed, every distinct id
+/// comes out exactly once.
+#[test]
+fn instances_come_and_go_and_every_id_comes_out_once_read_committed() {
+    use rand::{Rng, SeedableRng};
+    use std::time::Instant;
+    let names = repartitioned_names();
+    let bs = bootstrap();
+    let input = names.input.clone();
+    let producer = std::thread::spawn(move || {
+        let p = kafka::TestProducer::new(&bs).unwrap();
+        gharchive::publish_random_keys(&p, &input, 2000, 3).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let (mut distinct, mut sent) = (0u64, 0u64);
+        let started = Instant::now();
+        while sent < 100_000 {
+            let id = if distinct > 0 && rng.random_bool(0.25) {
+                rng.random_range(0..distinct)
+            } else {
+                distinct += 1;
+                distinct - 1
+            };
+            let v = format!(r#"{{"id":"syn-{id}","type":"Synthetic","n":{sent}}}"#);
+            let key = format!("k{}", rng.random::<u32>());
+            p.send(
+                &input,
+                None,
+                Some(key.as_bytes()),
+                Some(v.as_bytes()),
+                &[],
+                Some(now),
+            )
+            .unwrap();
+            sent += 1;
+            if sent % 5_000 == 0 {
+                p.flush().unwrap();
+                // ~100k over ~12 s.
+                let target = Duration::from_millis(sent * 120 / 1000);
+                if let Some(d) = target.checked_sub(started.elapsed()) {
+                    std::thread::sleep(d);
+                }
+            }
+        }
+        p.flush().unwrap();
+        distinct
+    });
+    let sets = |i: usize| -> Vec<(&'static str, String)> {
+        vec![
+            (
+                "state.dir",
+                names
+                    .state
+                    .path()
+                    .join(format!("state-{i}"))
+                    .display()
+                    .to_string(),
+            ),
+            ("instance.id", format!("i{i}")),
+            ("processing.guarantee", "exactly_once_v2".into()),
+            ("commit.interval.ms", "100".into()),
+            ("kafka.session.timeout.ms", "6000".into()),
+        ]
+    };
+    let mut running: HashMap<usize, Running> = HashMap::new();
+    running.insert(0, start(&names, &sets(0), &[], &[]));
+    running.insert(1, start(&names, &sets(1), &[], &[]));
+    // (action, instance): start, SIGTERM, SIGKILL.
+    let schedule = [
+        ("start", 2),
+        ("term", 0),
+        ("kill", 1),
+        ("start", 0),
+        ("start", 1),
+        ("term", 2),
+    ];
+    let mut events = Vec::new();
+    for (what, i) in schedule {
+        std::thread::sleep(Duration::from_millis(2500));
+        match what {
+            "start" => {
+                running.insert(i, start(&names, &sets(i), &[], &[]));
+            }
+            sig => {
+                let r = running.remove(&i).unwrap();
+                let term = sig == "term";
+                r.signal(if term { libc::SIGTERM } else { libc::SIGKILL });
+                let (st, _) = r.wait(T);
+                assert_eq!(st.success(), term, "instance {i} after {sig}");
+            }
+        }
+        events.push(format!("{what} {i} ({} running)", running.len()));
+    }
+    eprintln!("churn: {}", events.join("; "));
+    let synthetic = producer.join().unwrap();
+    for (_, r) in running.drain() {
+        r.signal(libc::SIGTERM);
+        assert!(r.wait(T).0.success());
+    }
+    // One instance finishes what is left, once the stopped static members have left the
+    // group (session timeout), so that it is assigned every partition.
+    std::thread::sleep(Duration::from_secs(8));
+    let (st, out) = start(&names, &sets(0), &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "{out}");
+
+    let mut want = gharchive_distinct_ids();
+    want.extend((0..synthetic).map(|i| format!("syn-{i}")));
+    let counts = output_counts(&names.output);
+    let repeated: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(5).collect();
+    let missing: Vec<_> = want
+        .iter()
+        .filter(|id| !counts.contains_key(*id))
+        .take(5)
+        .collect();
+    assert!(repeated.is_empty(), "ids out more than once, e.g. {repeated:?}");
+    assert!(missing.is_empty(), "ids lost, e.g. {missing:?}");
+    assert_eq!(counts.len(), want.len());
+}
