@@ -270,7 +270,10 @@ fn instances_come_and_go_and_every_id_comes_out_once_read_committed() {
         .filter(|id| !counts.contains_key(*id))
         .take(5)
         .collect();
-    assert!(repeated.is_empty(), "ids out more than once, e.g. {repeated:?}");
+    assert!(
+        repeated.is_empty(),
+        "ids out more than once, e.g. {repeated:?}"
+    );
     assert!(missing.is_empty(), "ids lost, e.g. {missing:?}");
     assert_eq!(counts.len(), want.len());
 }
