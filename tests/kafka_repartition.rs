@@ -118,9 +118,8 @@ fn run_and_check(guarantee: &str) {
     let topic = format!("{}-dedup-repartition", names.app);
     let committed = kafka::committed_offsets(&bootstrap(), &names.app, &topic, PARTITIONS).unwrap();
     let committed: Vec<i64> = committed.into_iter().map(|c| c.unwrap_or(0)).collect();
-    assert_eq!(
+    assert!(
         committed.iter().sum::<i64>() >= rep.published as i64,
-        true,
         "committed repartition offsets {committed:?} cover the {} records",
         rep.published
     );
