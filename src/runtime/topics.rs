@@ -163,6 +163,9 @@ impl App {
         }
         for t in admin.ensure_topics(&missing)? {
             match missing.iter().find(|m| m.0 == t) {
+                _ if Some(&t) == self.repartition_topic().as_ref() => {
+                    tracing::info!(topic = %t, partitions = n, "created repartition topic")
+                }
                 Some((_, _, c)) if !c.is_empty() => {
                     tracing::info!(topic = %t, partitions = n, cleanup_policy = %c[0].1, "created changelog topic")
                 }

@@ -1157,19 +1157,29 @@ impl<'a> Run<'a> {
     }
 
     /// With the hop, once the source is committed to its end (no router writes any more):
-    /// whether every repartition record is consumed and committed. Under exactly_once_v2
-    /// each partition ends with a transaction marker, which takes an offset no record has.
+    /// whether every repartition record is consumed and committed, i.e. each partition's
+    /// committed offset is past its last record visible read_committed. (Not the high
+    /// watermark: under exactly_once_v2 a partition may end with transaction markers and
+    /// aborted records, which a committed offset never passes.) While a transaction is
+    /// open on the topic, the read does not reach the end, and the answer is no.
     fn repartition_consumed(&self) -> bool {
         let bs = &self.opts.bootstrap;
-        let (Ok(ends), Ok(c)) = (
-            high_watermarks(bs, &self.repartition),
-            kafka::committed_offsets(bs, &self.app, &self.repartition, PARTITIONS),
-        ) else {
+        let Ok(records) = kafka::read_topic(bs, &self.repartition, true, Duration::from_secs(5))
+        else {
             return false;
         };
-        ends.iter()
+        let Ok(c) = kafka::committed_offsets(bs, &self.app, &self.repartition, PARTITIONS) else {
+            return false;
+        };
+        let mut last = [None::<i64>; PARTITIONS];
+        for r in &records {
+            if let Some(l) = last.get_mut(r.partition as usize) {
+                *l = Some(l.map_or(r.offset, |o: i64| o.max(r.offset)));
+            }
+        }
+        last.iter()
             .zip(&c)
-            .all(|(end, c)| *end == 0 || c.is_some_and(|c| c >= *end - 1))
+            .all(|(last, c)| last.is_none_or(|l| c.is_some_and(|c| c > l)))
     }
 
     /// SIGTERM every instance at once; each must exit 0.
