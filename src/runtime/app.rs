@@ -13,6 +13,10 @@
 //! restored keep processing), and on revocation a commit of all partitions' work before
 //! the revoked tasks close; their stores stay on disk and are reused, from their stored
 //! changelog offset, if the partitions return.
+//!
+//! With a repartition hop (`runtime::hop`, `routing.rs`), the consumer also reads the
+//! repartition topic: source partitions are router tasks, the repartition topic's
+//! partitions run the stages; both go through the same commit.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
