@@ -13,6 +13,8 @@
 //!                         # SIGCONT: a zombie), zombie (the same, stopped by the
 //!                         # instance itself at eos.after_changelog or eos.before_commit)
 //!     [--set KEY=VALUE]...  # extra config for every instance, e.g. kafka.debug=cgrp,eos
+//!     [--repartition]     # dedup with partitioning: repartition, events with random
+//!                         # Kafka keys (copies of an id on different partitions)
 //! ```
 //! The binary is `--bin`, else `ONCEFLOW_BIN`, else `target/release/onceflow`; the broker
 //! is `ONCEFLOW_BOOTSTRAP_SERVERS` (default 127.0.0.1:9092). Prints one line per run and a
@@ -26,7 +28,7 @@ use std::process::ExitCode;
 fn usage() -> ExitCode {
     eprintln!(
         "usage: crash_harness [--runs N] [--seed S] [--bin PATH] [--min-events N] [--max-events N] \
-         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...] [--set KEY=VALUE]..."
+         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...] [--set KEY=VALUE]... [--repartition]"
     );
     ExitCode::from(2)
 }
@@ -77,6 +79,10 @@ fn main() -> ExitCode {
             }),
             "--keep-logs" => {
                 opts.keep_logs = true;
+                Some(())
+            }
+            "--repartition" => {
+                opts.repartition = true;
                 Some(())
             }
             "-h" | "--help" => return usage(),

@@ -45,6 +45,21 @@ fn exactly_once_v2_survives_zombies_stopped_inside_their_transaction() {
     );
 }
 
+/// The repartition hop under crashes (issue 13): the dedup with `partitioning:
+/// repartition`, events with random Kafka keys (copies of an id on different partitions),
+/// an instance SIGKILLed at a failpoint of the transaction that holds both repartition
+/// records and dedup outputs (or at a random moment) and restarted: every id once.
+#[test]
+fn exactly_once_v2_repartition_survives_sigkill() {
+    let bs = common::bootstrap();
+    let seed = seed();
+    let mut opts =
+        harness::HarnessOptions::new(Path::new(env!("CARGO_BIN_EXE_onceflow")), &bs, seed, 3);
+    opts.copy_binary = false;
+    opts.repartition = true;
+    run_and_check(&opts);
+}
+
 /// `ONCEFLOW_TEST_HARNESS_SEED`, else the clock (the harness prints it either way).
 fn seed() -> u64 {
     std::env::var("ONCEFLOW_TEST_HARNESS_SEED")

@@ -377,6 +377,36 @@ impl Admin {
         })
     }
 
+    /// Delete the records of `topic` before the given offsets, per partition
+    /// (`(partition, offset)`; DeleteRecords, which moves each partition's log start
+    /// offset up to its offset). Used to purge consumed repartition records.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the request fails, [`Error::Broker`] naming the partition the
+    /// broker refused (e.g. an offset beyond its high watermark). Not retried: the next
+    /// purge asks again.
+    pub fn delete_records(&self, topic: &str, offsets: &[(i32, i64)]) -> Result<()> {
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for (p, o) in offsets {
+            tpl.add_partition_offset(topic, *p, rdkafka::Offset::Offset(*o))
+                .map_err(Error::kafka("delete records"))?;
+        }
+        let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+        let res = futures::executor::block_on(self.client.delete_records(&tpl, &opts))
+            .map_err(Error::kafka("delete records"))?;
+        for e in res.elements() {
+            if let Err(err) = e.error() {
+                return Err(Error::Broker(format!(
+                    "DeleteRecords of {}/{} up to {:?} refused: {err}",
+                    e.topic(),
+                    e.partition(),
+                    e.offset()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Delete consumer group `group` with its committed offsets (a missing group is fine).
     ///
     /// # Errors

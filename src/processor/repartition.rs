@@ -126,6 +126,73 @@ pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>
     }
 }
 
+/// The router of a repartition hop: turns each source record into its repartition record.
+///
+/// It reads only the dedup key (a JSON value is scanned for the key's pointers, no tree is
+/// built), and never refuses a record: one whose key cannot be read (a missing field, a
+/// value that does not decode) is written to the partition its Kafka key hashes to (or
+/// its source partition, modulo the count, without a Kafka key), with its Kafka key, and
+/// the dedup stage on the repartition topic dead-letters it there, naming the original
+/// source record.
+#[derive(Debug, Clone)]
+pub struct Router {
+    key: KeySource,
+    format: super::codec::Format,
+    topic: String,
+    partitions: i32,
+    pointers: std::sync::Arc<[String]>,
+    tokens: Vec<Vec<String>>,
+}
+
+impl Router {
+    /// The router for a dedup stage keyed by `key`, reading `format` values, writing to
+    /// `topic` with `partitions` partitions (≥ 1).
+    pub fn new(key: KeySource, format: super::codec::Format, topic: &str, partitions: i32) -> Self {
+        let mut pointers = Vec::new();
+        key.json_pointers(&mut pointers);
+        let tokens = pointers
+            .iter()
+            .map(|p| super::json_scan::tokens(p))
+            .collect();
+        Router {
+            key,
+            format,
+            topic: topic.to_string(),
+            partitions: partitions.max(1),
+            pointers: pointers.into(),
+            tokens,
+        }
+    }
+
+    /// The repartition topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The repartition record of `record` (see [`route`] and the type's docs).
+    pub fn route(&self, mut record: Record) -> OutRecord {
+        use super::codec::Format;
+        if self.key.needs_json() {
+            match (&self.format, record.value.as_deref()) {
+                (Format::Json, Some(v)) => {
+                    if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {
+                        record.fields = Some((self.pointers.clone(), vals));
+                    }
+                }
+                (Format::Bytes, _) | (_, None) => {}
+                (other, Some(v)) => record.json = other.decode(v).ok(),
+            }
+        }
+        route(&record, &self.key, &self.topic, self.partitions).unwrap_or_else(|_| {
+            let p = match record.key.as_deref() {
+                Some(k) => partition_for(k, self.partitions),
+                None => record.source.partition.rem_euclid(self.partitions),
+            };
+            unrouted(&record, &self.topic, p, record.key.clone())
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,6 +252,18 @@ mod tests {
         let out2 = route(&again, &key, "t", 4).unwrap();
         assert_eq!(source_of(&out2.headers), Some(("events".into(), 3, 17)));
         assert_eq!(out2.headers.len(), out.headers.len());
+        // The router: keyed by the scanned key; a record without one keeps its Kafka key.
+        let router = Router::new(key.clone(), super::super::codec::Format::Json, "t", 4);
+        let mut raw = rec.clone();
+        raw.json = None;
+        let r = router.route(raw.clone());
+        assert_eq!(r.key.as_deref(), Some(&b"x"[..]));
+        assert_eq!(r.partition, Some(partition_for(b"x", 4)));
+        raw.value = Some(Bytes::from_static(b"not json"));
+        let r = router.route(raw);
+        assert_eq!(r.key.as_deref(), Some(&b"user-1"[..]));
+        assert_eq!(r.partition, Some(partition_for(b"user-1", 4)));
+        assert_eq!(source_of(&r.headers), Some(("events".into(), 3, 17)));
         // No key: not routed.
         let mut none = rec;
         none.json = Some(serde_json::json!({}));

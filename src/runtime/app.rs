@@ -13,6 +13,10 @@
 //! restored keep processing), and on revocation a commit of all partitions' work before
 //! the revoked tasks close; their stores stay on disk and are reused, from their stored
 //! changelog offset, if the partitions return.
+//!
+//! With a repartition hop (`runtime::hop`, `routing.rs`), the consumer also reads the
+//! repartition topic: source partitions are router tasks, the repartition topic's
+//! partitions run the stages; both go through the same commit.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -104,7 +108,10 @@ struct Engine {
     protocol: Protocol,
     topology: Topology,
     config: Config,
-    source_topic: String,
+    /// The topics the tasks read, and the task id of each partition (`runtime::hop`).
+    topics: super::hop::Topics,
+    /// The repartition hop, when the first stage repartitions (`routing.rs`).
+    hop: Option<routing::Hop>,
     /// The source topic, shared by every record read (no copy per record).
     source_name: Arc<str>,
     /// `<application.id>-<instance id>`, for error messages.
@@ -163,7 +170,7 @@ macro_rules! kafka_log {
             producer: &mut $e.producer,
             config: &$e.config,
             consumer: $consumer,
-            source_topic: &$e.source_topic,
+            topics: &$e.topics,
             changelogs: &$e.changelogs,
             group_meta: $e.group_meta.as_ref(),
             mode: $mode,
@@ -176,6 +183,8 @@ macro_rules! kafka_log {
 mod rebalance;
 #[path = "restore.rs"]
 mod restore;
+#[path = "routing.rs"]
+mod routing;
 #[path = "topics.rs"]
 mod topics;
 
@@ -201,7 +210,11 @@ impl Engine {
     }
 
     fn process(&mut self, consumer: &SourceConsumer, m: &BorrowedMessage<'_>) -> Result<()> {
-        let p = m.partition();
+        // The task id (`runtime::hop`): the partition, or a router's id with a hop.
+        let p = match &self.hop {
+            None => m.partition(),
+            Some(_) => self.topics.id(m.topic(), m.partition()),
+        };
         self.first_record.get_or_insert_with(Instant::now);
         self.at_end.remove(&p);
         let Some(task) = self.tasks.get_mut(&p) else {
@@ -212,11 +225,14 @@ impl Engine {
             // Fetched before the pause took effect: read it again once restored.
             self.replay_from.entry(p).or_insert(m.offset());
             consumer
-                .pause(&Self::tpl_one(&self.source_topic, p, None)?)
+                .pause(&self.tpl_id(p, None)?)
                 .map_err(Error::kafka("pause"))?;
             return Ok(());
         }
-        let record = to_record(m, &self.source_name);
+        let record = to_record(m, self.record_topic(p));
+        let Some(task) = self.tasks.get_mut(&p) else {
+            return Ok(());
+        };
         task.process(record, wall_clock_ms(), &mut self.out)?;
         let mut log = kafka_log!(self, consumer, CommitMode::Async);
         self.protocol.processed(&mut log, &mut self.out)
@@ -252,7 +268,15 @@ impl Engine {
         match result? {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
             Outcome::Unknown => self.reopen_all(consumer),
-            Outcome::Nothing | Outcome::Committed | Outcome::Crashed(_) => Ok(()),
+            Outcome::Committed => {
+                self.purge(mode, true);
+                Ok(())
+            }
+            Outcome::Nothing => {
+                self.purge(mode, false);
+                Ok(())
+            }
+            Outcome::Crashed(_) => Ok(()),
         }
     }
 
@@ -266,9 +290,10 @@ impl Engine {
         let mut seek = TopicPartitionList::new();
         for (p, off) in partitions {
             self.at_end.remove(p);
+            let (topic, partition) = self.topics.tp(*p);
             seek.add_partition_offset(
-                &self.source_topic,
-                *p,
+                topic,
+                partition,
                 off.map_or(Offset::Beginning, Offset::Offset),
             )
             .map_err(Error::kafka("build offsets"))?;
@@ -343,7 +368,7 @@ impl App {
             .clone()
             .with_state_dir(&self.config.state_dir, &self.config.application_id);
         crate::sink::preflight(&self.topology)?;
-        self.prepare_topics()?;
+        let partitions = self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
         let backend = SledBackend::open(&dir)?;
         let table_set =
@@ -356,11 +381,16 @@ impl App {
             producer.init_transactions()?;
             tracing::info!(transactional_id = %self.config.transactional_id(), "transactions initialised");
         }
+        let hop = self.hop(partitions)?;
         let mut e = Engine {
             protocol: Protocol::new(self.config.processing_guarantee, self.topology.name()),
             topology,
             config: self.config.clone(),
-            source_topic: self.topology.source().topic.clone(),
+            topics: super::hop::Topics::new(
+                &self.topology.source().topic,
+                hop.as_ref().map(|h| h.name.to_string()),
+            ),
+            hop,
             source_name: self.topology.source().topic.as_str().into(),
             transactional_id: self.config.transactional_id(),
             backend,
@@ -393,7 +423,7 @@ impl App {
         let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;
         consumer.context().defer_rebalances(true);
         consumer
-            .subscribe(&[self.topology.source().topic.as_str()])
+            .subscribe(&e.topics.subscription())
             .map_err(Error::kafka("subscribe"))?;
         tracing::info!(topology = self.topology.name(), source = %self.topology.source().topic,
             state = %dir.display(), "running");
@@ -430,6 +460,10 @@ impl App {
             }
         }
         e.tasks.clear();
+        if let Some(hop) = e.hop.take() {
+            // The last purge (after the final commit) completes before the exit.
+            hop.purger.finish();
+        }
         e.backend.flush()?;
         let seconds = e
             .first_record
@@ -490,12 +524,12 @@ fn run_loop(
                 None => {
                     // A rebalance makes `poll` return: carry it out before anything else.
                     e.handle_events(consumer, events)?;
-                    if opts.stop_at_end && e.all_at_end() {
+                    if opts.stop_at_end && e.input_at_end(consumer) {
                         // Commit first: a failed transaction rewinds its partitions (and
                         // clears their end marks); their records are processed again
                         // before stopping.
                         e.commit(consumer, CommitMode::Sync)?;
-                        if e.all_at_end() {
+                        if e.input_at_end(consumer) {
                             tracing::info!("every assigned partition is at its end: stopping");
                             return Ok(());
                         }

@@ -23,8 +23,10 @@ pub struct KafkaLog<'a> {
     pub config: &'a crate::config::Config,
     /// Commits offsets (at_least_once) and fetches committed ones.
     pub consumer: &'a SourceConsumer,
-    /// The source topic.
-    pub source_topic: &'a str,
+    /// The topics the tasks read: a task id (the partitions of offsets) names a partition
+    /// of the source or, with a repartition hop, of the repartition topic
+    /// ([`crate::runtime::hop::Topics`]).
+    pub topics: &'a crate::runtime::hop::Topics,
     /// Changelog topic of each store.
     pub changelogs: &'a BTreeMap<String, String>,
     /// The group metadata of the current assignment (exactly_once_v2, KIP-447).
@@ -43,8 +45,9 @@ impl KafkaLog<'_> {
 
     fn offsets(&self, offsets: &[(i32, i64)]) -> Result<TopicPartitionList> {
         let mut tpl = TopicPartitionList::new();
-        for (p, o) in offsets {
-            tpl.add_partition_offset(self.source_topic, *p, Offset::Offset(*o))
+        for (id, o) in offsets {
+            let (topic, p) = self.topics.tp(*id);
+            tpl.add_partition_offset(topic, p, Offset::Offset(*o))
                 .map_err(Error::kafka("build offsets"))?;
         }
         Ok(tpl)
@@ -166,8 +169,9 @@ impl CommitLog for KafkaLog<'_> {
 
     fn committed_offsets(&mut self, partitions: &[i32]) -> Result<BTreeMap<i32, Option<i64>>> {
         let mut tpl = TopicPartitionList::new();
-        for p in partitions {
-            tpl.add_partition(self.source_topic, *p);
+        for id in partitions {
+            let (topic, p) = self.topics.tp(*id);
+            tpl.add_partition(topic, p);
         }
         let committed = crate::kafka::retry::retry("committed offsets", || {
             self.consumer
@@ -176,15 +180,13 @@ impl CommitLog for KafkaLog<'_> {
         })?;
         Ok(partitions
             .iter()
-            .map(|p| {
-                let o = match committed
-                    .find_partition(self.source_topic, *p)
-                    .map(|e| e.offset())
-                {
+            .map(|id| {
+                let (topic, p) = self.topics.tp(*id);
+                let o = match committed.find_partition(topic, p).map(|e| e.offset()) {
                     Some(Offset::Offset(o)) => Some(o),
                     _ => None,
                 };
-                (*p, o)
+                (*id, o)
             })
             .collect())
     }

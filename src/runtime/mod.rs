@@ -3,6 +3,7 @@
 pub mod app;
 pub mod commit;
 pub mod failpoint;
+pub mod hop;
 pub mod log;
 pub mod status;
 pub mod table;

@@ -16,7 +16,6 @@ use super::{Engine, KafkaLog};
 use crate::config::Guarantee;
 use crate::error::Result;
 use crate::kafka::consumer::{apply_assign, apply_revoke, RebalanceEvent, SourceConsumer};
-use crate::runtime::Task;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::TopicPartitionList;
 use std::sync::mpsc;
@@ -33,7 +32,8 @@ impl Engine {
         events: &mpsc::Receiver<RebalanceEvent>,
     ) -> Result<()> {
         while let Ok(ev) = events.try_recv() {
-            let parts = ev.partitions();
+            // Task ids: partitions, or routers' ids with a repartition hop (`hop.rs`).
+            let parts = self.ids_of(&ev);
             match ev {
                 RebalanceEvent::Assigned(tpl) => {
                     apply_assign(consumer, &tpl)?;
@@ -118,7 +118,7 @@ impl Engine {
     pub(super) fn reopen_all(&mut self, consumer: &SourceConsumer) -> Result<()> {
         let parts: Vec<i32> = self.tasks.keys().copied().collect();
         self.close_tasks(&parts);
-        let tpl = Engine::tpl_of(&self.source_topic, &parts, None)?;
+        let tpl = self.tpl_ids(&parts, None)?;
         let committed = crate::kafka::retry::retry("committed offsets", || {
             consumer
                 .committed_offsets(tpl.clone(), std::time::Duration::from_secs(30))
@@ -126,8 +126,9 @@ impl Engine {
         })?;
         let mut seek = TopicPartitionList::new();
         for p in &parts {
+            let (topic, partition) = self.topics.tp(*p);
             let at = match committed
-                .find_partition(&self.source_topic, *p)
+                .find_partition(topic, partition)
                 .map(|e| e.offset())
             {
                 Some(rdkafka::Offset::Offset(o)) => {
@@ -137,7 +138,7 @@ impl Engine {
                 }
                 _ => rdkafka::Offset::Beginning,
             };
-            seek.add_partition_offset(&self.source_topic, *p, at)
+            seek.add_partition_offset(topic, partition, at)
                 .map_err(crate::Error::kafka("build offsets"))?;
         }
         self.on_assign(consumer, &parts)?;
@@ -163,18 +164,14 @@ impl Engine {
         self.assigned_once = true;
         self.status_dirty = true;
         self.group_meta = consumer.group_metadata();
-        let mut tpl = TopicPartitionList::new();
-        for p in partitions {
-            tpl.add_partition(&self.source_topic, *p);
-        }
+        let tpl = self.tpl_ids(partitions, None)?;
         // Nothing is processed before the restore: pause first, plan in the run loop.
         consumer.pause(&tpl).map_err(crate::Error::kafka("pause"))?;
         for p in partitions {
             if self.tasks.contains_key(p) {
                 continue;
             }
-            let t = Task::new(&self.topology, *p, &self.backend, &self.config.dlq_topic)?
-                .with_tables(self.tables.clone());
+            let t = self.new_task(*p)?;
             self.tasks.insert(*p, t);
             self.unplanned.insert(*p);
         }

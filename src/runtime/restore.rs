@@ -43,6 +43,13 @@ impl Engine {
             .into_iter()
             .filter(|p| self.tasks.contains_key(p))
             .collect();
+        // Routers (a repartition hop's source partitions) have no state: they go at once.
+        let (routers, partitions): (Vec<i32>, Vec<i32>) = partitions
+            .into_iter()
+            .partition(|p| self.topics.is_router(*p));
+        for p in routers {
+            self.resume(consumer, p)?;
+        }
         if partitions.is_empty() {
             return Ok(());
         }
@@ -52,7 +59,7 @@ impl Engine {
         if self.changelogs.is_empty() {
             ready = partitions;
         } else {
-            let all = Self::tpl_of(&self.source_topic, &partitions, None)?;
+            let all = self.tpl_ids(&partitions, None)?;
             if consumer
                 .committed_offsets(all, Duration::from_millis(300))
                 .is_ok()
@@ -60,10 +67,8 @@ impl Engine {
                 ready = partitions;
             } else {
                 for p in partitions {
-                    let stable = consumer.committed_offsets(
-                        Self::tpl_one(&self.source_topic, p, None)?,
-                        Duration::from_millis(300),
-                    );
+                    let stable = consumer
+                        .committed_offsets(self.tpl_id(p, None)?, Duration::from_millis(300));
                     match stable {
                         Ok(_) => ready.push(p),
                         Err(err) => {
@@ -187,13 +192,10 @@ impl Engine {
     }
 
     fn resume(&mut self, consumer: &SourceConsumer, p: i32) -> Result<()> {
-        let tpl = Self::tpl_one(&self.source_topic, p, None)?;
+        let tpl = self.tpl_id(p, None)?;
         if let Some(off) = self.replay_from.remove(&p) {
             consumer
-                .seek_partitions(
-                    Self::tpl_one(&self.source_topic, p, Some(off))?,
-                    Duration::from_secs(10),
-                )
+                .seek_partitions(self.tpl_id(p, Some(off))?, Duration::from_secs(10))
                 .map_err(Error::kafka("seek"))?;
         }
         consumer.resume(&tpl).map_err(Error::kafka("resume"))

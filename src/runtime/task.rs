@@ -56,6 +56,9 @@ pub struct Task {
     /// An external sink may fail a record at the commit (when its effects are flushed), so
     /// the marks staged for each record stay withdrawable until then.
     fails_late: bool,
+    /// A router task (the source partition of a repartition hop): no stages, no stores;
+    /// each record becomes its repartition record.
+    router: Option<crate::processor::repartition::Router>,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -116,7 +119,51 @@ impl Task {
                 .stages()
                 .iter()
                 .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
+            router: None,
         })
+    }
+
+    /// Create the router task of `partition` of the topology's source for a repartition
+    /// hop: it runs no stage and has no store; each record becomes one repartition record
+    /// ([`Router::route`](crate::processor::repartition::Router::route)), sent and committed
+    /// like any output, and the stages run on the repartition topic's partitions.
+    pub fn router(
+        topology: &Topology,
+        partition: i32,
+        router: crate::processor::repartition::Router,
+    ) -> Task {
+        let span = tracing::info_span!(
+            "router",
+            topology = topology.name(),
+            partition,
+            topic = router.topic()
+        );
+        Task {
+            topic: topology.source().topic.as_str().into(),
+            partition,
+            format: topology.source().format.clone(),
+            nodes: Vec::new(),
+            stores: Stores::new(),
+            dlq_topic: String::new(),
+            position: None,
+            stream_time: i64::MIN,
+            counts: Counts::default(),
+            cur: Vec::new(),
+            next: Vec::new(),
+            dlq_counters: Vec::new(),
+            span,
+            restorers: Vec::new(),
+            pointers: Vec::new().into(),
+            pointer_tokens: Vec::new(),
+            tables: Default::default(),
+            fails_late: false,
+            router: Some(router),
+        }
+    }
+
+    /// Whether this is a router task ([`Task::router`]).
+    pub fn is_router(&self) -> bool {
+        self.router.is_some()
     }
 
     /// Give the task the instance's lookup tables (for enrich stages); they are shared by
@@ -179,8 +226,14 @@ impl Task {
                 "a record reached a partition that is still restoring (internal error)",
             ));
         }
-        self.counts.records_in += 1;
         let offset = record.source.offset;
+        if let Some(r) = &self.router {
+            // Counted where the stages read it (the repartition topic), not twice.
+            out.push(r.route(record));
+            self.position = Some(offset + 1);
+            return Ok(());
+        }
+        self.counts.records_in += 1;
         if let Some(ts) = record.timestamp {
             self.stream_time = self.stream_time.max(ts);
         }

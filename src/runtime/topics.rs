@@ -8,7 +8,55 @@ use crate::state::restore::changelog_topic;
 use crate::topology::StageKind;
 use std::collections::BTreeMap;
 
+/// Topic configuration of a repartition topic: deleted by DeleteRecords once consumed
+/// (`runtime::hop`), never by time or size, so no record is dropped before it is processed.
+pub const REPARTITION_CONFIGS: &[(&str, &str)] = &[
+    ("cleanup.policy", "delete"),
+    ("retention.ms", "-1"),
+    ("retention.bytes", "-1"),
+];
+
 impl App {
+    /// The repartition topic of the first stage, when it is a dedup with `partitioning:
+    /// repartition` in effect.
+    pub fn repartition_topic(&self) -> Option<String> {
+        self.topology
+            .repartitioned()
+            .iter()
+            .find(|(i, ..)| *i == 0)
+            .map(|(_, name, _)| {
+                crate::processor::stages::repartition_topic(&self.config.application_id, name)
+            })
+    }
+
+    /// The run's repartition hop (`partitions`: the source's count, which the repartition
+    /// topic has), when the first stage repartitions.
+    ///
+    /// # Errors
+    /// The purge's admin client cannot be created.
+    pub(super) fn hop(&self, partitions: usize) -> Result<Option<super::routing::Hop>> {
+        let Some(topic) = self.repartition_topic() else {
+            return Ok(None);
+        };
+        let Some((_, _, spec)) = self.topology.repartitioned().first().copied() else {
+            return Ok(None);
+        };
+        let router = crate::processor::repartition::Router::new(
+            spec.key.clone(),
+            self.topology.source().format.clone(),
+            &topic,
+            i32::try_from(partitions).unwrap_or(i32::MAX),
+        );
+        tracing::info!(topic = %topic, partitions, "repartitioning by the dedup key through the repartition topic");
+        Ok(Some(super::routing::Hop {
+            router,
+            name: topic.as_str().into(),
+            purger: crate::runtime::hop::Purger::spawn(&self.config, &topic)?,
+            last_purge: std::time::Instant::now(),
+            pending: Vec::new(),
+        }))
+    }
+
     /// The changelog topic of each store.
     pub fn changelog_topics(&self) -> BTreeMap<String, String> {
         self.topology
@@ -29,19 +77,24 @@ impl App {
     /// are created with [`CHANGELOG_CONFIGS`](crate::kafka::admin::CHANGELOG_CONFIGS)
     /// (`cleanup.policy=compact`: a live entry is always restorable), or checked to have
     /// the source's partition count and a configuration that never deletes a live entry
-    /// (corrected when it could).
+    /// (corrected when it could). With a repartition hop (the first stage a dedup with
+    /// `partitioning: repartition`), the repartition topic
+    /// `<application.id>-<stage>-repartition` is created with the source's partition count
+    /// and [`REPARTITION_CONFIGS`] (no time or size retention: consumed records are purged
+    /// instead, see `runtime::hop`), or checked to have that count. Returns the source's
+    /// partition count.
     ///
     /// # Errors
-    /// [`Error::Config`] when a dedup stage has `partitioning: repartition` in effect (not
-    /// run by the runtime yet); [`Error::Broker`] when the source topic is missing, a
-    /// changelog has another partition count than the source or a configuration that cannot
-    /// be corrected, or topics cannot be created.
+    /// [`Error::Config`] when a dedup stage other than the first needs `partitioning:
+    /// repartition` (not run yet); [`Error::Broker`] when the source topic is missing, a
+    /// changelog or the repartition topic has another partition count than the source, a
+    /// changelog has a configuration that cannot be corrected, or topics cannot be created.
     pub fn prepare_topics(&self) -> Result<usize> {
-        // Never let copies on different partitions pass silently: until the runtime runs
-        // the repartition hop, a stage that needs it is refused before anything is created.
-        if let Some((_, name, d)) = self.topology.repartitioned().first() {
+        // Never let copies on different partitions pass silently: a later stage that
+        // needs the hop is refused before anything is created.
+        if let Some((_, name, d)) = self.topology.repartitioned().iter().find(|(i, ..)| *i > 0) {
             return Err(Error::Config(format!(
-                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which `onceflow run` does not run yet (the test driver does); if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
+                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which `onceflow run` runs only for the first stage; put it first, or, if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
                 d.key.describe()
             )));
         }
@@ -83,8 +136,36 @@ impl App {
                 )),
             }
         }
+        if let Some(topic) = self.repartition_topic() {
+            match admin.partition_count(&topic)? {
+                Some(m) if m != n => {
+                    return Err(Error::Broker(format!(
+                        "repartition topic {topic} has {m} partitions, but source topic {src} has {n}; \
+                         they must match (delete the repartition topic once it is consumed, or use a new application.id)"
+                    )))
+                }
+                Some(_) => {}
+                None => missing.push((
+                    topic,
+                    n,
+                    REPARTITION_CONFIGS
+                        .iter()
+                        .map(|(k, v)| (*k, v.to_string()))
+                        .collect(),
+                )),
+            }
+        }
+        if i32::try_from(n).map_or(true, |n| n >= crate::runtime::hop::ROUTER_BASE) {
+            return Err(Error::Broker(format!(
+                "source topic {src} has {n} partitions; onceflow supports fewer than {}",
+                crate::runtime::hop::ROUTER_BASE
+            )));
+        }
         for t in admin.ensure_topics(&missing)? {
             match missing.iter().find(|m| m.0 == t) {
+                _ if Some(&t) == self.repartition_topic().as_ref() => {
+                    tracing::info!(topic = %t, partitions = n, "created repartition topic")
+                }
                 Some((_, _, c)) if !c.is_empty() => {
                     tracing::info!(topic = %t, partitions = n, cleanup_policy = %c[0].1, "created changelog topic")
                 }
@@ -103,35 +184,58 @@ mod tests {
     use crate::runtime::App;
     use crate::topology::{Format, TopologyBuilder};
 
-    /// A stage that needs the repartition hop is refused before any topic is touched (the
-    /// broker address is unreachable on purpose: the refusal comes first).
+    /// A first stage that repartitions gets its repartition topic; a later stage that
+    /// needs the hop is refused before any topic is touched (the broker address is
+    /// unreachable on purpose: the refusal comes first).
     #[test]
-    fn a_stage_needing_repartition_is_refused_at_start() {
+    fn only_a_first_stage_may_repartition() {
         let cfg = Config::load_with_env(
             &[],
-            &[("bootstrap.servers".into(), "127.0.0.1:1".into())],
+            &[
+                ("bootstrap.servers".into(), "127.0.0.1:1".into()),
+                ("application.id".into(), "app".into()),
+            ],
             Vec::new(),
         )
         .unwrap();
-        let t = |p: Option<Partitioning>| {
+        let by_id = |p: Option<Partitioning>| {
             let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
             spec.partitioning = p;
+            spec
+        };
+        let first = |p: Option<Partitioning>| {
             TopologyBuilder::new("t")
                 .source("in", Format::Json)
-                .dedup("by-id", spec)
+                .dedup("by-id", by_id(p))
                 .sink("out", "out")
                 .build()
                 .unwrap()
         };
         for p in [None, Some(Partitioning::Repartition)] {
-            let err = App::new(cfg.clone(), t(p))
-                .prepare_topics()
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains("\"by-id\""), "{err}");
-            assert!(err.contains("partitioning: source"), "{err}");
+            assert_eq!(
+                App::new(cfg.clone(), first(p))
+                    .repartition_topic()
+                    .as_deref(),
+                Some("app-by-id-repartition")
+            );
         }
-        // Stated `source`: nothing to refuse.
-        assert!(t(Some(Partitioning::Source)).repartitioned().is_empty());
+        assert_eq!(
+            App::new(cfg.clone(), first(Some(Partitioning::Source))).repartition_topic(),
+            None
+        );
+        let later = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("by-key", DedupSpec::new(KeySource::KafkaKey))
+            .dedup("by-id", by_id(None))
+            .sink("out", "out")
+            .build()
+            .unwrap();
+        let err = App::new(cfg, later)
+            .prepare_topics()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"by-id\""), "{err}");
+        assert!(err.contains("only for the first stage"), "{err}");
+        assert!(err.contains("partitioning: source"), "{err}");
     }
 }

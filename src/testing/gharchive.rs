@@ -104,16 +104,48 @@ pub struct LoadReport {
 /// # Errors
 /// Reading the data or producing failed.
 pub fn publish(producer: &TestProducer, topic: &str, tail: usize, seed: u64) -> Result<LoadReport> {
+    publish_with(producer, topic, tail, seed, false)
+}
+
+/// As [`publish`], but every record (each copy too) gets a random Kafka key (seeded), so
+/// the copies of an event land on different partitions, as when producers key by session
+/// or not at all: a dedup by `/id` needs `partitioning: repartition`.
+///
+/// # Errors
+/// As [`publish`].
+pub fn publish_random_keys(
+    producer: &TestProducer,
+    topic: &str,
+    tail: usize,
+    seed: u64,
+) -> Result<LoadReport> {
+    publish_with(producer, topic, tail, seed, true)
+}
+
+fn publish_with(
+    producer: &TestProducer,
+    topic: &str,
+    tail: usize,
+    seed: u64,
+    random_keys: bool,
+) -> Result<LoadReport> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut keys = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
     let mut rep = LoadReport::default();
     for f in hour_files() {
         let events = read_hour(&f)?;
         rep.distinct += events.len();
-        let send = |e: &Event| {
+        let mut send = |e: &Event| {
+            let random = format!("k{}", keys.random::<u64>());
+            let key = if random_keys {
+                random.as_bytes()
+            } else {
+                e.actor.as_bytes()
+            };
             producer.send(
                 topic,
                 None,
-                Some(e.actor.as_bytes()),
+                Some(key),
                 Some(&e.line),
                 &[],
                 Some(e.timestamp_ms),

@@ -108,6 +108,10 @@ pub struct HarnessOptions {
     pub kill_kinds: Vec<String>,
     /// Extra config keys for every instance (`--set k=v`), e.g. `kafka.debug=cgrp,eos`.
     pub extra_sets: Vec<(String, String)>,
+    /// Run the dedup with `partitioning: repartition` and publish every event with a random
+    /// Kafka key, so the copies of an id land on different partitions and only the
+    /// repartition hop brings them together (default false: keyed by the id, `source`).
+    pub repartition: bool,
 }
 
 impl HarnessOptions {
@@ -132,6 +136,7 @@ impl HarnessOptions {
             copy_binary: true,
             kill_kinds: Vec::new(),
             extra_sets: Vec::new(),
+            repartition: false,
         }
     }
 }
@@ -417,6 +422,8 @@ struct Gen {
     rng: StdRng,
     distinct: usize,
     seq: usize,
+    /// A random Kafka key per event (else a function of the id).
+    random_keys: bool,
 }
 
 impl Gen {
@@ -434,8 +441,13 @@ impl Gen {
         let (run, seq) = (self.run, self.seq);
         self.seq += 1;
         let pad = "x".repeat(self.rng.random_range(0..120));
+        let key = if self.random_keys {
+            format!("r{}", self.rng.random::<u32>())
+        } else {
+            format!("k{}", n % 101)
+        };
         Event {
-            key: format!("k{}", n % 101),
+            key,
             value: format!(r#"{{"id":"{run}-{n}","seq":{seq},"run":{run},"pad":"{pad}"}}"#),
         }
     }
@@ -546,6 +558,8 @@ struct Run<'a> {
     dlq: String,
     app: String,
     changelog: String,
+    /// The repartition topic (used with [`HarnessOptions::repartition`]).
+    repartition: String,
     dir: PathBuf,
     topology: PathBuf,
     procs: Vec<Option<Proc>>,
@@ -575,6 +589,7 @@ impl<'a> Run<'a> {
             output: format!("{tag}-out"),
             dlq: format!("{tag}-dlq"),
             changelog: changelog_topic(&app, STORE),
+            repartition: crate::processor::stages::repartition_topic(&app, STORE),
             app,
             topology: dir.join("topology.yaml"),
             dir,
@@ -624,7 +639,13 @@ impl<'a> Run<'a> {
 
     fn cleanup(&mut self) {
         if let Ok(admin) = self.admin() {
-            let topics = [&self.input, &self.output, &self.dlq, &self.changelog];
+            let topics = [
+                &self.input,
+                &self.output,
+                &self.dlq,
+                &self.changelog,
+                &self.repartition,
+            ];
             let topics: Vec<&str> = topics.iter().map(|s| s.as_str()).collect();
             if let Err(e) = admin.delete_topics(&topics) {
                 eprintln!(
@@ -654,8 +675,14 @@ impl<'a> Run<'a> {
                 .map_err(|e| format!("create topic {t}: {e}"))?;
         }
         let yaml = format!(
-            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: /id }}\n      ttl: 24h\n      time: event\n      partitioning: source\n  - sink:\n      name: out\n      topic: {}\n",
-            self.input, self.output
+            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: /id }}\n      ttl: 24h\n      time: event\n      partitioning: {}\n  - sink:\n      name: out\n      topic: {}\n",
+            self.input,
+            if self.opts.repartition {
+                "repartition"
+            } else {
+                "source"
+            },
+            self.output
         );
         std::fs::write(&self.topology, yaml).map_err(|e| format!("topology: {e}"))?;
 
@@ -670,7 +697,12 @@ impl<'a> Run<'a> {
         // real timestamp, so that event time stays within the 24 h TTL for every id.
         let mut timestamp = None;
         if use_gh {
-            let rep = gharchive::publish(&producer, &self.input, 2000, self.seed)
+            let publish = if self.opts.repartition {
+                gharchive::publish_random_keys
+            } else {
+                gharchive::publish
+            };
+            let rep = publish(&producer, &self.input, 2000, self.seed)
                 .map_err(|e| format!("publish gharchive: {e}"))?;
             self.report.records_in += rep.published;
             let mut last = 0;
@@ -693,6 +725,7 @@ impl<'a> Run<'a> {
             rng: StdRng::seed_from_u64(self.rng.random()),
             distinct: 0,
             seq: 0,
+            random_keys: self.opts.repartition,
         };
         let first = (total as f64 * self.rng.random_range(0.1..0.7)) as usize;
         publish(&producer, &self.input, &mut gen, first, timestamp)?;
@@ -1101,7 +1134,7 @@ impl<'a> Run<'a> {
                         .iter()
                         .zip(&c)
                         .all(|(end, c)| *end == 0 || c.is_some_and(|c| c >= *end));
-                    if done {
+                    if done && (!self.opts.repartition || self.repartition_consumed()) {
                         return;
                     }
                     last = c;
@@ -1121,6 +1154,32 @@ impl<'a> Run<'a> {
             }
             std::thread::sleep(Duration::from_millis(250));
         }
+    }
+
+    /// With the hop, once the source is committed to its end (no router writes any more):
+    /// whether every repartition record is consumed and committed, i.e. each partition's
+    /// committed offset is past its last record visible read_committed. (Not the high
+    /// watermark: under exactly_once_v2 a partition may end with transaction markers and
+    /// aborted records, which a committed offset never passes.) While a transaction is
+    /// open on the topic, the read does not reach the end, and the answer is no.
+    fn repartition_consumed(&self) -> bool {
+        let bs = &self.opts.bootstrap;
+        let Ok(records) = kafka::read_topic(bs, &self.repartition, true, Duration::from_secs(5))
+        else {
+            return false;
+        };
+        let Ok(c) = kafka::committed_offsets(bs, &self.app, &self.repartition, PARTITIONS) else {
+            return false;
+        };
+        let mut last = [None::<i64>; PARTITIONS];
+        for r in &records {
+            if let Some(l) = last.get_mut(r.partition as usize) {
+                *l = Some(l.map_or(r.offset, |o: i64| o.max(r.offset)));
+            }
+        }
+        last.iter()
+            .zip(&c)
+            .all(|(last, c)| last.is_none_or(|l| c.is_some_and(|c| c > l)))
     }
 
     /// SIGTERM every instance at once; each must exit 0.

@@ -1,0 +1,166 @@
+//! The engine's side of the repartition hop (see `runtime::hop`): task ids of a rebalance,
+//! creating router or stateful tasks, the end of input with two topics, the purge.
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::kafka::consumer::{RebalanceEvent, SourceConsumer};
+use crate::runtime::hop::{Purger, PURGE_INTERVAL};
+use crate::runtime::Task;
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The state of a run with a repartition hop.
+pub(super) struct Hop {
+    /// Routes the source records (each router task holds a copy).
+    pub router: crate::processor::repartition::Router,
+    /// The repartition topic, shared by every record read from it.
+    pub name: Arc<str>,
+    pub purger: Purger,
+    pub last_purge: Instant,
+    /// at_least_once: the offsets of the last purge tick, purged at the next one (their
+    /// asynchronous offset commit is done by then).
+    pub pending: Vec<(i32, i64)>,
+}
+
+impl Engine {
+    /// The task ids of a rebalance event's partitions.
+    pub(super) fn ids_of(&self, ev: &RebalanceEvent) -> Vec<i32> {
+        let tpl = match ev {
+            RebalanceEvent::Assigned(t) => t,
+            RebalanceEvent::Revoked { partitions, .. } => partitions,
+        };
+        tpl.elements()
+            .iter()
+            .map(|e| self.topics.id(e.topic(), e.partition()))
+            .collect()
+    }
+
+    /// The partition list of task `ids`, each at `at` (none: no offset).
+    pub(super) fn tpl_ids(&self, ids: &[i32], at: Option<Offset>) -> Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        for id in ids {
+            let (topic, p) = self.topics.tp(*id);
+            match at {
+                Some(o) => {
+                    tpl.add_partition_offset(topic, p, o)
+                        .map_err(Error::kafka("partition list"))?;
+                }
+                None => {
+                    tpl.add_partition(topic, p);
+                }
+            }
+        }
+        Ok(tpl)
+    }
+
+    /// The partition list of task `id`, at `offset` if given.
+    pub(super) fn tpl_id(&self, id: i32, offset: Option<i64>) -> Result<TopicPartitionList> {
+        self.tpl_ids(&[id], offset.map(Offset::Offset))
+    }
+
+    /// The task of `id`: a router for a source partition of a hop, else the topology's
+    /// stages and stores.
+    pub(super) fn new_task(&self, id: i32) -> Result<Task> {
+        if let (Some(hop), true) = (&self.hop, self.topics.is_router(id)) {
+            let (_, p) = self.topics.tp(id);
+            return Ok(Task::router(&self.topology, p, hop.router.clone()));
+        }
+        Ok(
+            Task::new(&self.topology, id, &self.backend, &self.config.dlq_topic)?
+                .with_tables(self.tables.clone()),
+        )
+    }
+
+    /// The topic name records of task `id` carry.
+    pub(super) fn record_topic(&self, id: i32) -> &Arc<str> {
+        match &self.hop {
+            Some(hop) if !self.topics.is_router(id) => &hop.name,
+            _ => &self.source_name,
+        }
+    }
+
+    /// Whether every assigned partition has been read to its end (`--stop-at-end`).
+    ///
+    /// Without a hop, the partition-EOF events tell. With one they cannot (librdkafka's
+    /// event names the partition, not the topic, and both topics have the same partition
+    /// numbers), and the repartition topic grows while the routers run: each partition's
+    /// consumer position (past transaction markers; the committed offset when nothing was
+    /// read since the assignment) is compared with its high watermark.
+    pub(super) fn input_at_end(&self, consumer: &SourceConsumer) -> bool {
+        if self.hop.is_none() {
+            return self.all_at_end();
+        }
+        if self.tasks.is_empty() || self.any_restoring() {
+            return false;
+        }
+        let Ok(positions) = consumer.position() else {
+            return false;
+        };
+        let timeout = Duration::from_secs(5);
+        let mut unread = Vec::new();
+        for (id, t) in &self.tasks {
+            let (topic, p) = self.topics.tp(*id);
+            let pos = match positions.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => t.position(),
+            };
+            let Ok((low, high)) = self.watermarks.fetch_watermarks(topic, p, timeout) else {
+                return false;
+            };
+            match pos {
+                Some(o) if o < high => return false,
+                Some(_) => {}
+                None if high > low => unread.push(*id),
+                None => {}
+            }
+        }
+        if unread.is_empty() {
+            return true;
+        }
+        let Ok(tpl) = self.tpl_ids(&unread, None) else {
+            return false;
+        };
+        let Ok(committed) = consumer.committed_offsets(tpl, timeout) else {
+            return false;
+        };
+        unread.iter().all(|id| {
+            let (topic, p) = self.topics.tp(*id);
+            let Ok((_, high)) = self.watermarks.fetch_watermarks(topic, p, timeout) else {
+                return false;
+            };
+            matches!(committed.find_partition(topic, p).map(|e| e.offset()),
+                Some(Offset::Offset(o)) if o >= high)
+        })
+    }
+
+    /// After a commit (`committed`: it committed something) in `mode`: purge the consumed
+    /// repartition records, at most every [`PURGE_INTERVAL`] (at once after a synchronous
+    /// commit: a graceful stop or a revocation). Under exactly_once_v2 a committed offset
+    /// is final once the transaction committed; under at_least_once the offsets of the
+    /// previous tick are purged (their asynchronous commit is done), or the current ones
+    /// after a synchronous commit.
+    pub(super) fn purge(&mut self, mode: CommitMode, committed: bool) {
+        let eos = self.protocol.guarantee() == crate::config::Guarantee::ExactlyOnceV2;
+        let Some(hop) = &mut self.hop else { return };
+        let sync = matches!(mode, CommitMode::Sync);
+        if !(sync || committed && hop.last_purge.elapsed() >= PURGE_INTERVAL) {
+            return;
+        }
+        hop.last_purge = Instant::now();
+        let now: Vec<(i32, i64)> = self
+            .tasks
+            .iter()
+            .filter(|(id, _)| !self.topics.is_router(**id))
+            .filter_map(|(id, t)| t.position().map(|o| (*id, o)))
+            .collect();
+        let offsets = if eos || sync {
+            hop.pending.clear();
+            now
+        } else {
+            std::mem::replace(&mut hop.pending, now)
+        };
+        hop.purger.purge(offsets);
+    }
+}
