@@ -222,6 +222,15 @@ impl Engine {
         self.protocol.processed(&mut log, &mut self.out)
     }
 
+    /// at_least_once: do the steps of the commits in flight that are ready (no wait).
+    fn advance(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        if self.protocol.in_flight() == 0 {
+            return Ok(());
+        }
+        let mut log = kafka_log!(self, consumer, CommitMode::Async);
+        self.protocol.advance(&mut log, &mut self.tasks).map(|_| ())
+    }
+
     fn commit_due(&self) -> bool {
         let n = self.protocol.uncommitted();
         n > 0
@@ -243,9 +252,13 @@ impl Engine {
             self.group_meta = consumer.group_metadata();
         }
         let mut log = kafka_log!(self, consumer, mode);
-        let result = self
+        let mut result = self
             .protocol
             .commit(&mut log, &mut self.tasks, wall_clock_ms());
+        if matches!(mode, CommitMode::Sync) && result.is_ok() {
+            // Before partitions go or the instance stops: every commit in flight completes.
+            result = self.protocol.drain(&mut log, &mut self.tasks);
+        }
         // The interval runs from the end of the last commit, so a slow commit never leaves
         // the next interval without time to process.
         self.last_commit = Instant::now();
@@ -480,6 +493,9 @@ fn run_loop(
         } else if !e.unplanned.is_empty() {
             // Waiting for an open changelog transaction: poll briefly, plan again.
             (Duration::from_millis(20), 1)
+        } else if e.protocol.in_flight() > 0 {
+            // Commits in flight: come back soon to do their next steps.
+            (Duration::from_millis(2), 1)
         } else {
             (Duration::from_millis(100), 1)
         };
@@ -520,6 +536,8 @@ fn run_loop(
             };
             if e.commit_due() {
                 e.commit(consumer, CommitMode::Async)?;
+            } else {
+                e.advance(consumer)?;
             }
             if !more {
                 break;
