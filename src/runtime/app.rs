@@ -143,7 +143,12 @@ struct Engine {
     replay_from: BTreeMap<i32, i64>,
     at_end: BTreeSet<i32>,
     closed_counts: Counts,
+    /// When the last commit ended.
     last_commit: Instant,
+    /// When the last commit started.
+    last_commit_start: Instant,
+    /// Time the loop waited in `poll` since the last commit ended.
+    idle: Duration,
     last_restore_log: Instant,
     restored: u64,
     out: Vec<OutRecord>,
@@ -231,11 +236,20 @@ impl Engine {
         self.protocol.advance(&mut log, &mut self.tasks).map(|_| ())
     }
 
+    /// A commit is due every `commit.interval.ms`: busy (a backlog), counted from the end
+    /// of the last commit, so a slow commit never leaves the next interval without time to
+    /// process; caught up (the loop waited in `poll` at least half the time since), from
+    /// its start, so a record waits about one interval plus one commit, not two commits.
     fn commit_due(&self) -> bool {
         let n = self.protocol.uncommitted();
-        n > 0
-            && (self.last_commit.elapsed() >= Duration::from_millis(self.config.commit_interval_ms)
-                || n >= MAX_UNCOMMITTED)
+        if n == 0 {
+            return false;
+        }
+        let interval = Duration::from_millis(self.config.commit_interval_ms);
+        let since_end = self.last_commit.elapsed();
+        n >= MAX_UNCOMMITTED
+            || since_end >= interval
+            || (self.last_commit_start.elapsed() >= interval && self.idle * 2 >= since_end)
     }
 
     /// Run one commit (`runtime::commit`); after an aborted transaction, seek the
@@ -251,6 +265,7 @@ impl Engine {
             // offsets are still refused (KIP-447).
             self.group_meta = consumer.group_metadata();
         }
+        self.last_commit_start = Instant::now();
         let mut log = kafka_log!(self, consumer, mode);
         let mut result = self
             .protocol
@@ -259,9 +274,8 @@ impl Engine {
             // Before partitions go or the instance stops: every commit in flight completes.
             result = self.protocol.drain(&mut log, &mut self.tasks);
         }
-        // The interval runs from the end of the last commit, so a slow commit never leaves
-        // the next interval without time to process.
         self.last_commit = Instant::now();
+        self.idle = Duration::ZERO;
         match result? {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
             Outcome::Unknown => self.reopen_all(consumer),
@@ -395,6 +409,8 @@ impl App {
             at_end: BTreeSet::new(),
             closed_counts: Counts::default(),
             last_commit: Instant::now(),
+            last_commit_start: Instant::now(),
+            idle: Duration::ZERO,
             last_restore_log: Instant::now(),
             restored: 0,
             out: Vec::with_capacity(16),
@@ -501,7 +517,14 @@ fn run_loop(
         };
         // While restores run, the partitions already restored get a share of each turn.
         for i in 0..burst {
-            let polled = consumer.poll(if i == 0 { wait } else { Duration::ZERO });
+            let polled = if i == 0 && !wait.is_zero() {
+                let t = Instant::now();
+                let m = consumer.poll(wait);
+                e.idle += t.elapsed();
+                m
+            } else {
+                consumer.poll(Duration::ZERO)
+            };
             let more = match polled {
                 None => {
                     // A rebalance makes `poll` return: carry it out before anything else.

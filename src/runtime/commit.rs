@@ -12,27 +12,43 @@
 //!
 //! 1. **sinks**: every task finishes its external effects in flight; their dead letters
 //!    and downstream outputs are sent too, so no offset is committed ahead of its effect;
-//! 2. **outputs durable** (at_least_once: await every acknowledgement; exactly_once_v2:
-//!    they are in the open transaction) — failpoints `commit.before_flush` /
-//!    `eos.after_produce` before, `commit.after_flush` after (at_least_once);
-//! 3. **sweep**: the stages' periodic work (the expiry sweep) stages its deletes;
-//! 4. **changelog**: every staged write is sent to its store's changelog topic
-//!    (tombstones for deletes), stamped with the commit's wall-clock time, and (at_least_once)
-//!    acknowledged — failpoint `commit.after_changelog` / `eos.after_changelog`;
-//! 5. **offsets and state**:
-//!    - at_least_once: apply each task's staged writes to its store in one batch with the
-//!      changelog offset they reached (`commit.after_state`), then commit the source
-//!      offsets;
-//!    - exactly_once_v2: send the source offsets to the transaction with the group
-//!      metadata (KIP-447; `eos.before_commit`), commit the transaction
-//!      (`eos.after_commit`), then apply the staged writes.
+//! 2. **sweep**: the stages' periodic work (the expiry sweep) stages its deletes;
+//!
+//! at_least_once, **pipelined**: the commit is *sealed* (`commit.before_flush`): each
+//! store's staged writes become the commit's batch, still read by lookups (a mark in flight
+//! still dedups) but no longer withdrawn; the source positions are taken; outputs sent from
+//! now on belong to the next commit. Processing goes on at once. Up to [`MAX_IN_FLIGHT`]
+//! commits are in flight; the oldest does its steps, in order, as each becomes ready
+//! ([`Protocol::advance`], called every turn of the run loop; [`Protocol::drain`] waits for
+//! all before partitions go and at a stop):
+//!
+//! 3. **outputs acknowledged** (every output of this commit's epoch) — `commit.after_flush`;
+//! 4. **changelog**: the sealed writes are sent to their changelog topics (tombstones for
+//!    deletes), stamped with the seal's wall-clock time, and acknowledged —
+//!    `commit.after_changelog`. Only the oldest commit sends changelog records, so the
+//!    changelog offsets a store checkpoints are its own commit's;
+//! 5. **state, then offsets**: the sealed batches are applied to the stores, one batch per
+//!    store with the changelog offset reached (`commit.after_state`), then the source
+//!    offsets taken at the seal are committed.
+//!
+//! exactly_once_v2, one transaction at a time: the outputs are in the open transaction
+//! (`eos.after_produce`); the staged writes are sent to the changelog in it
+//! (`eos.after_changelog`); the source offsets are sent to it with the group metadata
+//! (KIP-447; `eos.before_commit`); the transaction commits (`eos.after_commit`); then the
+//! staged writes are applied. Each commit's per-step times are logged at debug.
 //!
 //! # Guarantees, and the tests that fail when they break
 //! - **A mark never hides a lost output.** State (changelog record or store write) is
 //!   written only after the outputs it stands for are durable: at_least_once by the order
-//!   2 → 4 → 5, exactly_once_v2 because everything commits in one transaction and the
-//!   store is written after it. Tests: `a_mark_never_hides_a_lost_output` and
-//!   `a_crash_at_every_failpoint_loses_nothing` (tests/driver_dedup.rs).
+//!   3 → 4 → 5 of each commit in flight, exactly_once_v2 because everything commits in one
+//!   transaction and the store is written after it. Tests:
+//!   `a_mark_never_hides_a_lost_output` and `a_crash_at_every_failpoint_loses_nothing`
+//!   (tests/driver_dedup.rs), `commits_in_flight_complete_in_order_and_their_marks_still_count`
+//!   (tests/driver_pipeline.rs).
+//! - **Pipelined (at_least_once)**: a crash repeats at most the records of the commits in
+//!   flight (their offsets were not committed), never loses one. Test:
+//!   `a_crash_with_commits_in_flight_repeats_at_most_them_and_loses_nothing`
+//!   (tests/driver_pipeline.rs, every failpoint with two commits in flight).
 //! - **The changelog holds at least what the store holds** (4 before 5), so a lost state
 //!   dir, or a store write lost in a crash, is restored. Test:
 //!   `a_crash_at_every_failpoint_loses_nothing` (`commit.after_changelog`,
@@ -495,7 +511,7 @@ impl Protocol {
         self.run_pipeline(log, tasks, 0)
     }
 
-    /// at_least_once steps 2 (sweep) and 3 (seal): the commit is in flight.
+    /// at_least_once step 2 (sweep) and the seal: the commit is in flight.
     fn seal(
         &mut self,
         log: &mut dyn CommitLog,
@@ -616,7 +632,7 @@ impl Protocol {
         Ok(Progress::Completed)
     }
 
-    /// exactly_once_v2 steps 2–5 up to the transaction's commit: a failure here aborts it.
+    /// exactly_once_v2 steps up to the transaction's commit: a failure here aborts it.
     fn eos_steps(
         &mut self,
         log: &mut dyn CommitLog,
