@@ -65,11 +65,7 @@ fn commits_in_flight_complete_in_order_and_their_marks_still_count() {
     d.acknowledge().unwrap();
     assert_eq!(d.in_flight_commits(), 0);
     assert_eq!(out_ids(&d), ["a", "b", "c"]);
-    let keys: Vec<&[u8]> = d
-        .changelog("dedup", 0)
-        .iter()
-        .map(|r| &r.key[..])
-        .collect();
+    let keys: Vec<&[u8]> = d.changelog("dedup", 0).iter().map(|r| &r.key[..]).collect();
     assert_eq!(keys.len(), 3, "one changelog record per mark: {keys:?}");
     assert_eq!(d.committed_offset(0), Some(4));
 }
@@ -80,7 +76,11 @@ fn commits_in_flight_are_bounded() {
     for i in 0..(MAX_IN_FLIGHT as i64 + 3) {
         d.pipe(ev(&format!("k{i}"), i)).unwrap();
         d.commit().unwrap();
-        assert!(d.in_flight_commits() <= MAX_IN_FLIGHT, "{}", d.in_flight_commits());
+        assert!(
+            d.in_flight_commits() <= MAX_IN_FLIGHT,
+            "{}",
+            d.in_flight_commits()
+        );
     }
     // The commits that had to wait completed, in order, with their offsets.
     assert!(d.committed_offset(0).is_some_and(|o| o >= 3));
@@ -156,7 +156,11 @@ fn a_crash_with_commits_in_flight_repeats_at_most_them_and_loses_nothing() {
             }
             d.commit().unwrap();
             d.acknowledge().unwrap();
-            assert_eq!(out_ids(&d).len(), before, "{ctx}: repeats after recovery pass");
+            assert_eq!(
+                out_ids(&d).len(),
+                before,
+                "{ctx}: repeats after recovery pass"
+            );
         }
     }
 }
