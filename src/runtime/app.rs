@@ -450,10 +450,15 @@ impl App {
         if result.is_ok() {
             // Graceful stop: let the background writer finish, so a restart resumes from
             // the last committed changelog offset instead of restoring it again.
+            let t0 = Instant::now();
             let mut synced = Ok(());
             for t in e.tasks.values_mut() {
                 synced = synced.and(t.sync_stores());
             }
+            tracing::info!(
+                ms = t0.elapsed().as_millis() as u64,
+                "stop: state persisted"
+            );
             if let Err(err) = synced {
                 tracing::warn!(error = %err, "state not fully persisted at stop: the next start restores the rest from the changelog");
             }

@@ -1506,6 +1506,42 @@ mod tests {
         assert_eq!(s.engine().changelog_offset().unwrap(), Some(41));
         assert_eq!(s.pending_len(), 0);
     }
+
+    #[test]
+    fn sealed_batches_stay_readable_and_commit_oldest_first() {
+        let backend = MemoryBackend::default();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
+        s.stage(b"a".to_vec(), Some(b"1".to_vec()));
+        s.stage(b"b".to_vec(), Some(b"1".to_vec()));
+        s.seal(7);
+        // Sealed: read, not staged, not applied.
+        assert_eq!(s.get(b"a").unwrap(), Some(b"1".to_vec()));
+        assert!(!s.is_staged(b"a"));
+        assert_eq!(s.engine().get(b"a").unwrap(), None);
+        // The next commit's writes shadow the sealed ones.
+        s.stage(b"a".to_vec(), Some(b"2".to_vec()));
+        s.stage(b"b".to_vec(), None);
+        s.seal(8);
+        assert_eq!(s.get(b"a").unwrap(), Some(b"2".to_vec()));
+        assert_eq!(s.get(b"b").unwrap(), None);
+        assert_eq!(s.sealed_len(), 2);
+        // Only the oldest batch is the one of its epoch.
+        assert_eq!(s.sealed(8).count(), 0);
+        assert_eq!(s.sealed(7).count(), 2);
+        s.commit_sealed(7, Some(10)).unwrap();
+        assert_eq!(s.engine().get(b"a").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(s.engine().changelog_offset().unwrap(), Some(10));
+        assert_eq!(s.get(b"b").unwrap(), None, "the newer sealed delete still shadows");
+        s.commit_sealed(8, Some(12)).unwrap();
+        assert_eq!(s.engine().get(b"a").unwrap(), Some(b"2".to_vec()));
+        assert_eq!(s.engine().get(b"b").unwrap(), None);
+        assert_eq!(s.sealed_len(), 0);
+        // An abort drops sealed batches too.
+        s.stage(b"c".to_vec(), Some(b"1".to_vec()));
+        s.seal(9);
+        s.abort();
+        assert_eq!(s.get(b"c").unwrap(), None);
+    }
     #[derive(Debug, Clone)]
     enum Op {
         Stage(u8, Option<u8>),
