@@ -1531,7 +1531,11 @@ mod tests {
         s.commit_sealed(7, Some(10)).unwrap();
         assert_eq!(s.engine().get(b"a").unwrap(), Some(b"1".to_vec()));
         assert_eq!(s.engine().changelog_offset().unwrap(), Some(10));
-        assert_eq!(s.get(b"b").unwrap(), None, "the newer sealed delete still shadows");
+        assert_eq!(
+            s.get(b"b").unwrap(),
+            None,
+            "the newer sealed delete still shadows"
+        );
         s.commit_sealed(8, Some(12)).unwrap();
         assert_eq!(s.engine().get(b"a").unwrap(), Some(b"2".to_vec()));
         assert_eq!(s.engine().get(b"b").unwrap(), None);
