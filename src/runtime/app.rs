@@ -5,8 +5,9 @@
 //! record: rebalances arrive as events over a channel (`kafka::consumer`) and are carried
 //! out between two `poll`s (`rebalance.rs`). The ordered steps of a commit, for both
 //! guarantees, live in `runtime::commit`; the loop decides when to commit (every
-//! `commit.interval.ms`, or after 200,000 records) and carries out a rewind after an
-//! aborted transaction.
+//! `commit.interval.ms`, or after 200,000 records), advances the at_least_once commits in
+//! flight every turn (waiting for all of them before partitions go and at a stop), and
+//! carries out a rewind after an aborted transaction.
 //!
 //! Around the loop: topic preparation (`topics.rs`) before the run, restore on
 //! assignment (`restore.rs`: planning, then bounded steps while the partitions already
