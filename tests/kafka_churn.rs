@@ -100,8 +100,13 @@ fn instances_come_and_go_and_every_id_comes_out_exactly_once() {
         } else {
             let r = running.remove(&i).unwrap();
             r.signal(libc::SIGTERM);
-            let (st, _) = r.wait(T);
-            assert!(st.success(), "instance {i} must stop cleanly on SIGTERM");
+            let log = r.stderr.clone();
+            let (st, out) = r.wait(T);
+            assert!(
+                st.success(),
+                "instance {i} must stop cleanly on SIGTERM: {st:?}\n{out}\n{}",
+                log.lock().unwrap()
+            );
             events.push(format!("stopped {i} ({} running)", running.len()));
         }
     }

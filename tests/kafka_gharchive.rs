@@ -150,21 +150,18 @@ fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
     );
 }
 
+// With pipelined commits the commits sealed after the one killed may have durable
+// outputs and no committed offsets: those records repeat (never more than twice, never
+// one whose offset was committed: checked in `kill_at_failpoint_and_restart`), and none is
+// lost.
 #[test]
-fn sigkill_after_changelog_repeats_nothing() {
-    // The changelog holds the batch's marks: the restart restores them, nothing repeats.
-    assert_eq!(
-        kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_CHANGELOG),
-        0
-    );
+fn sigkill_after_changelog_repeats_only_the_commits_in_flight() {
+    kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_CHANGELOG);
 }
 
 #[test]
-fn sigkill_after_state_repeats_nothing() {
-    assert_eq!(
-        kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_STATE),
-        0
-    );
+fn sigkill_after_state_repeats_only_the_commits_in_flight() {
+    kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_STATE);
 }
 
 #[test]

@@ -258,8 +258,19 @@ pub fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
 
 /// The benchmarks' topology: dedup (stage and store `dedup`) on `/id`, TTL 24 h on event
 /// time, then a sink.
+/// The dedup topology of the benchmarks: dedup on `/id` (the JSON pointer key), or on the
+/// Kafka key (which the benchmarks set to the id) with `ONCEFLOW_BENCH_KEY=kafka_key`.
 pub fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
-    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+    let key = match std::env::var("ONCEFLOW_BENCH_KEY").as_deref() {
+        Ok("kafka_key") => KeySource::KafkaKey,
+        Ok("json_pointer") | Err(_) => KeySource::JsonPointer("/id".into()),
+        Ok(other) => {
+            return Err(
+                format!("ONCEFLOW_BENCH_KEY={other}: expected kafka_key or json_pointer").into(),
+            )
+        }
+    };
+    let mut spec = DedupSpec::new(key);
     spec.ttl_ms = TTL_MS;
     spec.time = TimeSource::Event;
     // Source: the benchmark publishes every copy of an id with the same Kafka key.

@@ -8,14 +8,21 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::ClientContext;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Records delivery failures; checked at each commit.
-#[derive(Default)]
+/// Output slots of the tracker's `unacked` counts: epoch `e` counts in slot `e % EPOCH_SLOTS`
+/// (far more than the commits in flight at once); slot `EPOCH_SLOTS` counts changelog
+/// records.
+const EPOCH_SLOTS: usize = 64;
+
+/// Records delivery failures, and what is not yet acknowledged per commit epoch; checked
+/// at each commit.
 pub struct DeliveryTracker {
     failures: AtomicU64,
+    /// Records sent and not yet acknowledged (delivered or failed), per slot.
+    unacked: [AtomicI64; EPOCH_SLOTS + 1],
     first_failure: Mutex<Option<String>>,
     changelog_topics: std::collections::HashSet<String>,
     /// Highest delivered offset per changelog topic and partition.
@@ -26,9 +33,9 @@ pub struct DeliveryTracker {
 impl ClientContext for DeliveryTracker {}
 
 impl ProducerContext for DeliveryTracker {
-    type DeliveryOpaque = ();
+    type DeliveryOpaque = usize;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+    fn delivery(&self, result: &DeliveryResult<'_>, slot: usize) {
         if let Ok(msg) = result {
             use rdkafka::Message;
             if self.changelog_topics.contains(msg.topic()) {
@@ -57,6 +64,10 @@ impl ProducerContext for DeliveryTracker {
                 ));
             }
         }
+        // Counted down last: once a slot reads zero its records' reports are all in.
+        if let Some(n) = self.unacked.get(slot) {
+            n.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -68,6 +79,8 @@ impl ProducerContext for DeliveryTracker {
 /// processed again on restart (at_least_once: never lost).
 pub struct OutputProducer {
     producer: ThreadedProducer<DeliveryTracker>,
+    /// The commit epoch outputs sent now count towards ([`OutputProducer::open_epoch`]).
+    epoch: AtomicU64,
 }
 
 impl OutputProducer {
@@ -89,11 +102,17 @@ impl OutputProducer {
         }
         let producer = crate::kafka::client_config(cfg, &defaults, &cfg.kafka_producer)
             .create_with_context(DeliveryTracker {
+                failures: AtomicU64::new(0),
+                unacked: std::array::from_fn(|_| AtomicI64::new(0)),
+                first_failure: Mutex::new(None),
                 changelog_topics,
-                ..Default::default()
+                changelog_offsets: Mutex::default(),
             })
             .map_err(crate::kafka::config_error)?;
-        Ok(OutputProducer { producer })
+        Ok(OutputProducer {
+            producer,
+            epoch: AtomicU64::new(0),
+        })
     }
 
     /// Queue `rec` for delivery, waiting while librdkafka's queue is full.
@@ -114,7 +133,9 @@ impl OutputProducer {
             }
             Some(h)
         };
-        let mut record: BaseRecord<'_, [u8], [u8], ()> = BaseRecord::to(&rec.topic);
+        let slot = (self.epoch.load(Ordering::Relaxed) % EPOCH_SLOTS as u64) as usize;
+        let mut record: BaseRecord<'_, [u8], [u8], usize> =
+            BaseRecord::with_opaque_to(&rec.topic, slot);
         if let Some(k) = &rec.key {
             record = record.key(&k[..]);
         }
@@ -146,17 +167,21 @@ impl OutputProducer {
         value: Option<&[u8]>,
         timestamp_ms: i64,
     ) -> Result<()> {
-        let mut record: BaseRecord<'_, [u8], [u8], ()> = BaseRecord::to(topic)
-            .key(key)
-            .partition(partition)
-            .timestamp(timestamp_ms);
+        let mut record: BaseRecord<'_, [u8], [u8], usize> =
+            BaseRecord::with_opaque_to(topic, EPOCH_SLOTS)
+                .key(key)
+                .partition(partition)
+                .timestamp(timestamp_ms);
         if let Some(v) = value {
             record = record.payload(v);
         }
         self.send_record(record)
     }
 
-    fn send_record(&self, mut record: BaseRecord<'_, [u8], [u8], ()>) -> Result<()> {
+    fn send_record(&self, mut record: BaseRecord<'_, [u8], [u8], usize>) -> Result<()> {
+        let slot = &self.producer.context().unacked[record.delivery_opaque];
+        // Counted before the send: its delivery report may come before `send` returns.
+        slot.fetch_add(1, Ordering::SeqCst);
         loop {
             match self.producer.send(record) {
                 Ok(()) => return Ok(()),
@@ -165,26 +190,64 @@ impl OutputProducer {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 Err((e, _)) => {
+                    slot.fetch_sub(1, Ordering::SeqCst);
                     return Err(Error::Kafka {
                         op: "produce",
                         source: e,
-                    })
+                    });
                 }
             }
         }
     }
 
-    /// Wait until every queued record is delivered or failed.
+    /// Count the outputs sent from now on towards commit epoch `epoch` (see
+    /// [`OutputProducer::epoch_acked`]).
+    pub fn open_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+    }
+
+    /// Whether every output sent under `epoch` has its delivery report, when every earlier
+    /// epoch's has too (the commit protocol asks in epoch order); with `wait`, wait for it
+    /// (at most `timeout`).
     ///
     /// # Errors
     /// [`Error::Broker`] naming the first failed delivery since the producer started;
-    /// [`Error::Kafka`] when the flush times out.
-    pub fn flush(&self, timeout: Duration) -> Result<()> {
-        let deadline = std::time::Instant::now() + timeout;
-        self.wait_in_flight(deadline);
-        self.producer
-            .flush(deadline.saturating_duration_since(std::time::Instant::now()))
-            .map_err(Error::kafka("flush"))?;
+    /// [`Error::Broker`] when `wait` timed out.
+    pub fn epoch_acked(&self, epoch: u64, wait: bool, timeout: Duration) -> Result<bool> {
+        let slot = (epoch % EPOCH_SLOTS as u64) as usize;
+        self.slot_acked(slot, wait, timeout)
+    }
+
+    /// As [`OutputProducer::epoch_acked`] for every changelog record sent.
+    ///
+    /// # Errors
+    /// As [`OutputProducer::epoch_acked`].
+    pub fn changelog_acked(&self, wait: bool, timeout: Duration) -> Result<bool> {
+        self.slot_acked(EPOCH_SLOTS, wait, timeout)
+    }
+
+    fn slot_acked(&self, slot: usize, wait: bool, timeout: Duration) -> Result<bool> {
+        let n = &self.producer.context().unacked[slot];
+        let done = || n.load(Ordering::SeqCst) <= 0;
+        if wait && !done() {
+            let deadline = std::time::Instant::now() + timeout;
+            let mut pause = Duration::from_micros(50);
+            while !done() {
+                if std::time::Instant::now() >= deadline {
+                    return Err(Error::Broker(format!(
+                        "records not acknowledged within {} s",
+                        timeout.as_secs()
+                    )));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
+        }
+        self.check_failures()?;
+        Ok(done())
+    }
+
+    fn check_failures(&self) -> Result<()> {
         let ctx = self.producer.context();
         if ctx.failures.load(Ordering::SeqCst) > 0 {
             let first = ctx
@@ -199,6 +262,20 @@ impl OutputProducer {
             )));
         }
         Ok(())
+    }
+
+    /// Wait until every queued record is delivered or failed.
+    ///
+    /// # Errors
+    /// [`Error::Broker`] naming the first failed delivery since the producer started;
+    /// [`Error::Kafka`] when the flush times out.
+    pub fn flush(&self, timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        self.wait_in_flight(deadline);
+        self.producer
+            .flush(deadline.saturating_duration_since(std::time::Instant::now()))
+            .map_err(Error::kafka("flush"))?;
+        self.check_failures()
     }
 
     /// The offset after the highest delivered record of changelog `topic`'s `partition`

@@ -5,8 +5,9 @@
 //! record: rebalances arrive as events over a channel (`kafka::consumer`) and are carried
 //! out between two `poll`s (`rebalance.rs`). The ordered steps of a commit, for both
 //! guarantees, live in `runtime::commit`; the loop decides when to commit (every
-//! `commit.interval.ms`, or after 200,000 records) and carries out a rewind after an
-//! aborted transaction.
+//! `commit.interval.ms`, or after 200,000 records), advances the at_least_once commits in
+//! flight every turn (waiting for all of them before partitions go and at a stop), and
+//! carries out a rewind after an aborted transaction.
 //!
 //! Around the loop: topic preparation (`topics.rs`) before the run, restore on
 //! assignment (`restore.rs`: planning, then bounded steps while the partitions already
@@ -150,7 +151,12 @@ struct Engine {
     replay_from: BTreeMap<i32, i64>,
     at_end: BTreeSet<i32>,
     closed_counts: Counts,
+    /// When the last commit ended.
     last_commit: Instant,
+    /// When the last commit started.
+    last_commit_start: Instant,
+    /// Time the loop waited in `poll` since the last commit ended.
+    idle: Duration,
     last_restore_log: Instant,
     restored: u64,
     out: Vec<OutRecord>,
@@ -238,11 +244,29 @@ impl Engine {
         self.protocol.processed(&mut log, &mut self.out)
     }
 
+    /// at_least_once: do the steps of the commits in flight that are ready (no wait).
+    fn advance(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        if self.protocol.in_flight() == 0 {
+            return Ok(());
+        }
+        let mut log = kafka_log!(self, consumer, CommitMode::Async);
+        self.protocol.advance(&mut log, &mut self.tasks).map(|_| ())
+    }
+
+    /// A commit is due every `commit.interval.ms`: busy (a backlog), counted from the end
+    /// of the last commit, so a slow commit never leaves the next interval without time to
+    /// process; caught up (the loop waited in `poll` at least half the time since), from
+    /// its start, so a record waits about one interval plus one commit, not two commits.
     fn commit_due(&self) -> bool {
         let n = self.protocol.uncommitted();
-        n > 0
-            && (self.last_commit.elapsed() >= Duration::from_millis(self.config.commit_interval_ms)
-                || n >= MAX_UNCOMMITTED)
+        if n == 0 {
+            return false;
+        }
+        let interval = Duration::from_millis(self.config.commit_interval_ms);
+        let since_end = self.last_commit.elapsed();
+        n >= MAX_UNCOMMITTED
+            || since_end >= interval
+            || (self.last_commit_start.elapsed() >= interval && self.idle * 2 >= since_end)
     }
 
     /// Run one commit (`runtime::commit`); after an aborted transaction, seek the
@@ -258,13 +282,17 @@ impl Engine {
             // offsets are still refused (KIP-447).
             self.group_meta = consumer.group_metadata();
         }
+        self.last_commit_start = Instant::now();
         let mut log = kafka_log!(self, consumer, mode);
-        let result = self
+        let mut result = self
             .protocol
             .commit(&mut log, &mut self.tasks, wall_clock_ms());
-        // The interval runs from the end of the last commit, so a slow commit never leaves
-        // the next interval without time to process.
+        if matches!(mode, CommitMode::Sync) && result.is_ok() {
+            // Before partitions go or the instance stops: every commit in flight completes.
+            result = self.protocol.drain(&mut log, &mut self.tasks);
+        }
         self.last_commit = Instant::now();
+        self.idle = Duration::ZERO;
         match result? {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
             Outcome::Unknown => self.reopen_all(consumer),
@@ -412,6 +440,8 @@ impl App {
             at_end: BTreeSet::new(),
             closed_counts: Counts::default(),
             last_commit: Instant::now(),
+            last_commit_start: Instant::now(),
+            idle: Duration::ZERO,
             last_restore_log: Instant::now(),
             restored: 0,
             out: Vec::with_capacity(16),
@@ -451,10 +481,15 @@ impl App {
         if result.is_ok() {
             // Graceful stop: let the background writer finish, so a restart resumes from
             // the last committed changelog offset instead of restoring it again.
+            let t0 = Instant::now();
             let mut synced = Ok(());
             for t in e.tasks.values_mut() {
                 synced = synced.and(t.sync_stores());
             }
+            tracing::info!(
+                ms = t0.elapsed().as_millis() as u64,
+                "stop: state persisted"
+            );
             if let Err(err) = synced {
                 tracing::warn!(error = %err, "state not fully persisted at stop: the next start restores the rest from the changelog");
             }
@@ -514,12 +549,22 @@ fn run_loop(
         } else if !e.unplanned.is_empty() {
             // Waiting for an open changelog transaction: poll briefly, plan again.
             (Duration::from_millis(20), 1)
+        } else if e.protocol.in_flight() > 0 {
+            // Commits in flight: come back soon to do their next steps.
+            (Duration::from_millis(2), 1)
         } else {
             (Duration::from_millis(100), 1)
         };
         // While restores run, the partitions already restored get a share of each turn.
         for i in 0..burst {
-            let polled = consumer.poll(if i == 0 { wait } else { Duration::ZERO });
+            let polled = if i == 0 && !wait.is_zero() {
+                let t = Instant::now();
+                let m = consumer.poll(wait);
+                e.idle += t.elapsed();
+                m
+            } else {
+                consumer.poll(Duration::ZERO)
+            };
             let more = match polled {
                 None => {
                     // A rebalance makes `poll` return: carry it out before anything else.
@@ -554,6 +599,8 @@ fn run_loop(
             };
             if e.commit_due() {
                 e.commit(consumer, CommitMode::Async)?;
+            } else {
+                e.advance(consumer)?;
             }
             if !more {
                 break;

@@ -107,8 +107,16 @@ impl CommitLog for KafkaLog<'_> {
             .map_err(|e| self.fenced_or(e))
     }
 
-    fn await_acks(&mut self) -> Result<()> {
-        self.producer.flush(ACK_TIMEOUT)
+    fn open_epoch(&mut self, epoch: u64) {
+        self.producer.open_epoch(epoch);
+    }
+
+    fn outputs_acked(&mut self, epoch: u64, wait: bool) -> Result<bool> {
+        self.producer.epoch_acked(epoch, wait, ACK_TIMEOUT)
+    }
+
+    fn changelog_acked(&mut self, wait: bool) -> Result<bool> {
+        self.producer.changelog_acked(wait, ACK_TIMEOUT)
     }
 
     fn changelog_end(&self, store: &str, partition: i32) -> Option<i64> {

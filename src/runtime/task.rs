@@ -388,6 +388,45 @@ impl Task {
         Ok(())
     }
 
+    /// Seal every store's staged writes as the batch of at_least_once commit `epoch`, which
+    /// is now in flight: they stay readable and can no longer be withdrawn; the next
+    /// records stage into fresh batches. [`Task::commit_sealed`] applies them.
+    pub fn seal(&mut self, epoch: u64) {
+        for s in self.stores.values_mut() {
+            s.seal(epoch);
+        }
+        for (_, n) in self.nodes.iter_mut() {
+            n.on_commit();
+        }
+    }
+
+    /// Visit every write sealed for commit `epoch`, store by store, in first-write order:
+    /// that commit's changelog records.
+    pub fn for_each_sealed_write(&self, epoch: u64, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+        for (name, s) in &self.stores {
+            for (k, v) in s.sealed(epoch) {
+                f(name, k, v);
+            }
+        }
+    }
+
+    /// Apply every store's batch sealed for commit `epoch`, each with the changelog offset
+    /// `changelog_offset(store)` returns; as [`Task::commit_state`], only once that
+    /// commit's outputs and changelog records are durable.
+    ///
+    /// # Errors
+    /// [`Error::State`] when a store write fails.
+    pub fn commit_sealed(
+        &mut self,
+        epoch: u64,
+        changelog_offset: impl Fn(&str) -> Option<i64>,
+    ) -> Result<()> {
+        for (name, s) in self.stores.iter_mut() {
+            s.commit_sealed(epoch, changelog_offset(name))?;
+        }
+        Ok(())
+    }
+
     /// Start restoring `store` from its changelog, whose offsets are `low..end` now.
     /// Returns the first changelog offset to read, or `None` if nothing is to be restored.
     ///

@@ -980,6 +980,9 @@ pub struct StagedStore {
     restored: Vec<(Bytes, Option<Bytes>)>,
     /// The staged writes that stand for a source record, in staging order.
     owned: Vec<Owned>,
+    /// Sealed batches (commits in flight, oldest first) with their commit epoch: no longer
+    /// staged, not yet committed, readable.
+    sealed: std::collections::VecDeque<(u64, Staged)>,
 }
 
 /// Keys and values copied into shared blocks: one allocation per block instead of one per
@@ -1020,6 +1023,7 @@ impl StagedStore {
             arena: Arena::new(),
             restored: Vec::new(),
             owned: Vec::new(),
+            sealed: std::collections::VecDeque::new(),
         }
     }
 
@@ -1051,7 +1055,8 @@ impl StagedStore {
         self
     }
 
-    /// Read `key`: pending writes, then committed writes in memory, then the engine.
+    /// Read `key`: pending writes, then sealed batches (newest first), then committed
+    /// writes in memory, then the engine.
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
@@ -1066,6 +1071,11 @@ impl StagedStore {
     pub fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
+        }
+        for (_, s) in self.sealed.iter().rev() {
+            if let Some(v) = s.get(key) {
+                return Ok(v.clone());
+            }
         }
         if let Some(b) = &self.behind {
             if let Some(v) = b.resident.get(key) {
@@ -1269,6 +1279,58 @@ impl StagedStore {
         }
     }
 
+    /// Seal the staged writes as the batch of commit `epoch` (a commit in flight, see
+    /// `runtime::commit`): they stay readable, can no longer be withdrawn, and are written
+    /// by [`StagedStore::commit_sealed`] once their changelog records are durable; new
+    /// writes are staged in a fresh batch meanwhile. Nothing staged: nothing sealed.
+    pub fn seal(&mut self, epoch: u64) {
+        self.owned.clear();
+        if self.pending.ops.is_empty() {
+            return;
+        }
+        let cap = self.pending.len().clamp(4096, 1 << 20);
+        let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
+        self.sealed.push_back((epoch, staged));
+    }
+
+    /// The writes sealed for commit `epoch` (none unless it is the oldest sealed batch), in
+    /// first-write order.
+    pub fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        self.sealed
+            .front()
+            .filter(|(e, _)| *e == epoch)
+            .into_iter()
+            .flat_map(|(_, s)| s.ops.iter().map(|(k, v)| (&k[..], v.as_deref())))
+    }
+
+    /// Make the batch sealed for commit `epoch` (if any: it must be the oldest) committed,
+    /// as one batch with `changelog_offset`; as [`StagedStore::commit`].
+    ///
+    /// # Errors
+    /// As [`StagedStore::commit`].
+    pub fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
+        let ops = match self.sealed.front() {
+            Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
+            _ => None,
+        }
+        .unwrap_or_default();
+        if ops.is_empty() && changelog_offset.is_none() {
+            return match &self.behind {
+                Some(b) => b.error(self.inner.name()),
+                None => Ok(()),
+            };
+        }
+        match &mut self.behind {
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
+        }
+    }
+
+    /// Number of sealed batches (commits in flight holding writes of this store).
+    pub fn sealed_len(&self) -> usize {
+        self.sealed.len()
+    }
+
     /// Write a restored batch (changelog records in log order, with the position reached):
     /// committed at once, and persisted by the writer when there is one, else written now.
     /// Nothing must be staged meanwhile.
@@ -1324,10 +1386,11 @@ impl StagedStore {
         }
     }
 
-    /// Drop the staged writes (the commit failed or was aborted).
+    /// Drop the staged and sealed writes (the commit failed or was aborted).
     pub fn abort(&mut self) {
         self.pending.clear();
         self.owned.clear();
+        self.sealed.clear();
     }
 
     /// Forget what is held in memory of the committed state and look at the engine again;
@@ -1442,6 +1505,46 @@ mod tests {
         assert_eq!(s.engine().get(b"b").unwrap(), None);
         assert_eq!(s.engine().changelog_offset().unwrap(), Some(41));
         assert_eq!(s.pending_len(), 0);
+    }
+
+    #[test]
+    fn sealed_batches_stay_readable_and_commit_oldest_first() {
+        let backend = MemoryBackend::default();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
+        s.stage(b"a".to_vec(), Some(b"1".to_vec()));
+        s.stage(b"b".to_vec(), Some(b"1".to_vec()));
+        s.seal(7);
+        // Sealed: read, not staged, not applied.
+        assert_eq!(s.get(b"a").unwrap(), Some(b"1".to_vec()));
+        assert!(!s.is_staged(b"a"));
+        assert_eq!(s.engine().get(b"a").unwrap(), None);
+        // The next commit's writes shadow the sealed ones.
+        s.stage(b"a".to_vec(), Some(b"2".to_vec()));
+        s.stage(b"b".to_vec(), None);
+        s.seal(8);
+        assert_eq!(s.get(b"a").unwrap(), Some(b"2".to_vec()));
+        assert_eq!(s.get(b"b").unwrap(), None);
+        assert_eq!(s.sealed_len(), 2);
+        // Only the oldest batch is the one of its epoch.
+        assert_eq!(s.sealed(8).count(), 0);
+        assert_eq!(s.sealed(7).count(), 2);
+        s.commit_sealed(7, Some(10)).unwrap();
+        assert_eq!(s.engine().get(b"a").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(s.engine().changelog_offset().unwrap(), Some(10));
+        assert_eq!(
+            s.get(b"b").unwrap(),
+            None,
+            "the newer sealed delete still shadows"
+        );
+        s.commit_sealed(8, Some(12)).unwrap();
+        assert_eq!(s.engine().get(b"a").unwrap(), Some(b"2".to_vec()));
+        assert_eq!(s.engine().get(b"b").unwrap(), None);
+        assert_eq!(s.sealed_len(), 0);
+        // An abort drops sealed batches too.
+        s.stage(b"c".to_vec(), Some(b"1".to_vec()));
+        s.seal(9);
+        s.abort();
+        assert_eq!(s.get(b"c").unwrap(), None);
     }
     #[derive(Debug, Clone)]
     enum Op {

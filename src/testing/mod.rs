@@ -128,7 +128,12 @@ struct MemoryLog {
     outputs: Vec<OutRecord>,
     changelog: BTreeMap<(String, i32), Vec<ChangelogRecord>>,
     committed: BTreeMap<i32, i64>,
-    in_flight: Vec<OutRecord>,
+    /// Outputs sent and not durable, with their commit epoch.
+    in_flight: Vec<(u64, OutRecord)>,
+    /// The epoch outputs are sent under now.
+    epoch: u64,
+    /// Acknowledge nothing unless a commit waits for it ([`TestDriver::pipelined`]).
+    hold_acks: bool,
     in_flight_changelog: Vec<InFlightChangelog>,
     txn_offsets: Vec<(i32, i64)>,
     armed: Option<String>,
@@ -142,7 +147,20 @@ struct MemoryLog {
 impl MemoryLog {
     /// Make what is in flight durable (an acknowledgement, or a transaction's commit).
     fn land(&mut self) {
-        self.outputs.append(&mut self.in_flight);
+        self.land_outputs(u64::MAX);
+        self.land_changelog();
+    }
+
+    /// Make the outputs of epochs up to `epoch` durable, in send order.
+    fn land_outputs(&mut self, epoch: u64) {
+        let (landed, kept): (Vec<_>, Vec<_>) =
+            self.in_flight.drain(..).partition(|(e, _)| *e <= epoch);
+        self.in_flight = kept;
+        self.outputs.extend(landed.into_iter().map(|(_, r)| r));
+    }
+
+    /// Make the changelog records in flight durable.
+    fn land_changelog(&mut self) {
         for (at, key, value) in self.in_flight_changelog.drain(..) {
             let l = self.changelog.entry(at).or_default();
             let offset = l.len() as i64;
@@ -160,8 +178,28 @@ impl MemoryLog {
 
 impl CommitLog for MemoryLog {
     fn send_output(&mut self, rec: &OutRecord) -> Result<()> {
-        self.in_flight.push(rec.clone());
+        self.in_flight.push((self.epoch, rec.clone()));
         Ok(())
+    }
+
+    fn open_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    fn outputs_acked(&mut self, epoch: u64, wait: bool) -> Result<bool> {
+        if self.hold_acks && !wait {
+            return Ok(!self.in_flight.iter().any(|(e, _)| *e <= epoch));
+        }
+        self.land_outputs(epoch);
+        Ok(true)
+    }
+
+    fn changelog_acked(&mut self, wait: bool) -> Result<bool> {
+        if self.hold_acks && !wait {
+            return Ok(self.in_flight_changelog.is_empty());
+        }
+        self.land_changelog();
+        Ok(true)
     }
 
     fn send_changelog(
@@ -177,11 +215,6 @@ impl CommitLog for MemoryLog {
             key.to_vec(),
             value.map(<[u8]>::to_vec),
         ));
-        Ok(())
-    }
-
-    fn await_acks(&mut self) -> Result<()> {
-        self.land();
         Ok(())
     }
 
@@ -517,10 +550,39 @@ impl TestDriver {
     /// A store failure.
     pub fn commit(&mut self) -> Result<()> {
         let clock = self.clock_ms;
-        match self
+        let outcome = self
             .protocol
-            .commit(&mut self.log, &mut self.tasks, clock)?
-        {
+            .commit(&mut self.log, &mut self.tasks, clock)?;
+        self.settle(outcome)
+    }
+
+    /// at_least_once: the broker acknowledges everything in flight, and every commit in
+    /// flight does its remaining steps ([`Self::pipelined`]).
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn acknowledge(&mut self) -> Result<()> {
+        let outcome = self.protocol.drain(&mut self.log, &mut self.tasks)?;
+        self.settle(outcome)
+    }
+
+    /// at_least_once: hold every acknowledgement until a commit must wait for it (more
+    /// than [`crate::runtime::commit::MAX_IN_FLIGHT`] in flight) or [`Self::acknowledge`]
+    /// is called, so commits stay in flight, sealed, while records go on being processed,
+    /// as in the runtime (default off: each commit completes at once).
+    pub fn pipelined(mut self, on: bool) -> Self {
+        self.log.hold_acks = on;
+        self
+    }
+
+    /// at_least_once commits in flight (sealed, not all steps done).
+    pub fn in_flight_commits(&self) -> usize {
+        self.protocol.in_flight()
+    }
+
+    /// Carry out what a commit step ended with, as the runtime does.
+    fn settle(&mut self, outcome: Outcome) -> Result<()> {
+        match outcome {
             Outcome::Nothing => return Ok(()),
             Outcome::Committed => {}
             Outcome::Crashed(name) => {

@@ -1,0 +1,166 @@
+//! Pipelined at_least_once commits through the broker-free test driver (issue 12 item 4):
+//! commits stay in flight, sealed, while records go on being processed; each completes its
+//! steps in order (outputs acknowledged, then changelog, then store, then offsets); a crash
+//! repeats at most what was in flight and loses nothing.
+
+use onceflow::config::Guarantee;
+use onceflow::processor::key::KeySource;
+use onceflow::processor::stages::{DedupSpec, Partitioning};
+use onceflow::runtime::commit::{self, MAX_IN_FLIGHT};
+use onceflow::testing::{TestDriver, TestRecord};
+use onceflow::topology::{Format, TopologyBuilder};
+
+fn pipelined() -> TestDriver {
+    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+    spec.ttl_ms = 600_000;
+    spec.partitioning = Some(Partitioning::Source);
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup("dedup", spec)
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    TestDriver::new(t)
+        .guarantee(Guarantee::AtLeastOnce)
+        .auto_commit(false)
+        .pipelined(true)
+}
+
+fn ev(id: &str, t: i64) -> TestRecord {
+    TestRecord::json(format!(r#"{{"id":"{id}","t":{t}}}"#)).timestamp(t)
+}
+
+fn out_ids(d: &TestDriver) -> Vec<String> {
+    d.output_values("out")
+        .iter()
+        .map(|v| {
+            let j: serde_json::Value = serde_json::from_str(v).unwrap();
+            j["id"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn commits_in_flight_complete_in_order_and_their_marks_still_count() {
+    let mut d = pipelined();
+    for id in ["a", "b"] {
+        d.pipe(ev(id, 1)).unwrap();
+    }
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 1);
+    // Nothing acknowledged: no output, and so no mark in the changelog, no offset.
+    assert!(d.output("out").is_empty());
+    assert!(
+        d.changelog("dedup", 0).is_empty(),
+        "a mark reached the changelog before its output was acknowledged"
+    );
+    assert_eq!(d.committed_offset(0), None);
+    // Processing goes on while the commit is in flight; its sealed marks still count.
+    for id in ["a", "c"] {
+        d.pipe(ev(id, 2)).unwrap();
+    }
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 2);
+    assert!(d.changelog("dedup", 0).is_empty());
+    d.acknowledge().unwrap();
+    assert_eq!(d.in_flight_commits(), 0);
+    assert_eq!(out_ids(&d), ["a", "b", "c"]);
+    let keys: Vec<&[u8]> = d.changelog("dedup", 0).iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys.len(), 3, "one changelog record per mark: {keys:?}");
+    assert_eq!(d.committed_offset(0), Some(4));
+}
+
+#[test]
+fn commits_in_flight_are_bounded() {
+    let mut d = pipelined();
+    for i in 0..(MAX_IN_FLIGHT as i64 + 3) {
+        d.pipe(ev(&format!("k{i}"), i)).unwrap();
+        d.commit().unwrap();
+        assert!(
+            d.in_flight_commits() <= MAX_IN_FLIGHT,
+            "{}",
+            d.in_flight_commits()
+        );
+    }
+    // The commits that had to wait completed, in order, with their offsets.
+    assert!(d.committed_offset(0).is_some_and(|o| o >= 3));
+    d.acknowledge().unwrap();
+    assert_eq!(d.committed_offset(0), Some(MAX_IN_FLIGHT as i64 + 3));
+    assert_eq!(out_ids(&d).len(), MAX_IN_FLIGHT + 3);
+}
+
+#[test]
+fn a_crash_with_commits_in_flight_repeats_at_most_them_and_loses_nothing() {
+    let batches: [&[&str]; 4] = [
+        &["a", "b", "a"],
+        &["c", "b", "d"],
+        &["e", "a", "f", "c"],
+        &["g", "e", "h"],
+    ];
+    let total: i64 = batches.iter().map(|b| b.len() as i64).sum();
+    for point in commit::commit_failpoints(Guarantee::AtLeastOnce) {
+        for wipe in [false, true] {
+            let ctx = format!("at {point}{}", if wipe { " + wiped state" } else { "" });
+            let mut d = pipelined();
+            // Batch 0 completes; batches 1 and 2 are in flight when the crash comes.
+            for (i, batch) in batches.iter().enumerate() {
+                if i == 2 {
+                    d.crash_at(point).unwrap();
+                }
+                for id in batch.iter() {
+                    d.pipe(ev(id, 1)).unwrap();
+                }
+                d.commit().unwrap();
+                if i == 0 {
+                    d.acknowledge().unwrap();
+                    assert_eq!(d.committed_offset(0), Some(3), "{ctx}");
+                }
+                if i == 2 {
+                    if d.crashed_at().is_none() {
+                        // The failpoints after the seal fire as the pipeline goes on.
+                        d.acknowledge().unwrap();
+                    }
+                    assert_eq!(d.crashed_at(), Some(*point), "{ctx}: the failpoint fired");
+                    assert!(
+                        d.committed_offset(0).unwrap() < 9,
+                        "{ctx}: batch 2 never committed"
+                    );
+                    if wipe {
+                        d.wipe_state();
+                    }
+                    d.restart().unwrap();
+                    d.commit().unwrap();
+                    d.acknowledge().unwrap();
+                }
+            }
+            d.acknowledge().unwrap();
+            let ids = out_ids(&d);
+            for id in ["a", "b", "c", "d", "e", "f", "g", "h"] {
+                let n = ids.iter().filter(|x| *x == id).count();
+                assert!(n >= 1, "{ctx}: {id} lost: {ids:?}");
+                assert!(n <= 2, "{ctx}: {id} repeated more than once: {ids:?}");
+                // Only the records of the commits in flight (batches 1 and 2) may repeat.
+                if ["a", "b", "g", "h"].contains(&id) {
+                    assert_eq!(n, 1, "{ctx}: {id} was not in flight yet repeated: {ids:?}");
+                }
+                assert!(
+                    d.dedup_entry("dedup", 0, id.as_bytes()).unwrap().is_some(),
+                    "{ctx}: the mark of {id} survives"
+                );
+            }
+            assert_eq!(d.committed_offset(0), Some(total), "{ctx}");
+            // Repeats after recovery are duplicates.
+            let before = ids.len();
+            for id in ["a", "d", "h"] {
+                d.pipe(ev(id, 2)).unwrap();
+            }
+            d.commit().unwrap();
+            d.acknowledge().unwrap();
+            assert_eq!(
+                out_ids(&d).len(),
+                before,
+                "{ctx}: repeats after recovery pass"
+            );
+        }
+    }
+}
