@@ -164,3 +164,30 @@ fn a_crash_with_commits_in_flight_repeats_at_most_them_and_loses_nothing() {
         }
     }
 }
+
+/// The repartition purge deletes consumed records up to the last *completed* commit's
+/// offsets: a commit still in flight may yet fail, and its records are read again then.
+#[test]
+fn the_purge_offsets_never_run_ahead_of_a_completed_commit() {
+    let mut d = pipelined();
+    d.pipe(ev("a", 1)).unwrap();
+    d.pipe(ev("b", 1)).unwrap();
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 1);
+    assert!(
+        d.last_committed_offsets().is_empty(),
+        "a commit in flight counted as completed"
+    );
+    d.acknowledge().unwrap();
+    assert_eq!(d.last_committed_offsets(), vec![(0, 2)]);
+    d.pipe(ev("c", 2)).unwrap();
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 1);
+    assert_eq!(
+        d.last_committed_offsets(),
+        vec![(0, 2)],
+        "the purge offsets ran ahead of the commit in flight"
+    );
+    d.acknowledge().unwrap();
+    assert_eq!(d.last_committed_offsets(), vec![(0, 3)]);
+}

@@ -290,6 +290,9 @@ pub struct Protocol {
     epoch: u64,
     /// at_least_once commits in flight, oldest first; each completes its steps in order.
     pipeline: VecDeque<InFlight>,
+    /// The offsets of the last commit that completed every step (per task), e.g. for the
+    /// purge of consumed repartition records: never ahead of what a restart resumes from.
+    committed: Vec<(i32, i64)>,
 }
 
 /// Why a step stopped: an error, or a crash at a failpoint.
@@ -320,7 +323,16 @@ impl Protocol {
             topology: topology.to_string(),
             epoch: 0,
             pipeline: VecDeque::new(),
+            committed: Vec::new(),
         }
+    }
+
+    /// The offsets (task, next offset) of the last commit that completed every step:
+    /// under at_least_once the commits still in flight are not in them. Under
+    /// at_least_once the offset commit itself is asynchronous: these offsets may reach the
+    /// group coordinator a little later.
+    pub fn last_committed_offsets(&self) -> &[(i32, i64)] {
+        &self.committed
     }
 
     /// The guarantee.
@@ -616,6 +628,7 @@ impl Protocol {
         let done = self.pipeline.pop_front().expect("the head exists");
         if !done.offsets.is_empty() {
             log.commit_offsets(&done.offsets)?;
+            self.committed = done.offsets.clone();
         }
         tracing::debug!(
             epoch,
@@ -675,6 +688,7 @@ impl Protocol {
         let t2 = Instant::now();
         log.commit_transaction()?;
         steps.commit_ms = ms_since(t2);
+        self.committed = offsets;
         Ok(())
     }
 

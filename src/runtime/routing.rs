@@ -149,11 +149,14 @@ impl Engine {
             return;
         }
         hop.last_purge = Instant::now();
+        // Only what a completed commit covers: with pipelined at_least_once commits a
+        // task's position runs ahead of its committed offset.
         let now: Vec<(i32, i64)> = self
-            .tasks
+            .protocol
+            .last_committed_offsets()
             .iter()
-            .filter(|(id, _)| !self.topics.is_router(**id))
-            .filter_map(|(id, t)| t.position().map(|o| (*id, o)))
+            .filter(|(id, _)| !self.topics.is_router(*id) && self.tasks.contains_key(id))
+            .copied()
             .collect();
         let offsets = if eos || sync {
             hop.pending.clear();

@@ -580,6 +580,13 @@ impl TestDriver {
         self.protocol.in_flight()
     }
 
+    /// The offsets (partition, next offset) of the last commit that completed every step:
+    /// what the runtime purges consumed repartition records up to, never the positions of
+    /// commits still in flight.
+    pub fn last_committed_offsets(&self) -> Vec<(i32, i64)> {
+        self.protocol.last_committed_offsets().to_vec()
+    }
+
     /// Carry out what a commit step ended with, as the runtime does.
     fn settle(&mut self, outcome: Outcome) -> Result<()> {
         match outcome {
