@@ -10,7 +10,7 @@ use onceflow::config::Config;
 use onceflow::processor::key::KeySource;
 use onceflow::runtime::{App, RunOptions, RunSummary};
 use onceflow::state::table::TableEngine;
-use onceflow::testing::kafka::{self, ReadRecord};
+use onceflow_testkit::kafka::{self, ReadRecord};
 use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -802,6 +802,3 @@ impl TestDriver {
     }
 }
 
-pub mod gharchive;
-pub mod harness;
-pub mod kafka;

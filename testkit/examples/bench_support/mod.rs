@@ -12,7 +12,7 @@ use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
 use onceflow::processor::key::KeySource;
 use onceflow::processor::stages::{DedupSpec, TimeSource};
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;

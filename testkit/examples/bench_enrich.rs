@@ -36,7 +36,7 @@ use onceflow::processor::{OutRecord, Record, SourceMeta};
 use onceflow::runtime::{App, RunOptions, RunSummary, Task};
 use onceflow::state::table::{apply_records, TableEngine, TableRecord, Tables};
 use onceflow::state::{MemoryBackend, SledBackend};
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
 use std::process::ExitCode;
 use std::sync::Arc;

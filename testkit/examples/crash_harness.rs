@@ -1,4 +1,4 @@
-//! The exactly_once_v2 crash harness (see `onceflow::testing::harness`): run after run,
+//! The exactly_once_v2 crash harness (see `onceflow_testkit::harness`): run after run,
 //! fresh topics and input with duplicates, 1–3 `onceflow run` instances under
 //! exactly_once_v2, one SIGKILLed at a transactional failpoint or a random moment and
 //! restarted, then every distinct input id must appear exactly once read_committed.
@@ -21,7 +21,7 @@
 //! final `harness: runs=N duplicates=0 losses=0 aborted_records=... failed_runs=0` line;
 //! exits 1 if any run had a duplicate, a loss or another failure.
 
-use onceflow::testing::{harness, kafka};
+use onceflow_testkit::{harness, kafka};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

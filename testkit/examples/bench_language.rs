@@ -8,7 +8,8 @@
 //!   ONCEFLOW_BENCH_ROUNDS=1 cargo run --release --example bench_language
 
 use onceflow::dsl;
-use onceflow::testing::{gharchive, TestDriver, TestRecord};
+use onceflow::testing::{TestDriver, TestRecord};
+use onceflow_testkit::gharchive;
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 use std::time::Instant;
 

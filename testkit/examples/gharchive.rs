@@ -13,7 +13,7 @@
 
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Duration;
