@@ -801,4 +801,3 @@ impl TestDriver {
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 }
-

@@ -4,7 +4,7 @@
 //! restarted, then every distinct input id must appear exactly once read_committed.
 //!
 //! ```text
-//! cargo build --release --bin onceflow --example crash_harness
+//! cargo build --release -p onceflow --bin onceflow -p onceflow-testkit --example crash_harness
 //! target/release/examples/crash_harness --runs 200 [--seed S] [--bin PATH]
 //!     [--min-events N] [--max-events N] [--gharchive P] [--work-dir DIR] [--keep-logs]
 //!     [--kill KIND,...]   # moment, eos.after_produce, eos.after_changelog,

@@ -37,11 +37,11 @@
 //! A run that passes deletes its topics (input, output, dlq, changelog), its consumer group
 //! and its directory; a run that fails keeps them all and names them in its report.
 
+use crate::{gharchive, kafka};
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
 use onceflow::runtime::commit;
 use onceflow::state::restore::changelog_topic;
-use crate::{gharchive, kafka};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{BaseConsumer, Consumer};

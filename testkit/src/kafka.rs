@@ -4,8 +4,8 @@
 //! The broker address comes from `ONCEFLOW_BOOTSTRAP_SERVERS` (see [`bootstrap_servers`]),
 //! so any Kafka-compatible broker can stand in for the one `scripts/kafka` starts.
 
-use onceflow::error::{Error, Result};
 use bytes::Bytes;
+use onceflow::error::{Error, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
