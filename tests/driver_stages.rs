@@ -647,8 +647,8 @@ fn shipped_routing_topology_in_toml_is_the_same() {
 fn shipped_routing_topology_on_real_gharchive_events() {
     // One hour of real events: every event lands on exactly one topic (or the DLQ), and
     // each topic holds exactly the types routed to it.
-    let files = onceflow::testing::gharchive::hour_files();
-    let events = onceflow::testing::gharchive::read_hour(&files[0]).unwrap();
+    let files = onceflow_testkit::gharchive::hour_files();
+    let events = onceflow_testkit::gharchive::read_hour(&files[0]).unwrap();
     let mut d = shipped("routing-by-event-type.yaml");
     let n = events.len().min(3000);
     for e in &events[..n] {

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use std::time::{Duration, Instant};
 

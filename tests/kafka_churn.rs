@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

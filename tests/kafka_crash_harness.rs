@@ -1,12 +1,12 @@
 //! exactly_once_v2 under crashes (issue 4): three runs of the crash harness
-//! (`onceflow::testing::harness`), each with fresh topics, input with duplicates, 1–3
+//! (`onceflow_testkit::harness`), each with fresh topics, input with duplicates, 1–3
 //! instances, one SIGKILLed at a transactional failpoint or a random moment and restarted;
 //! read_committed, every distinct input id must come out exactly once.
 //! `ONCEFLOW_TEST_HARNESS_SEED` fixes the seed (it is printed either way).
 
 mod common;
 
-use onceflow::testing::harness;
+use onceflow_testkit::harness;
 use std::path::Path;
 
 #[test]

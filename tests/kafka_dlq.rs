@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use std::time::Duration;
 
 #[test]

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;

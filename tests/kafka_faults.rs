@@ -15,7 +15,7 @@ use common::*;
 use fault_proxy::{api, ProxiedBroker};
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

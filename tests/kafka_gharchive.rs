@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 

@@ -8,7 +8,7 @@ mod common;
 mod sink_support;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use sink_support::*;
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(120);
@@ -75,7 +75,7 @@ fn wait_committed(names: &Names, partitions: usize) {
 fn ready_reports_restore_progress_then_turns_200() {
     let names = gharchive_names(4);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
-    onceflow::testing::gharchive::publish(&p, &names.input, 0, 21).unwrap();
+    onceflow_testkit::gharchive::publish(&p, &names.input, 0, 21).unwrap();
     let out = run_to_end(&names, &[]);
     assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
     std::fs::remove_dir_all(names.state_dir()).unwrap();

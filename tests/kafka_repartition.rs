@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use std::collections::{HashMap, HashSet};

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(120);
@@ -162,12 +162,12 @@ fn metric_sum(text: &str, name: &str) -> f64 {
 fn a_wiped_state_dir_is_restored_from_the_changelog_and_reported() {
     let names = gharchive_names(4);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
-    onceflow::testing::gharchive::publish(&p, &names.input, 2000, 11).unwrap();
+    onceflow_testkit::gharchive::publish(&p, &names.input, 2000, 11).unwrap();
     let out = run_to_end(&names);
     assert_eq!(summary_field(&out, "passed"), Some(15_129.0));
     wipe(&names);
     // The same events again: every one must be a duplicate after the restore.
-    let rep = onceflow::testing::gharchive::publish(&p, &names.input, 0, 12).unwrap();
+    let rep = onceflow_testkit::gharchive::publish(&p, &names.input, 0, 12).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -226,10 +226,10 @@ fn a_wiped_state_dir_is_restored_from_the_changelog_and_reported() {
 fn a_graceful_stop_persists_the_state_and_a_restart_restores_nothing() {
     let names = gharchive_names(4);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
-    onceflow::testing::gharchive::publish(&p, &names.input, 0, 13).unwrap();
+    onceflow_testkit::gharchive::publish(&p, &names.input, 0, 13).unwrap();
     let out = run_to_end(&names);
     assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
-    let rep = onceflow::testing::gharchive::publish(&p, &names.input, 0, 14).unwrap();
+    let rep = onceflow_testkit::gharchive::publish(&p, &names.input, 0, 14).unwrap();
     let out = run_to_end(&names);
     assert_eq!(summary_field(&out, "restored"), Some(0.0), "{out}");
     assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");

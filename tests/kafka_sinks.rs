@@ -13,7 +13,7 @@ mod common;
 mod sink_support;
 
 use common::*;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use sink_support::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

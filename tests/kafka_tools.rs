@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use onceflow::testing::kafka;
+use onceflow_testkit::kafka;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;

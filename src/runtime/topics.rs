@@ -80,7 +80,7 @@ impl App {
     /// (corrected when it could). With a repartition hop (the first stage a dedup with
     /// `partitioning: repartition`), the repartition topic
     /// `<application.id>-<stage>-repartition` is created with the source's partition count
-    /// and [`REPARTITION_CONFIGS`] (no time or size retention: consumed records are purged
+    /// and `REPARTITION_CONFIGS` (no time or size retention: consumed records are purged
     /// instead, see `runtime::hop`), or checked to have that count. Returns the source's
     /// partition count.
     ///

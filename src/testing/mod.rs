@@ -870,7 +870,3 @@ impl TestDriver {
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 }
-
-pub mod gharchive;
-pub mod harness;
-pub mod kafka;

@@ -122,9 +122,9 @@ fn gharchive_yaml() -> String {
 
 /// The distinct event ids of the shipped GH Archive data.
 pub fn gharchive_distinct_ids() -> std::collections::HashSet<String> {
-    onceflow::testing::gharchive::hour_files()
+    onceflow_testkit::gharchive::hour_files()
         .iter()
-        .flat_map(|f| onceflow::testing::gharchive::read_hour(f).unwrap())
+        .flat_map(|f| onceflow_testkit::gharchive::read_hour(f).unwrap())
         .map(|e| e.id)
         .collect()
 }

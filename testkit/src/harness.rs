@@ -37,11 +37,11 @@
 //! A run that passes deletes its topics (input, output, dlq, changelog), its consumer group
 //! and its directory; a run that fails keeps them all and names them in its report.
 
-use crate::config::Config;
-use crate::kafka::admin::Admin;
-use crate::runtime::commit;
-use crate::state::restore::changelog_topic;
-use crate::testing::{gharchive, kafka};
+use crate::{gharchive, kafka};
+use onceflow::config::Config;
+use onceflow::kafka::admin::Admin;
+use onceflow::runtime::commit;
+use onceflow::state::restore::changelog_topic;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -589,7 +589,7 @@ impl<'a> Run<'a> {
             output: format!("{tag}-out"),
             dlq: format!("{tag}-dlq"),
             changelog: changelog_topic(&app, STORE),
-            repartition: crate::processor::stages::repartition_topic(&app, STORE),
+            repartition: onceflow::processor::stages::repartition_topic(&app, STORE),
             app,
             topology: dir.join("topology.yaml"),
             dir,

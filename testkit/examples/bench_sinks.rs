@@ -13,7 +13,7 @@
 //! ONCEFLOW_BENCH_CONCURRENCY (16), ONCEFLOW_REDIS_URL, ONCEFLOW_POSTGRES_URL (modes whose
 //! service is unset are skipped, and say so).
 
-#[path = "../tests/sink_support/mod.rs"]
+#[path = "../../tests/sink_support/mod.rs"]
 mod sink_support;
 
 use onceflow::sink::{EffectSpec, ExternalSinkSpec, HttpSpec, PostgresSpec, Secret, StoreSpec};

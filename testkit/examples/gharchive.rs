@@ -5,15 +5,15 @@
 //! at_least_once; the check proves each event id appears once in `gharchive.unique`.
 //!
 //! ```text
-//! cargo run --release --example gharchive -- load   # create topics, publish with duplicates
-//! cargo run --release --example gharchive -- check  # count gharchive.unique, exit 1 if wrong
-//! cargo run --release --example gharchive -- reset  # delete the demo topics and consumer group
+//! cargo run --release -p onceflow-testkit --example gharchive -- load   # create topics, publish with duplicates
+//! cargo run --release -p onceflow-testkit --example gharchive -- check  # count gharchive.unique, exit 1 if wrong
+//! cargo run --release -p onceflow-testkit --example gharchive -- reset  # delete the demo topics and consumer group
 //! ```
 //! The broker address comes from ONCEFLOW_BOOTSTRAP_SERVERS (default 127.0.0.1:9092).
 
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
-use onceflow::testing::{gharchive, kafka};
+use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Duration;

@@ -4,12 +4,13 @@
 //! cost of the stages only: no broker, no state store writes. Prints records/s and the
 //! ratio to the passthrough measured in the same run.
 //!
-//!   cargo run --release --example bench_language            # 3 rounds over the shipped data
-//!   ONCEFLOW_BENCH_ROUNDS=1 cargo run --release --example bench_language
+//!   cargo run --release -p onceflow-testkit --example bench_language            # 3 rounds over the shipped data
+//!   ONCEFLOW_BENCH_ROUNDS=1 cargo run --release -p onceflow-testkit --example bench_language
 
 use onceflow::dsl;
-use onceflow::testing::{gharchive, TestDriver, TestRecord};
+use onceflow::testing::{TestDriver, TestRecord};
 use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow_testkit::gharchive;
 use std::time::Instant;
 
 fn file(stages: &str) -> Topology {

@@ -1,10 +1,10 @@
-//! The exactly_once_v2 crash harness (see `onceflow::testing::harness`): run after run,
+//! The exactly_once_v2 crash harness (see `onceflow_testkit::harness`): run after run,
 //! fresh topics and input with duplicates, 1–3 `onceflow run` instances under
 //! exactly_once_v2, one SIGKILLed at a transactional failpoint or a random moment and
 //! restarted, then every distinct input id must appear exactly once read_committed.
 //!
 //! ```text
-//! cargo build --release --bin onceflow --example crash_harness
+//! cargo build --release -p onceflow --bin onceflow -p onceflow-testkit --example crash_harness
 //! target/release/examples/crash_harness --runs 200 [--seed S] [--bin PATH]
 //!     [--min-events N] [--max-events N] [--gharchive P] [--work-dir DIR] [--keep-logs]
 //!     [--kill KIND,...]   # moment, eos.after_produce, eos.after_changelog,
@@ -21,7 +21,7 @@
 //! final `harness: runs=N duplicates=0 losses=0 aborted_records=... failed_runs=0` line;
 //! exits 1 if any run had a duplicate, a loss or another failure.
 
-use onceflow::testing::{harness, kafka};
+use onceflow_testkit::{harness, kafka};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -65,7 +65,7 @@ use onceflow::runtime::Task;
 use onceflow::runtime::{App, RunOptions, RunSummary};
 use onceflow::state::restore::{changelog_topic, ChangelogRecord, Restorer};
 use onceflow::state::{SledBackend, StateBackend};
-use onceflow::testing::kafka::TestProducer;
+use onceflow_testkit::kafka::TestProducer;
 use prost::Message as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;

@@ -2,8 +2,8 @@
 //! (`examples/data/gharchive/`, see its README for provenance), published with the
 //! duplicates that real delivery faults make.
 
-use crate::error::{Error, Result};
-use crate::testing::kafka::TestProducer;
+use crate::kafka::TestProducer;
+use onceflow::error::{Error, Result};
 use rand::{Rng, SeedableRng};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
