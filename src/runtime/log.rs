@@ -170,9 +170,17 @@ impl CommitLog for KafkaLog<'_> {
 
     fn commit_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
         let tpl = self.offsets(offsets)?;
-        self.consumer
-            .commit(&tpl, self.mode)
-            .map_err(Error::kafka("commit offsets"))
+        match self.consumer.commit(&tpl, self.mode) {
+            // The group is rebalancing (another member joined or left): the coordinator
+            // refuses commits of the old generation. at_least_once allows it: the next owner
+            // of a partition resumes from its last committed offset, and the records it
+            // reads again find their marks restored from the changelog.
+            Err(e) if e.rdkafka_error_code().is_some_and(rebalancing) => {
+                tracing::warn!(error = %e, ?offsets, "offset commit refused during a rebalance: the next owner resumes from the last committed offsets");
+                Ok(())
+            }
+            other => other.map_err(Error::kafka("commit offsets")),
+        }
     }
 
     fn committed_offsets(&mut self, partitions: &[i32]) -> Result<BTreeMap<i32, Option<i64>>> {
@@ -198,4 +206,14 @@ impl CommitLog for KafkaLog<'_> {
             })
             .collect())
     }
+}
+
+/// Whether an offset commit was refused because the group is rebalancing (its generation
+/// moved on), which is not a failure of the instance.
+fn rebalancing(code: rdkafka::types::RDKafkaErrorCode) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::IllegalGeneration | C::RebalanceInProgress | C::UnknownMemberId
+    )
 }
