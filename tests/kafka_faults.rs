@@ -153,11 +153,13 @@ impl Scenario {
         self
     }
 
-    /// `FAULT_SCENARIOS=<substring>` runs only the scenarios whose name contains it;
+    /// `FAULT_SCENARIOS=<substring>` runs only the scenarios whose `<name> (<guarantee>)`
+    /// contains it;
     /// `FAULT_RUNS=<n>` runs each n times (default 1).
     fn run(&self, broker: &ProxiedBroker) -> Option<Outcome> {
         if let Ok(only) = std::env::var("FAULT_SCENARIOS") {
-            if !self.fault.contains(only.as_str()) {
+            let name = format!("{} ({})", self.fault, self.guarantee);
+            if !name.contains(only.as_str()) {
                 return None;
             }
         }
