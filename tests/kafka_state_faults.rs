@@ -1,5 +1,6 @@
 //! Faults of the state dir under exactly_once_v2, on the real broker and the GH Archive data:
-//! a state dir that fills up (a small tmpfs), and a sled database truncated on disk. The
+//! a state dir that fills up (a small tmpfs), and a sled database truncated or garbled on
+//! disk (set aside at start-up, restored from the changelog). The
 //! changelog is the truth: whatever happens to the local store, read_committed output keeps
 //! every id exactly once.
 
