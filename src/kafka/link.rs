@@ -10,28 +10,64 @@
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-static DOWN: AtomicBool = AtomicBool::new(false);
+/// The reachability state (one per process: [`LINK`]).
+pub struct Link {
+    down: AtomicBool,
+}
+
+/// This process's link to the cluster.
+pub static LINK: Link = Link::new();
+
+impl Link {
+    /// Reachable until a client reports every broker down.
+    pub const fn new() -> Link {
+        Link {
+            down: AtomicBool::new(false),
+        }
+    }
+
+    /// As [`note_error`].
+    pub fn note_error(&self, error: &KafkaError) {
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)
+            && !self.down.swap(true, Ordering::SeqCst)
+        {
+            tracing::warn!("every broker is unreachable: not ready until one answers");
+        }
+    }
+
+    /// As [`note_up`].
+    pub fn note_up(&self) {
+        if self.down.swap(false, Ordering::SeqCst) {
+            tracing::info!("a broker answers again: ready once the partitions are");
+        }
+    }
+
+    /// As [`reachable`].
+    pub fn reachable(&self) -> bool {
+        !self.down.load(Ordering::SeqCst)
+    }
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link::new()
+    }
+}
 
 /// Take note of a client error: `AllBrokersDown` marks the cluster unreachable.
 pub fn note_error(error: &KafkaError) {
-    if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)
-        && !DOWN.swap(true, Ordering::SeqCst)
-    {
-        tracing::warn!("every broker is unreachable: not ready until one answers");
-    }
+    LINK.note_error(error);
 }
 
 /// A broker answered: the cluster is reachable again.
 pub fn note_up() {
-    if DOWN.swap(false, Ordering::SeqCst) {
-        tracing::info!("a broker answers again: ready once the partitions are");
-    }
+    LINK.note_up();
 }
 
 /// Whether a broker was reachable at last notice (true until a client reports every
 /// broker down).
 pub fn reachable() -> bool {
-    !DOWN.load(Ordering::SeqCst)
+    LINK.reachable()
 }
 
 #[cfg(test)]
@@ -40,15 +76,18 @@ mod tests {
 
     #[test]
     fn all_brokers_down_makes_the_cluster_unreachable_until_one_answers() {
-        note_up();
-        assert!(reachable());
-        note_error(&KafkaError::Global(
+        let link = Link::new();
+        assert!(link.reachable());
+        link.note_error(&KafkaError::Global(
             RDKafkaErrorCode::BrokerTransportFailure,
         ));
-        assert!(reachable(), "one connection lost is not the cluster gone");
-        note_error(&KafkaError::Global(RDKafkaErrorCode::AllBrokersDown));
-        assert!(!reachable());
-        note_up();
-        assert!(reachable());
+        assert!(
+            link.reachable(),
+            "one connection lost is not the cluster gone"
+        );
+        link.note_error(&KafkaError::Global(RDKafkaErrorCode::AllBrokersDown));
+        assert!(!link.reachable());
+        link.note_up();
+        assert!(link.reachable());
     }
 }
