@@ -101,6 +101,9 @@ fn http_address(run: &mut Running) -> String {
         .to_string()
 }
 
+/// Injects a fault into a [`Target`]; `Err` names what went wrong meanwhile.
+type Inject = dyn Fn(&Target) -> Result<(), String>;
+
 /// A fault scenario: the main job runs through the proxy under `guarantee`, slowed down
 /// (every Fetch response held 50 ms, small fetches) so that it is mid-run for several
 /// seconds; `inject` is called once it has committed once. A run that exits non-zero is
@@ -112,7 +115,7 @@ struct Scenario {
     sets: Vec<(&'static str, String)>,
     /// Injects the fault; an `Err` is a wrong observation during it (the test fails with
     /// the instance's log).
-    inject: Box<dyn Fn(&Target) -> Result<(), String>>,
+    inject: Box<Inject>,
     stays_up: bool,
 }
 
