@@ -8,7 +8,8 @@
 //!   not turned for the stuck limit (60 s), or the run stopped or failed (the error is in
 //!   the body).
 //! - `GET /ready`: 200 only when the group gave this instance its partitions and every one
-//!   is restored and processing; otherwise 503. The body (JSON) lists the assigned
+//!   is restored and processing, and a broker is reachable (see [`crate::kafka::link`]);
+//!   otherwise 503. The body (JSON) lists the assigned
 //!   partitions, those waiting to restore, and each restoring store partition with
 //!   `done` / `total` records, `rate` (records/s) and `eta_seconds`.
 //! - `GET /metrics`: the Prometheus text format (the names in [`crate::metrics`]).
@@ -170,7 +171,8 @@ fn route<B>(
         "/ready" => {
             let phase = status.phase();
             let p = status.partitions();
-            let ready = phase == Phase::Running && p.ready();
+            let broker = crate::kafka::link::reachable();
+            let ready = phase == Phase::Running && p.ready() && broker;
             let restoring: Vec<serde_json::Value> = p
                 .restoring
                 .iter()
@@ -189,6 +191,7 @@ fn route<B>(
             let body = serde_json::json!({
                 "ready": ready,
                 "phase": phase_name(phase),
+                "broker_reachable": broker,
                 "assignment_received": p.assigned_once,
                 "assigned": p.assigned,
                 "waiting": p.waiting,

@@ -20,8 +20,14 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(240);
-/// The dedicated broker's ports: client 39260, controller 39261, inter-broker 39262.
-const BASE_PORT: u16 = 39260;
+/// The dedicated brokers' first port (client, controller, inter-broker of the first test;
+/// the others at +5 and +10): 39260, or `FAULT_BASE_PORT` to keep parallel runs apart.
+fn base_port() -> u16 {
+    std::env::var("FAULT_BASE_PORT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(39260)
+}
 
 fn admin(bootstrap: &str) -> Admin {
     let cfg = Config::load(&[], &[("bootstrap.servers".into(), bootstrap.into())]).unwrap();
@@ -58,15 +64,59 @@ struct Outcome {
     log: String,
 }
 
+/// What a fault is injected into: the broker and the running instance's HTTP listener.
+struct Target<'a> {
+    broker: &'a ProxiedBroker,
+    /// `host:port` of the instance's `/health`, `/ready` and `/metrics`.
+    http: String,
+    /// The instance's log so far.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Target<'_> {
+    /// The status code of `GET /ready`; `None` when the listener does not answer (the
+    /// process is gone).
+    fn ready(&self) -> Option<u16> {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&self.http).ok()?;
+        c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        c.write_all(b"GET /ready HTTP/1.0\r\nHost: x\r\n\r\n")
+            .ok()?;
+        let mut answer = String::new();
+        c.read_to_string(&mut answer).ok()?;
+        answer.split_whitespace().nth(1)?.parse().ok()
+    }
+}
+
+/// The listener's address from the `http listening` log line (tests use port 0).
+fn http_address(run: &mut Running) -> String {
+    run.wait_for_log("http listening", T);
+    let log = run.stderr.lock().unwrap().clone();
+    let line = log.lines().find(|l| l.contains("http listening")).unwrap();
+    let at = line.find("address=").expect("address field") + "address=".len();
+    line[at..]
+        .split(|c: char| c.is_whitespace() || c == '"' || c == ',')
+        .find(|s| !s.is_empty())
+        .unwrap()
+        .to_string()
+}
+
+/// Injects a fault into a [`Target`]; `Err` names what went wrong meanwhile.
+type Inject = dyn Fn(&Target) -> Result<(), String>;
+
 /// A fault scenario: the main job runs through the proxy under `guarantee`, slowed down
 /// (every Fetch response held 50 ms, small fetches) so that it is mid-run for several
 /// seconds; `inject` is called once it has committed once. A run that exits non-zero is
-/// restarted (at most twice; counted).
+/// restarted (at most twice; counted), unless the scenario must be ridden out in one
+/// process (`stays_up`): then a restart fails the test.
 struct Scenario {
     fault: &'static str,
     guarantee: &'static str,
     sets: Vec<(&'static str, String)>,
-    inject: Box<dyn Fn(&ProxiedBroker)>,
+    /// Injects the fault; an `Err` is a wrong observation during it (the test fails with
+    /// the instance's log).
+    inject: Box<Inject>,
+    stays_up: bool,
 }
 
 impl Scenario {
@@ -75,12 +125,30 @@ impl Scenario {
         guarantee: &'static str,
         inject: impl Fn(&ProxiedBroker) + 'static,
     ) -> Scenario {
+        Scenario::on_target(fault, guarantee, move |t| {
+            inject(t.broker);
+            Ok(())
+        })
+    }
+
+    fn on_target(
+        fault: &'static str,
+        guarantee: &'static str,
+        inject: impl Fn(&Target) -> Result<(), String> + 'static,
+    ) -> Scenario {
         Scenario {
             fault,
             guarantee,
             sets: Vec::new(),
             inject: Box::new(inject),
+            stays_up: false,
         }
+    }
+
+    /// The process must ride the fault out: no exit, no restart.
+    fn stays_up(mut self) -> Scenario {
+        self.stays_up = true;
+        self
     }
 
     fn set(mut self, k: &'static str, v: &str) -> Scenario {
@@ -88,11 +156,13 @@ impl Scenario {
         self
     }
 
-    /// `FAULT_SCENARIOS=<substring>` runs only the scenarios whose name contains it;
+    /// `FAULT_SCENARIOS=<substring>` runs only the scenarios whose `<name> (<guarantee>)`
+    /// contains it;
     /// `FAULT_RUNS=<n>` runs each n times (default 1).
     fn run(&self, broker: &ProxiedBroker) -> Option<Outcome> {
         if let Ok(only) = std::env::var("FAULT_SCENARIOS") {
-            if !self.fault.contains(only.as_str()) {
+            let name = format!("{} ({})", self.fault, self.guarantee);
+            if !name.contains(only.as_str()) {
                 return None;
             }
         }
@@ -133,13 +203,18 @@ impl Scenario {
         let before = commits();
         proxy.delay_all(api::FETCH, Duration::from_millis(50));
         let mut run = start(&names, &all, &[], &["--stop-at-end"]);
+        let http = http_address(&mut run);
         wait_until("a first commit", T, || commits() > before);
         assert!(
             run.child.try_wait().unwrap().is_none(),
             "{}: the job ended before the fault",
             self.fault
         );
-        (self.inject)(broker);
+        let injected = (self.inject)(&Target {
+            broker,
+            http,
+            log: run.stderr.clone(),
+        });
         let mut restarts = 0;
         let mut log = String::new();
         let mut stderr = run.stderr.clone();
@@ -153,6 +228,9 @@ impl Scenario {
             (st, _) = run.wait(T);
         }
         log.push_str(&stderr.lock().unwrap());
+        if let Err(wrong) = injected {
+            panic!("{} ({}): {wrong}\n{log}", self.fault, self.guarantee);
+        }
         let fired = proxy.rules_used_up();
         proxy.clear();
         assert!(fired, "{}: the fault never fired", self.fault);
@@ -160,6 +238,12 @@ impl Scenario {
             st.success(),
             "{}: the job did not complete after {restarts} restarts:\n{log}",
             self.fault
+        );
+        assert!(
+            !self.stays_up || restarts == 0,
+            "{} ({}): the process exited instead of riding the fault out:\n{log}",
+            self.fault,
+            self.guarantee
         );
 
         let counts = output_counts(&boot, &names.output);
@@ -216,7 +300,7 @@ fn gharchive_names_on(bootstrap: &str, partitions: usize) -> Names {
 
 #[test]
 fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retried_once() {
-    let broker = ProxiedBroker::start(BASE_PORT + 5);
+    let broker = ProxiedBroker::start(base_port() + 5);
     let boot = broker.bootstrap();
     let topic = unique("proxy");
     admin(&boot).ensure_topic(&topic, 2, &[]).unwrap();
@@ -255,7 +339,7 @@ fn the_proxy_passes_traffic_and_counts_it_and_a_dropped_produce_response_is_retr
 
 #[test]
 fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
-    let broker = ProxiedBroker::start(BASE_PORT);
+    let broker = ProxiedBroker::start(base_port());
     const EOS: &str = "exactly_once_v2";
     let scenarios = [
         Scenario::new("EndTxn response dropped", EOS, |b| {
@@ -299,42 +383,75 @@ fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
     }
 }
 
-/// SIGKILL the broker mid-run and start it again after `down`.
-fn broker_killed_for(down: Duration) -> impl Fn(&ProxiedBroker) {
-    move |b: &ProxiedBroker| {
-        b.kill();
-        std::thread::sleep(down);
-        b.kafka(&["start"]);
+/// SIGKILL the broker mid-run and start it again after `down`. `/ready` answers 200
+/// before, 503 while the broker is away (polled through the outage), and 200 again once
+/// it is back.
+fn broker_killed_for(down: Duration) -> impl Fn(&Target) -> Result<(), String> {
+    move |t: &Target| {
+        let before = t.ready();
+        if before != Some(200) {
+            return Err(format!("/ready before the broker went: {before:?}"));
+        }
+        t.broker.kill();
+        let back_at = Instant::now() + down;
+        let mut answers = Vec::new();
+        while Instant::now() < back_at {
+            answers.push(t.ready());
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        t.broker.kafka(&["start"]);
+        if !answers.contains(&Some(503)) {
+            return Err(format!(
+                "/ready never said not-ready while the broker was away: {answers:?}"
+            ));
+        }
+        let deadline = Instant::now() + T;
+        loop {
+            match t.ready() {
+                Some(200) => return Ok(()),
+                // The job may have finished meanwhile: it must have seen the broker back.
+                None if t.log.lock().unwrap().contains("a broker answers again") => return Ok(()),
+                None => return Err("the process went away after the outage".into()),
+                _ if Instant::now() > deadline => {
+                    return Err("/ready did not come back after the outage".into())
+                }
+                _ => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
     }
 }
 
 #[test]
 fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under_eos() {
-    let broker = ProxiedBroker::start(BASE_PORT + 10);
+    let broker = ProxiedBroker::start(base_port() + 10);
     // The 60 s outages take minutes: scripts/fault-matrix runs them (FAULT_LONG=1), the
     // default test run only the 5 s ones.
     let long = std::env::var("FAULT_LONG").is_ok_and(|v| v == "1");
     let scenarios = [
-        Scenario::new(
+        Scenario::on_target(
             "broker SIGKILLed, back after 5 s",
             "at_least_once",
             broker_killed_for(Duration::from_secs(5)),
-        ),
-        Scenario::new(
+        )
+        .stays_up(),
+        Scenario::on_target(
             "broker SIGKILLed, back after 5 s",
             "exactly_once_v2",
             broker_killed_for(Duration::from_secs(5)),
-        ),
-        Scenario::new(
+        )
+        .stays_up(),
+        Scenario::on_target(
             "broker SIGKILLed, back after 60 s",
             "at_least_once",
             broker_killed_for(Duration::from_secs(60)),
-        ),
-        Scenario::new(
+        )
+        .stays_up(),
+        Scenario::on_target(
             "broker SIGKILLed, back after 60 s",
             "exactly_once_v2",
             broker_killed_for(Duration::from_secs(60)),
-        ),
+        )
+        .stays_up(),
     ];
     let table: Vec<Outcome> = scenarios
         .iter()

@@ -1,5 +1,6 @@
 //! Faults of the state dir under exactly_once_v2, on the real broker and the GH Archive data:
-//! a state dir that fills up (a small tmpfs), and a sled database truncated on disk. The
+//! a state dir that fills up (a small tmpfs), and a sled database truncated or garbled on
+//! disk (set aside at start-up, restored from the changelog). The
 //! changelog is the truth: whatever happens to the local store, read_committed output keeps
 //! every id exactly once.
 
@@ -134,40 +135,79 @@ fn largest_file(dir: &Path) -> PathBuf {
     best.expect("a file in the state dir").1
 }
 
-/// sled reads a truncated log back to its last whole batch, so the store opens with an
-/// older checkpoint (each batch carries its changelog offset) and the restore brings back
-/// the rest from the changelog. (Not yet: detecting the damage and setting the tree aside
-/// with a log line; sled itself reports nothing here.)
-#[test]
-fn a_truncated_sled_database_loses_and_repeats_nothing() {
+/// Damage the sled database after a graceful run with `damage` (given its largest file),
+/// deliver every event again and restart: the damage is detected at open, the database
+/// moved aside (kept) with a WARN line naming it, the stores restored from the changelog,
+/// so every repeated event is dropped as a duplicate.
+fn a_damaged_database_is_set_aside_and_restored(fault: &str, seed: u64, damage: fn(&Path)) {
     let names = gharchive_names(4);
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
-    gharchive::publish(&p, &names.input, 2000, 6).unwrap();
+    gharchive::publish(&p, &names.input, 2000, seed).unwrap();
     p.flush().unwrap();
     let (st, _) = start(&names, &eos(), &[], &["--stop-at-end"]).wait(T);
     assert!(st.success());
 
-    // Cut the database file in half, then deliver every event again.
     let f = largest_file(&names.state_dir());
     let len = std::fs::metadata(&f).unwrap().len();
     assert!(len > 4096, "{} is {len} bytes", f.display());
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&f)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
-    gharchive::publish(&p, &names.input, 0, 7).unwrap();
+    damage(&f);
+    gharchive::publish(&p, &names.input, 0, seed + 1).unwrap();
     p.flush().unwrap();
 
     let run = start(&names, &eos(), &[], &["--stop-at-end"]);
     let log = run.stderr.clone();
     let (st, out) = run.wait(T);
     let log = log.lock().unwrap().clone();
+    assert!(st.success(), "the job runs on a damaged state dir:\n{log}");
+    let db = names.state_dir().join(&names.app);
+    let line = log
+        .lines()
+        .find(|l| l.contains("sled database corrupted"))
+        .unwrap_or_else(|| panic!("no WARN line about the damage:\n{log}"));
     assert!(
-        st.success(),
-        "the job runs on a truncated state dir:\n{log}"
+        line.contains("WARN") && line.contains(&db.display().to_string()),
+        "the line names the path: {line}"
+    );
+    assert!(line.contains("error="), "the line names the error: {line}");
+    let aside: Vec<_> = std::fs::read_dir(names.state_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains(".corrupt-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "moved aside, not deleted: {aside:?}");
+    assert!(aside[0].join(f.file_name().unwrap()).exists());
+    assert!(
+        summary_field(&out, "restored").unwrap_or(0.0) > 0.0,
+        "restored from the changelog: {out}"
     );
     assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}\n{log}");
-    assert_each_id_once("sled database truncated", &names.output, 0);
+    assert_each_id_once(fault, &names.output, 0);
+}
+
+#[test]
+fn a_truncated_sled_database_is_set_aside_and_restored_with_no_loss_and_no_repeat() {
+    a_damaged_database_is_set_aside_and_restored("sled database truncated", 6, |f| {
+        let len = std::fs::metadata(f).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(f)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+    });
+}
+
+#[test]
+fn a_garbled_sled_database_is_set_aside_and_restored_with_no_loss_and_no_repeat() {
+    a_damaged_database_is_set_aside_and_restored("sled database garbled", 16, |f| {
+        use std::io::{Seek, SeekFrom, Write};
+        let len = std::fs::metadata(f).unwrap().len();
+        // 256 bytes of every 4 KiB past the first eighth, so live data is hit (a single
+        // stretch may fall on obsolete page versions only).
+        let mut file = std::fs::OpenOptions::new().write(true).open(f).unwrap();
+        for at in (len / 8..len).step_by(4096) {
+            file.seek(SeekFrom::Start(at)).unwrap();
+            file.write_all(&[0xab; 256]).unwrap();
+        }
+    });
 }

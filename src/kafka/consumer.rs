@@ -73,6 +73,7 @@ impl ClientContext for SourceContext {
         ) {
             return;
         }
+        super::link::note_error(&error);
         tracing::error!(%error, reason, "librdkafka error");
     }
 }

@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod batch;
 pub mod consumer;
+pub mod link;
 pub mod producer;
 pub mod retry;
 

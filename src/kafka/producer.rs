@@ -30,7 +30,12 @@ pub struct DeliveryTracker {
         Mutex<std::collections::HashMap<String, std::collections::HashMap<i32, i64>>>,
 }
 
-impl ClientContext for DeliveryTracker {}
+impl ClientContext for DeliveryTracker {
+    fn error(&self, error: KafkaError, reason: &str) {
+        super::link::note_error(&error);
+        tracing::error!(%error, reason, "librdkafka error (producer)");
+    }
+}
 
 impl ProducerContext for DeliveryTracker {
     type DeliveryOpaque = usize;

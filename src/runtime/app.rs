@@ -398,7 +398,8 @@ impl App {
         crate::sink::preflight(&self.topology)?;
         let partitions = self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
-        let backend = SledBackend::open(&dir)?;
+        // A corrupted database is set aside and its stores restore from the changelogs.
+        let backend = SledBackend::open_checked(&dir)?;
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self.changelog_topics();
@@ -500,6 +501,12 @@ impl App {
             hop.purger.finish();
         }
         e.backend.flush()?;
+        if result.is_ok() {
+            // What the next start checks the stores against.
+            if let Err(err) = e.backend.seal() {
+                tracing::warn!(error = %err, "state dir not sealed: the next start cannot check it");
+            }
+        }
         let seconds = e
             .first_record
             .map(|t| t.elapsed().as_secs_f64())
@@ -514,6 +521,10 @@ impl App {
     }
 }
 
+/// While every broker is unreachable, how often (and how long) the run loop asks for
+/// metadata to learn that one answers again.
+const LINK_PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// The run loop: restore steps, polls, processing, rebalances and commits, until shutdown
 /// (or, with `stop_at_end`, the end of every assigned partition).
 fn run_loop(
@@ -522,6 +533,7 @@ fn run_loop(
     events: &mpsc::Receiver<RebalanceEvent>,
     opts: &RunOptions,
 ) -> Result<()> {
+    let mut last_probe = Instant::now();
     loop {
         if opts.shutdown.load(Ordering::SeqCst) {
             tracing::info!("shutdown requested: committing and closing");
@@ -529,6 +541,16 @@ fn run_loop(
         }
         if let Some(s) = &opts.status {
             s.beat();
+        }
+        if !crate::kafka::link::reachable() && last_probe.elapsed() >= LINK_PROBE_EVERY {
+            // Nothing reports the way back from "every broker down": ask (kafka::link).
+            last_probe = Instant::now();
+            let md = consumer
+                .client()
+                .fetch_metadata(Some(&e.source_topic), LINK_PROBE_EVERY);
+            if md.is_ok() {
+                crate::kafka::link::note_up();
+            }
         }
         e.handle_events(consumer, events)?;
         if !e.unplanned.is_empty() {

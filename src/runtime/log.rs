@@ -75,14 +75,35 @@ fn unknown_unless_known(e: Error, commit: bool) -> Error {
     }
 }
 
-/// A fatal transactional error becomes [`Error::Fenced`] naming `transactional_id`.
+/// A fatal transactional error becomes [`Error::Fenced`] naming `transactional_id` when
+/// another producer took the transactional.id (or it is not authorized); any other fatal
+/// one (the producer unusable, e.g. `INVALID_TXN_STATE` from a coordinator that lost the
+/// transaction during a broker outage) leaves the open transaction's outcome unknown:
+/// [`Error::TransactionOutcomeUnknown`], so the producer is re-created.
 pub fn fenced_or(transactional_id: &str, e: Error) -> Error {
-    if e.is_fatal_transaction_error() && !matches!(e, Error::Fenced(_)) {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    if !e.is_fatal_transaction_error() || matches!(e, Error::Fenced(_)) {
+        return e;
+    }
+    let code = match &e {
+        Error::Kafka { source, .. } => source.rdkafka_error_code(),
+        _ => None,
+    };
+    let taken = matches!(
+        code,
+        Some(
+            C::Fenced
+                | C::ProducerFenced
+                | C::InvalidProducerEpoch
+                | C::TransactionalIdAuthorizationFailed
+        )
+    );
+    if taken {
         Error::Fenced(format!(
             "transactional.id {transactional_id} was taken over by another instance ({e}); this instance stops"
         ))
     } else {
-        e
+        Error::TransactionOutcomeUnknown(format!("the producer failed for good: {e}"))
     }
 }
 
@@ -157,11 +178,16 @@ impl CommitLog for KafkaLog<'_> {
     }
 
     fn recreate_producer(&mut self) -> Result<()> {
-        let fresh = OutputProducer::new(self.config, self.changelogs.values().cloned().collect())?;
         // InitProducerId with the same transactional.id: bumps the epoch (the old producer
         // is fenced) and returns once the coordinator has finished the old transaction,
-        // committed if its EndTxn(commit) reached it, else aborted.
-        fresh.init_transactions().map_err(|e| self.fenced_or(e))?;
+        // committed if its EndTxn(commit) reached it, else aborted. While the brokers are
+        // away it times out: a new producer tries again (with backoff, for 2 min).
+        let fresh = crate::kafka::retry::retry("re-create the transactional producer", || {
+            let fresh =
+                OutputProducer::new(self.config, self.changelogs.values().cloned().collect())?;
+            fresh.init_transactions().map(|_| fresh)
+        })
+        .map_err(|e| self.fenced_or(e))?;
         tracing::info!(transactional_id = %self.transactional_id, "transactional producer re-created");
         // The old producer goes (fenced: whatever it still held can no longer land).
         *self.producer = fresh;

@@ -148,6 +148,101 @@ impl KeyValueStore for SledStore {
     }
 }
 
+/// The seal of a gracefully stopped database, inside its directory (see
+/// [`SledBackend::seal`]): one line per store tree, `<name as hex> <entries> <checksum>`.
+const SEAL_FILE: &str = "onceflow.sealed";
+
+/// Why a database could not be opened by [`SledBackend::open_checked`].
+enum Damage {
+    /// Its content is damaged: set it aside.
+    Corrupt(String),
+    /// Anything else (a lock, no space): report it.
+    Other(Error),
+}
+
+fn open_error(dir: &Path, e: ::sled::Error) -> Error {
+    let hint = if e.to_string().contains("lock") {
+        " (is another onceflow process using this state.dir?)"
+    } else {
+        ""
+    };
+    Error::state(
+        dir.display().to_string(),
+        format!("cannot open sled database: {e}{hint}"),
+    )
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Entry count and an xxh3 checksum (over length-prefixed keys and values, in key order)
+/// of every store tree, by tree name; lookup tables (`table-*`, written by their own
+/// threads) and sled's default tree are left out.
+fn store_checksums(
+    db: &::sled::Db,
+) -> std::result::Result<std::collections::BTreeMap<Vec<u8>, (u64, u64)>, ::sled::Error> {
+    let mut out = std::collections::BTreeMap::new();
+    for name in db.tree_names() {
+        if name.starts_with(b"table-") || name.starts_with(b"__sled__") {
+            continue;
+        }
+        let tree = db.open_tree(&name)?;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut n = 0u64;
+        for item in tree.iter() {
+            let (k, v) = item?;
+            h.update(&(k.len() as u64).to_le_bytes());
+            h.update(&k);
+            h.update(&(v.len() as u64).to_le_bytes());
+            h.update(&v);
+            n += 1;
+        }
+        out.insert(name.to_vec(), (n, h.digest()));
+    }
+    Ok(out)
+}
+
+/// What differs between a seal's `text` and the checksums `now`; `None` when nothing
+/// does.
+fn seal_mismatch(
+    text: &str,
+    now: &std::collections::BTreeMap<Vec<u8>, (u64, u64)>,
+) -> Option<String> {
+    let mut sealed = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        let parsed = match f.as_slice() {
+            [name, n, sum] => n
+                .parse::<u64>()
+                .ok()
+                .zip(u64::from_str_radix(sum, 16).ok())
+                .map(|v| (name.to_string(), v)),
+            _ => None,
+        };
+        match parsed {
+            Some((name, v)) => sealed.insert(name, v),
+            None => return Some(format!("the seal is unreadable (line {line:?})")),
+        };
+    }
+    for (name, (n, sum)) in &sealed {
+        let shown = now
+            .iter()
+            .find(|(k, _)| hex(k) == *name)
+            .map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), *v));
+        match shown {
+            None => return Some(format!("store tree {name} (hex) is missing")),
+            Some((tree, (m, s))) if (m, s) != (*n, *sum) => {
+                return Some(format!(
+                    "store tree {tree} holds {m} entries (checksum {s:016x}), {n} (checksum {sum:016x}) at the last graceful stop"
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    None
+}
+
 /// One sled database in a state dir; opens a tree per (store, partition).
 pub struct SledBackend {
     db: ::sled::Db,
@@ -166,28 +261,146 @@ impl SledBackend {
             path: dir.display().to_string(),
             source: e,
         })?;
-        let db = ::sled::Config::new()
-            .path(dir)
-            .cache_capacity(256 * 1024 * 1024)
-            .mode(::sled::Mode::LowSpace)
-            .flush_every_ms(Some(1000))
-            .open()
-            .map_err(|e| {
-                let hint = if e.to_string().contains("lock") {
-                    " (is another onceflow process using this state.dir?)"
-                } else {
-                    ""
-                };
-                Error::state(
-                    dir.display().to_string(),
-                    format!("cannot open sled database: {e}{hint}"),
-                )
-            })?;
+        let db = Self::open_sled(dir).map_err(|e| open_error(dir, e))?;
         Ok(SledBackend {
             db,
             path: dir.to_path_buf(),
             writer: super::Writer::spawn(),
         })
+    }
+
+    /// Open the sled database under `dir` as [`SledBackend::open`] does, and check it: sled
+    /// must open it without an error or a panic of its own, and when the last run stopped
+    /// gracefully (it left a seal, see [`SledBackend::seal`]) every store tree must hold
+    /// what it held then (entry count and checksum). A database that fails the check is
+    /// corrupted: it is moved aside (renamed `<dir>.corrupt-<UTC timestamp>`, never
+    /// deleted) with a WARN log line naming the path and the error, and an empty database is
+    /// opened in its place, so that every store restores from its changelog.
+    ///
+    /// The check reads every store tree once (lookup tables are not checked: they reload
+    /// from their topics).
+    ///
+    /// # Errors
+    /// As [`SledBackend::open`] for failures that are not corruption (a lock held, no
+    /// space, no permission); [`Error::Io`] when the corrupted database cannot be renamed.
+    pub fn open_checked(dir: &Path) -> Result<SledBackend> {
+        let why = match Self::open_and_check(dir) {
+            Ok(b) => return Ok(b),
+            Err(Damage::Other(e)) => return Err(e),
+            Err(Damage::Corrupt(why)) => why,
+        };
+        let stamp: String = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+            .to_string()
+            .chars()
+            .filter(|c| *c != '-' && *c != ':')
+            .collect();
+        let mut name = dir.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".corrupt-{stamp}"));
+        let aside = dir.with_file_name(name);
+        std::fs::rename(dir, &aside).map_err(|e| Error::Io {
+            path: dir.display().to_string(),
+            source: e,
+        })?;
+        tracing::warn!(
+            path = %dir.display(),
+            moved_to = %aside.display(),
+            error = %why,
+            "sled database corrupted: moved aside (not deleted); its stores restore from their changelogs"
+        );
+        Self::open(dir)
+    }
+
+    fn open_and_check(dir: &Path) -> std::result::Result<SledBackend, Damage> {
+        let opened = std::panic::catch_unwind(|| Self::open_sled(dir));
+        let db = match opened {
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a panic".into());
+                return Err(Damage::Corrupt(format!("sled failed opening it: {what}")));
+            }
+            Ok(Err(e @ (::sled::Error::Corruption { .. } | ::sled::Error::ReportableBug(_)))) => {
+                return Err(Damage::Corrupt(format!("sled cannot read it: {e}")));
+            }
+            Ok(Err(e)) => return Err(Damage::Other(open_error(dir, e))),
+            Ok(Ok(db)) => db,
+        };
+        let seal = dir.join(SEAL_FILE);
+        match std::fs::read_to_string(&seal) {
+            Ok(text) => {
+                // The seal describes the database only until it is written again.
+                std::fs::remove_file(&seal).map_err(|e| {
+                    Damage::Other(Error::Io {
+                        path: seal.display().to_string(),
+                        source: e,
+                    })
+                })?;
+                let now =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store_checksums(&db)));
+                let differs = match now {
+                    Err(_) => Some("sled failed reading a tree".to_string()),
+                    Ok(Err(e)) => Some(format!("sled cannot read a tree: {e}")),
+                    Ok(Ok(now)) => seal_mismatch(&text, &now),
+                };
+                if let Some(why) = differs {
+                    drop(db);
+                    return Err(Damage::Corrupt(format!(
+                        "{why} (checked against {}, written at the last graceful stop)",
+                        seal.display()
+                    )));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(Damage::Other(Error::Io {
+                    path: seal.display().to_string(),
+                    source: e,
+                }))
+            }
+        }
+        Ok(SledBackend {
+            db,
+            path: dir.to_path_buf(),
+            writer: super::Writer::spawn(),
+        })
+    }
+
+    /// Record, at a graceful stop (every store write applied and flushed), each store
+    /// tree's entry count and checksum in `<dir>/onceflow.sealed`, which the next
+    /// [`SledBackend::open_checked`] compares with what it finds.
+    ///
+    /// # Errors
+    /// [`Error::State`] when a tree cannot be read; [`Error::Io`] when the seal cannot be
+    /// written.
+    pub fn seal(&self) -> Result<()> {
+        self.db
+            .flush()
+            .map_err(|e| Error::state(self.path.display().to_string(), e))?;
+        let sums = store_checksums(&self.db)
+            .map_err(|e| Error::state(self.path.display().to_string(), e))?;
+        let mut text = String::new();
+        for (tree, (n, sum)) in &sums {
+            text.push_str(&format!("{} {n} {sum:016x}\n", hex(tree)));
+        }
+        let seal = self.path.join(SEAL_FILE);
+        let tmp = self.path.join(format!("{SEAL_FILE}.tmp"));
+        let io = |e: std::io::Error| Error::Io {
+            path: seal.display().to_string(),
+            source: e,
+        };
+        std::fs::write(&tmp, text).map_err(io)?;
+        std::fs::rename(&tmp, &seal).map_err(io)
+    }
+
+    fn open_sled(dir: &Path) -> std::result::Result<::sled::Db, ::sled::Error> {
+        ::sled::Config::new()
+            .path(dir)
+            .cache_capacity(256 * 1024 * 1024)
+            .mode(::sled::Mode::LowSpace)
+            .flush_every_ms(Some(1000))
+            .open()
     }
 
     /// Path of the database directory.
@@ -374,6 +587,115 @@ mod tests {
             err.to_string().contains("another onceflow process"),
             "{err}"
         );
+    }
+
+    /// A database of `n` entries in store tree `s/0`, stopped gracefully (sealed) under
+    /// `dir/db`; returns the path of its largest file.
+    fn sealed_db(dir: &Path, n: usize) -> PathBuf {
+        let db = dir.join("db");
+        let b = SledBackend::open_checked(&db).unwrap();
+        let s = b.open("s", 0).unwrap();
+        for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+            s.write(WriteBatch {
+                ops: chunk
+                    .iter()
+                    .map(|i| (format!("key-{i}").into_bytes(), Some(vec![7u8; 100])))
+                    .collect(),
+                changelog_offset: Some(*chunk.last().unwrap() as i64),
+            })
+            .unwrap();
+        }
+        b.seal().unwrap();
+        drop(s);
+        drop(b);
+        let mut files: Vec<(u64, PathBuf)> = std::fs::read_dir(&db)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .filter(|e| e.metadata().unwrap().is_file())
+            .map(|e| (e.metadata().unwrap().len(), e.path()))
+            .collect();
+        files.sort();
+        files.pop().unwrap().1
+    }
+
+    fn set_aside(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().contains("db.corrupt-"))
+            .collect()
+    }
+
+    #[test]
+    fn a_sealed_database_reopens_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        sealed_db(dir.path(), 2000);
+        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let s = b.open("s", 0).unwrap();
+        assert_eq!(s.changelog_offset().unwrap(), Some(1999));
+        assert_eq!(s.get(b"key-1234").unwrap(), Some(vec![7u8; 100]));
+        assert!(set_aside(dir.path()).is_empty());
+        // The seal is used up: writes after it are no damage at the next open.
+        s.write(WriteBatch {
+            ops: vec![(b"late".to_vec(), Some(b"1".to_vec()))],
+            changelog_offset: Some(2000),
+        })
+        .unwrap();
+        drop(s);
+        b.flush().unwrap();
+        drop(b);
+        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        assert_eq!(
+            b.open("s", 0).unwrap().changelog_offset().unwrap(),
+            Some(2000)
+        );
+        assert!(set_aside(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn a_truncated_database_is_moved_aside_and_replaced_by_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = sealed_db(dir.path(), 20_000);
+        let len = std::fs::metadata(&f).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let s = b.open("s", 0).unwrap();
+        assert_eq!(
+            s.changelog_offset().unwrap(),
+            None,
+            "an empty store restores"
+        );
+        assert_eq!(s.get(b"key-1").unwrap(), None);
+        let aside = set_aside(dir.path());
+        assert_eq!(aside.len(), 1, "moved aside once: {aside:?}");
+        assert!(
+            aside[0].join(f.file_name().unwrap()).exists(),
+            "kept, not deleted"
+        );
+    }
+
+    #[test]
+    fn a_garbled_database_is_moved_aside_and_replaced_by_an_empty_one() {
+        use std::io::{Seek, SeekFrom, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let f = sealed_db(dir.path(), 20_000);
+        let len = std::fs::metadata(&f).unwrap().len();
+        // 256 bytes of every 4 KiB past the first eighth: live data is hit wherever the log
+        // keeps it (one garbled stretch may fall on obsolete page versions only).
+        let mut file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+        for at in (len / 8..len).step_by(4096) {
+            file.seek(SeekFrom::Start(at)).unwrap();
+            file.write_all(&[0xab; 256]).unwrap();
+        }
+        drop(file);
+        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        assert_eq!(b.open("s", 0).unwrap().changelog_offset().unwrap(), None);
+        assert_eq!(set_aside(dir.path()).len(), 1);
     }
 
     #[test]

@@ -464,8 +464,25 @@ impl ProxiedBroker {
         }
     }
 
-    /// Run `scripts/kafka ARGS` against this broker; panics when it fails.
+    /// Run `scripts/kafka ARGS` against this broker; panics when it fails. A start that
+    /// fails because a port is taken is tried again (up to 10 times, 2 s apart): the
+    /// broker's ports lie in the kernel's ephemeral range, so a client connection elsewhere
+    /// on the machine may hold one for a moment.
     pub fn kafka(&self, args: &[&str]) -> String {
+        for _ in 0..10 {
+            match self.kafka_once(args) {
+                Ok(out) => return out,
+                Err(e) if e.contains("Address already in use") => {
+                    eprintln!("scripts/kafka {args:?}: a port is taken; trying again in 2 s");
+                    std::thread::sleep(Duration::from_secs(2));
+                }
+                Err(e) => panic!("scripts/kafka {args:?} failed:\n{e}"),
+            }
+        }
+        panic!("scripts/kafka {args:?} failed: a port stayed taken for 20 s")
+    }
+
+    fn kafka_once(&self, args: &[&str]) -> Result<String, String> {
         let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "scripts", "kafka"]
             .iter()
             .collect();
@@ -488,12 +505,11 @@ impl ProxiedBroker {
             .env("ONCEFLOW_BROKER_HEAP_OPTS", "-Xmx512m -Xms256m")
             .output()
             .expect("run scripts/kafka");
-        assert!(
-            out.status.success(),
-            "scripts/kafka {args:?} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
     }
 }
 

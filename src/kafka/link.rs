@@ -1,0 +1,93 @@
+//! Whether this process reaches the Kafka cluster, for `/ready`.
+//!
+//! librdkafka reports through a client's error callback when every broker connection is
+//! down (`AllBrokersDown`); both the source consumer and the output producer pass such
+//! reports to [`note_error`]. Nothing reports the way back, so the run loop, while the
+//! link is down, asks the cluster for metadata about once a second and calls [`note_up`]
+//! when an answer comes. The state is per process (every client of it talks to the same
+//! cluster).
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The reachability state (one per process: [`LINK`]).
+pub struct Link {
+    down: AtomicBool,
+}
+
+/// This process's link to the cluster.
+pub static LINK: Link = Link::new();
+
+impl Link {
+    /// Reachable until a client reports every broker down.
+    pub const fn new() -> Link {
+        Link {
+            down: AtomicBool::new(false),
+        }
+    }
+
+    /// As [`note_error`].
+    pub fn note_error(&self, error: &KafkaError) {
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)
+            && !self.down.swap(true, Ordering::SeqCst)
+        {
+            tracing::warn!("every broker is unreachable: not ready until one answers");
+        }
+    }
+
+    /// As [`note_up`].
+    pub fn note_up(&self) {
+        if self.down.swap(false, Ordering::SeqCst) {
+            tracing::info!("a broker answers again: ready once the partitions are");
+        }
+    }
+
+    /// As [`reachable`].
+    pub fn reachable(&self) -> bool {
+        !self.down.load(Ordering::SeqCst)
+    }
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link::new()
+    }
+}
+
+/// Take note of a client error: `AllBrokersDown` marks the cluster unreachable.
+pub fn note_error(error: &KafkaError) {
+    LINK.note_error(error);
+}
+
+/// A broker answered: the cluster is reachable again.
+pub fn note_up() {
+    LINK.note_up();
+}
+
+/// Whether a broker was reachable at last notice (true until a client reports every
+/// broker down).
+pub fn reachable() -> bool {
+    LINK.reachable()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_brokers_down_makes_the_cluster_unreachable_until_one_answers() {
+        let link = Link::new();
+        assert!(link.reachable());
+        link.note_error(&KafkaError::Global(
+            RDKafkaErrorCode::BrokerTransportFailure,
+        ));
+        assert!(
+            link.reachable(),
+            "one connection lost is not the cluster gone"
+        );
+        link.note_error(&KafkaError::Global(RDKafkaErrorCode::AllBrokersDown));
+        assert!(!link.reachable());
+        link.note_up();
+        assert!(link.reachable());
+    }
+}
