@@ -547,7 +547,7 @@ fn run_loop(
             last_probe = Instant::now();
             let md = consumer
                 .client()
-                .fetch_metadata(Some(&e.source_topic), LINK_PROBE_EVERY);
+                .fetch_metadata(Some(e.topics.source()), LINK_PROBE_EVERY);
             if md.is_ok() {
                 crate::kafka::link::note_up();
             }
