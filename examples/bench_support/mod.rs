@@ -11,7 +11,7 @@ use bytes::Bytes;
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
 use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, TimeSource};
+use onceflow::processor::stages::{DedupSpec, Partitioning, TimeSource};
 use onceflow::testing::kafka;
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 use rand::rngs::StdRng;
@@ -240,6 +240,29 @@ pub fn load(s: &Settings, ds: &Dataset, topic: &str) -> Res<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// Publish the same events with random 16-byte Kafka keys (seeded by `seed`) on the
+/// partitions librdkafka's default partitioner gives them, so copies of an id land on
+/// different partitions (3 in 4 of them for 4 partitions).
+pub fn load_random_keys(s: &Settings, ds: &Dataset, topic: &str, seed: u64) -> Res<f64> {
+    let p = kafka::TestProducer::new(&s.bootstrap)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+    let mut key = [0u8; 16];
+    for e in &ds.events {
+        rng.fill(&mut key[..]);
+        p.send(
+            topic,
+            None,
+            Some(&key),
+            Some(&e.value),
+            &[],
+            Some(e.timestamp),
+        )?;
+    }
+    p.flush()?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
 /// Records in `topic`: the sum of its partitions' high watermarks (no transactions, no
 /// deletions, so offsets are records).
 pub fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
@@ -259,11 +282,22 @@ pub fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
 /// The benchmarks' topology: dedup (stage and store `dedup`) on `/id`, TTL 24 h on event
 /// time, then a sink.
 pub fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
+    // Source: the benchmark publishes every copy of an id with the same Kafka key.
+    dedup_topology_partitioned(input, output, Partitioning::Source)
+}
+
+/// [`dedup_topology`] with the dedup stage's `partitioning` chosen: `Source` when every
+/// copy of an id shares a partition ([`load`]), `Repartition` when they do not
+/// ([`load_random_keys`]).
+pub fn dedup_topology_partitioned(
+    input: &str,
+    output: &str,
+    partitioning: Partitioning,
+) -> Res<Topology> {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
     spec.ttl_ms = TTL_MS;
     spec.time = TimeSource::Event;
-    // Source: the benchmark publishes every copy of an id with the same Kafka key.
-    spec.partitioning = Some(onceflow::processor::stages::Partitioning::Source);
+    spec.partitioning = Some(partitioning);
     TopologyBuilder::new("bench-dedup")
         .source(input, Format::Json)
         .dedup("dedup", spec)
