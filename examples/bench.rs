@@ -47,9 +47,11 @@
 mod support;
 
 use onceflow::kafka::admin::Admin;
+use onceflow::processor::stages::{repartition_topic, Partitioning};
 use onceflow::processor::{Counts, Record, SourceMeta};
 use onceflow::runtime::{App, RunOptions, RunSummary, Task};
 use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::topology::Topology;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -59,12 +61,10 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use onceflow::processor::stages::{repartition_topic, Partitioning};
-use onceflow::topology::Topology;
 use support::{
-    cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys,
-    median, now_ms, onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset,
-    Res, Settings, PARTITIONS, VALUE_LEN,
+    cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys, median,
+    now_ms, onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res,
+    Settings, PARTITIONS, VALUE_LEN,
 };
 
 const TARGET_RATIO: f64 = 0.8;
@@ -630,7 +630,11 @@ fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
             "ratio repartitioned/co-partitioned",
             format!("{ratio:.3}"),
             per_round.join(", "),
-            if ratio >= REPARTITION_TARGET { "MET" } else { "NOT MET" }
+            if ratio >= REPARTITION_TARGET {
+                "MET"
+            } else {
+                "NOT MET"
+            }
         );
     }
     println!();
