@@ -41,14 +41,13 @@ impl Node {
     /// (e.g. a stage's `name`, read first so later messages can use it).
     pub fn str_field(&self, key: &str) -> Option<String> {
         match &self.val {
-            Val::Map(es) => {
-                es.iter()
-                    .find(|(k, _, _)| k == key)
-                    .and_then(|(_, _, n)| match &n.val {
-                        Val::Str(s) => Some(s.clone()),
-                        _ => None,
-                    })
-            }
+            Val::Map(es) => es
+                .iter()
+                .find(|(k, _, _)| k == key)
+                .and_then(|(_, _, n)| match &n.val {
+                    Val::Str(s) => Some(s.clone()),
+                    _ => None,
+                }),
             _ => None,
         }
     }
