@@ -526,6 +526,34 @@ fn log_dir_bytes(bootstrap: &str, topic: &str) -> Option<u64> {
     Some(total)
 }
 
+/// Seconds until the repartition `topic`'s log end offsets sum to at least `n` (every
+/// source record routed), polled every 50 ms; `None` when stopped first.
+fn routed_after(
+    bootstrap: &str,
+    topic: &str,
+    n: i64,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Option<f64> {
+    let started = Instant::now();
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .ok()?;
+    while !stop.load(Ordering::Relaxed) {
+        let end: i64 = (0..PARTITIONS as i32)
+            .map(|p| {
+                c.fetch_watermarks(topic, p, Duration::from_secs(2))
+                    .map_or(0, |(_, hi)| hi)
+            })
+            .sum();
+        if end >= n {
+            return Some(started.elapsed().as_secs_f64());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
 fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
     let admin = Admin::new(&onceflow_config(&s.bootstrap, &[])?)?;
     let keep = [("retention.ms", "-1"), ("retention.bytes", "-1")];
@@ -567,7 +595,26 @@ fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
                 admin.ensure_topic(&out, PARTITIONS, &keep)?;
                 created.topics.push(out.clone());
                 let topology = dedup_topology_partitioned(input, &out, partitioning)?;
+                // With the hop, a watcher notes when the routers have written every record
+                // to the repartition topic (the routing step's share of the run).
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let watcher = (partitioning == Partitioning::Repartition).then(|| {
+                    let (b, t, stop) = (
+                        s.bootstrap.clone(),
+                        repartition_topic(&app, "dedup"),
+                        stop.clone(),
+                    );
+                    std::thread::spawn(move || routed_after(&b, &t, n as i64, &stop))
+                });
+                let started = Instant::now();
                 let summary = run_guarantee(&s.bootstrap, topology, &app, g, created)?;
+                let total = started.elapsed().as_secs_f64();
+                stop.store(true, Ordering::Relaxed);
+                if let Some(Ok(Some(routed))) = watcher.map(|w| w.join()) {
+                    println!(
+                        "round {round} {g} steps: routed all {n} records after {routed:.2} s of {total:.2} s (run start to return)"
+                    );
+                }
                 println!("round {round} {g} {what}: {}", summary.line());
                 if summary.counts.records_in as usize != n {
                     return Err(format!(
