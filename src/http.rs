@@ -9,9 +9,11 @@
 //!   the body).
 //! - `GET /ready`: 200 only when the group gave this instance its partitions and every one
 //!   is restored and processing, and a broker is reachable (see [`crate::kafka::link`]);
-//!   otherwise 503. The body (JSON) lists the assigned
-//!   partitions, those waiting to restore, and each restoring store partition with
-//!   `done` / `total` records, `rate` (records/s) and `eta_seconds`.
+//!   otherwise 503. The body (JSON) lists the assigned partitions (`assigned`: of the
+//!   repartition topic with a repartition hop), the source partitions routed to a
+//!   repartition topic (`routing`: `{"topic", "partition"}`), those waiting to restore,
+//!   and each restoring store partition with `done` / `total` records, `rate` (records/s)
+//!   and `eta_seconds`.
 //! - `GET /metrics`: the Prometheus text format (the names in [`crate::metrics`]).
 
 use crate::error::{Error, Result};
@@ -194,7 +196,9 @@ fn route<B>(
                 "broker_reachable": broker,
                 "assignment_received": p.assigned_once,
                 "assigned": p.assigned,
+                "routing": p.routing.iter().map(|(t, q)| serde_json::json!({"topic": t, "partition": q})).collect::<Vec<_>>(),
                 "waiting": p.waiting,
+                "routing_waiting": p.routing_waiting.iter().map(|(t, q)| serde_json::json!({"topic": t, "partition": q})).collect::<Vec<_>>(),
                 "restoring": restoring,
             });
             let code = if ready {
@@ -249,7 +253,7 @@ mod tests {
         status.publish(Partitions {
             assigned_once: true,
             assigned: vec![0],
-            waiting: vec![],
+            routing: vec![("in".into(), 2)],
             restoring: vec![Restoring {
                 store: "dedup".into(),
                 partition: 0,
@@ -261,6 +265,7 @@ mod tests {
                     eta_seconds: 3.0,
                 },
             }],
+            ..Partitions::default()
         });
         let (code, body) = get(addr, "/ready");
         assert_eq!(code, 503);
@@ -269,6 +274,12 @@ mod tests {
         assert_eq!(v["restoring"][0]["done"], 40);
         assert_eq!(v["restoring"][0]["total"], 100);
         assert_eq!(v["restoring"][0]["eta_seconds"], 3.0);
+        // A router is named by its source topic and partition, not an internal task id.
+        assert_eq!(v["assigned"], serde_json::json!([0]));
+        assert_eq!(
+            v["routing"],
+            serde_json::json!([{"topic": "in", "partition": 2}])
+        );
         let (code, _) = get(addr, "/health");
         assert_eq!(code, 200);
         status.publish(Partitions {

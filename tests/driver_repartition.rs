@@ -196,3 +196,70 @@ fn topology_files_state_partitioning_and_describe_shows_it() {
     .to_string();
     assert!(err.contains("partitioning"), "{err}");
 }
+
+/// Behind a hop, a dedup entry and the duplicate topic's headers name the first
+/// occurrence by its original source partition and offset (its `onceflow.source.*`
+/// headers), not by its coordinates on the repartition topic.
+#[test]
+fn dedup_entries_name_the_original_source_record() {
+    use onceflow::processor::stages::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    for g in GUARANTEES {
+        let mut spec =
+            DedupSpec::new(KeySource::JsonPointer("/id".into())).with_duplicates_to("dups");
+        spec.partitioning = Some(Partitioning::Repartition);
+        let topology = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("dedup", spec)
+            .sink("out", "out")
+            .build()
+            .unwrap();
+        let mut d = TestDriver::new(topology).guarantee(g).source_partitions(4);
+        let p1 = repartition::partition_for(b"e-1", 4);
+        // The first copy sits at offset 2 of a source partition other than p1, behind two
+        // records routed elsewhere: on the repartition topic it is at offset 0 of p1.
+        let source_p = (p1 + 1) % 4;
+        let fillers: Vec<String> = (0..)
+            .map(|i| format!("f-{i}"))
+            .filter(|id| repartition::partition_for(id.as_bytes(), 4) != p1)
+            .take(2)
+            .collect();
+        for id in &fillers {
+            d.pipe(TestRecord::json(format!(r#"{{"id":"{id}"}}"#)).partition(source_p))
+                .unwrap();
+        }
+        d.pipe(
+            TestRecord::json(r#"{"id":"e-1"}"#)
+                .key("user-a")
+                .partition(source_p),
+        )
+        .unwrap();
+        d.pipe(
+            TestRecord::json(r#"{"id":"e-1"}"#)
+                .key("session-9")
+                .partition((p1 + 2) % 4),
+        )
+        .unwrap();
+        d.commit().unwrap();
+        let e = d.dedup_entry("dedup", p1, b"e-1").unwrap().unwrap();
+        assert_eq!(
+            (e.source_partition, e.source_offset),
+            (source_p, 2),
+            "{g:?}: the entry names the original record"
+        );
+        let dups = d.output("dups");
+        assert_eq!(dups.len(), 1, "{g:?}");
+        let h = |n: &str| {
+            dups[0]
+                .headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .and_then(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            h(DUPLICATE_OF_PARTITION).as_deref(),
+            Some(source_p.to_string().as_bytes()),
+            "{g:?}"
+        );
+        assert_eq!(h(DUPLICATE_OF_OFFSET).as_deref(), Some(&b"2"[..]), "{g:?}");
+    }
+}

@@ -80,6 +80,25 @@ pub fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i6
     ))
 }
 
+/// The original source partition and offset a repartitioned record carries, or `None`
+/// when its headers do not name them (a record read from its source). Allocates nothing.
+pub fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)> {
+    if headers.is_empty() {
+        return None;
+    }
+    let get = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+    };
+    Some((
+        get(SOURCE_PARTITION)?.parse().ok()?,
+        get(SOURCE_OFFSET)?.parse().ok()?,
+    ))
+}
+
 /// The repartition record for `record`: to `topic`, keyed by the dedup key `key` takes from
 /// it, on [`partition_for`] that key among `partitions`, with value, timestamp and headers as
 /// read plus the source-coordinate headers (kept as they are when the record already

@@ -231,6 +231,10 @@ pub struct Dedup {
     hold_twins: bool,
     /// Twins held. Cleared at every commit and abort.
     held: Vec<Held>,
+    /// With `hold_twins`, the task offset of each mark staged in the open commit (behind a
+    /// hop an entry names the original source offset, not the one a withdrawal names).
+    /// Cleared at every commit and abort.
+    mark_owners: std::collections::HashMap<Vec<u8>, i64>,
     /// Judging a held twin again: the decision it got when it came (counted then).
     reviving: Option<Decision>,
     /// Compiled `fingerprint_fields`.
@@ -339,6 +343,7 @@ impl Dedup {
             checks: 0,
             hold_twins: false,
             held: Vec::new(),
+            mark_owners: std::collections::HashMap::new(),
             reviving: None,
             fingerprinter,
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
@@ -373,10 +378,12 @@ impl Processor for Dedup {
         // The key book counted staged writes that are gone: rebuild it from the store.
         self.book = None;
         self.held.clear();
+        self.mark_owners.clear();
     }
 
     fn on_commit(&mut self) {
         self.held.clear();
+        self.mark_owners.clear();
     }
 
     /// The marks of dead-lettered records were withdrawn: the key book forgets them, and
@@ -495,10 +502,13 @@ impl Processor for Dedup {
                 }
             },
         };
+        // Behind a repartition hop the entry names the original source record.
+        let (partition, offset) = super::repartition::source_position(&record.headers)
+            .unwrap_or((record.source.partition, record.source.offset));
         let obs = Observation {
             time_ms,
-            partition: record.source.partition,
-            offset: record.source.offset,
+            partition,
+            offset,
             fingerprint,
         };
         let policy = Policy {
@@ -539,6 +549,10 @@ impl Processor for Dedup {
             // A mark that stands for this source record: withdrawn if it is dead-lettered
             // further down (see `Processor::on_withdrawn`).
             store.stage_for(record.source.offset, &self.key_buf, Some(&self.value_buf));
+            if self.hold_twins {
+                self.mark_owners
+                    .insert(self.key_buf.clone(), record.source.offset);
+            }
             // Bound the keys: evict the oldest first-seen entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {
@@ -566,7 +580,11 @@ impl Processor for Dedup {
             if let Some(first) = &prev {
                 self.held.push(Held {
                     key: self.key_buf.clone(),
-                    owner: first.source_offset,
+                    owner: self
+                        .mark_owners
+                        .get(&self.key_buf)
+                        .copied()
+                        .unwrap_or(first.source_offset),
                     record: record.clone(),
                     decision: self.reviving.unwrap_or(decision),
                 });

@@ -337,10 +337,30 @@ impl Engine {
         if !(self.status_dirty || restoring || self.status_restoring) {
             return;
         }
+        // Router tasks (internal ids) are named by their source topic and partition.
+        let topics = &self.topics;
         let mut snapshot = crate::runtime::status::Partitions {
             assigned_once: self.assigned_once,
-            assigned: self.tasks.keys().copied().collect(),
-            waiting: self.unplanned.iter().copied().collect(),
+            assigned: (self.tasks.keys().copied())
+                .filter(|p| !topics.is_router(*p))
+                .collect(),
+            routing: (self.tasks.keys().copied())
+                .filter(|p| topics.is_router(*p))
+                .map(|p| {
+                    let (t, q) = topics.tp(p);
+                    (t.to_string(), q)
+                })
+                .collect(),
+            waiting: (self.unplanned.iter().copied())
+                .filter(|p| !topics.is_router(*p))
+                .collect(),
+            routing_waiting: (self.unplanned.iter().copied())
+                .filter(|p| topics.is_router(*p))
+                .map(|p| {
+                    let (t, q) = topics.tp(p);
+                    (t.to_string(), q)
+                })
+                .collect(),
             restoring: Vec::new(),
         };
         for (p, t) in &self.tasks {

@@ -45,11 +45,17 @@ pub struct Restoring {
 pub struct Partitions {
     /// Whether the group has given this instance an assignment yet (maybe empty).
     pub assigned_once: bool,
-    /// Assigned source partitions.
+    /// Assigned partitions that run the topology: of the source topic, or of the
+    /// repartition topic with a repartition hop.
     pub assigned: Vec<i32>,
-    /// Assigned partitions whose restore has not started (waiting for a previous owner's
-    /// open transaction to end, or not planned yet).
+    /// With a repartition hop: the assigned source partitions whose records are routed to
+    /// the repartition topic, as (source topic, partition).
+    pub routing: Vec<(String, i32)>,
+    /// Assigned partitions (as in `assigned`) whose restore has not started (waiting for a
+    /// previous owner's open transaction to end, or not planned yet).
     pub waiting: Vec<i32>,
+    /// Routed source partitions (as in `routing`) not resumed yet (until the next plan).
+    pub routing_waiting: Vec<(String, i32)>,
     /// Store partitions being restored.
     pub restoring: Vec<Restoring>,
 }
@@ -58,7 +64,10 @@ impl Partitions {
     /// Ready: an assignment was received and every assigned partition is restored and
     /// processing.
     pub fn ready(&self) -> bool {
-        self.assigned_once && self.waiting.is_empty() && self.restoring.is_empty()
+        self.assigned_once
+            && self.waiting.is_empty()
+            && self.routing_waiting.is_empty()
+            && self.restoring.is_empty()
     }
 }
 
@@ -203,13 +212,20 @@ mod tests {
             assigned_once: true,
             assigned: vec![0, 1],
             waiting: vec![1],
-            restoring: vec![],
+            ..Partitions::default()
+        });
+        assert!(!s.partitions().ready());
+        // A routed source partition not resumed yet holds readiness back too.
+        s.publish(Partitions {
+            assigned_once: true,
+            assigned: vec![0],
+            routing_waiting: vec![("in".into(), 0)],
+            ..Partitions::default()
         });
         assert!(!s.partitions().ready());
         s.publish(Partitions {
             assigned_once: true,
             assigned: vec![0, 1],
-            waiting: vec![],
             restoring: vec![Restoring {
                 store: "dedup".into(),
                 partition: 0,
@@ -221,6 +237,7 @@ mod tests {
                     eta_seconds: 18.0,
                 },
             }],
+            ..Partitions::default()
         });
         assert!(!s.partitions().ready());
         s.publish(Partitions {

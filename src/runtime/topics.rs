@@ -10,10 +10,15 @@ use std::collections::BTreeMap;
 
 /// Topic configuration of a repartition topic: deleted by DeleteRecords once consumed
 /// (`runtime::hop`), never by time or size, so no record is dropped before it is processed.
+/// Segments of 50 MiB or 10 minutes (Kafka Streams' values): the broker frees disk only by
+/// whole segments below the log start, and the default 1 GiB segment would keep a
+/// consumed gigabyte on disk.
 pub const REPARTITION_CONFIGS: &[(&str, &str)] = &[
     ("cleanup.policy", "delete"),
     ("retention.ms", "-1"),
     ("retention.bytes", "-1"),
+    ("segment.bytes", "52428800"),
+    ("segment.ms", "600000"),
 ];
 
 impl App {

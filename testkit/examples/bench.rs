@@ -21,6 +21,17 @@
 //!
 //! Ends with a table and one machine-readable line starting `bench:`.
 //!
+//! With `ONCEFLOW_BENCH_MODE=repartition` (`scripts/bench --repartition`) it measures the
+//! repartition hop (issue 13) instead: the same events published twice, keyed by the id
+//! (copies share a partition) and with random Kafka keys (copies spread over the
+//! partitions); per round the co-partitioned dedup (`partitioning: source` on the keyed
+//! topic) and the repartitioned dedup (`partitioning: repartition` on the randomly keyed
+//! one), for each guarantee in `ONCEFLOW_BENCH_GUARANTEES` (`at_least_once`; a comma list,
+//! e.g. `at_least_once,exactly_once_v2`). Reports both rates, the ratio repartitioned /
+//! co-partitioned (target >= 0.6) and the repartition topic after each run (log start and
+//! end offsets, records left, bytes on the broker's disk). Ends with `bench-repartition:`
+//! lines.
+//!
 //! Siblings: `bench_restore.rs` (restore rate, `scripts/bench-restore`) and `bench_eos.rs`
 //! (exactly_once_v2 vs at_least_once, `scripts/bench-eos`); shared code in `bench_support/`.
 //!
@@ -29,15 +40,18 @@
 //! ONCEFLOW_BENCH_RECORDS=50000 scripts/bench     # quick smoke run
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
-//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn).
+//! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn), ONCEFLOW_BENCH_MODE
+//! (unset, or `repartition`), ONCEFLOW_BENCH_GUARANTEES (`at_least_once`).
 
 #[path = "bench_support/mod.rs"]
 mod support;
 
 use onceflow::kafka::admin::Admin;
+use onceflow::processor::stages::{repartition_topic, Partitioning};
 use onceflow::processor::{Counts, Record, SourceMeta};
 use onceflow::runtime::{App, RunOptions, RunSummary, Task};
 use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::topology::Topology;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -48,8 +62,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{
-    cleanup, dedup_topology, generate, load, median, now_ms, onceflow_config, rate_list,
-    topic_records, verify_unique, Created, Dataset, Res, Settings, PARTITIONS, VALUE_LEN,
+    cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys, median,
+    now_ms, onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res,
+    Settings, PARTITIONS, VALUE_LEN,
 };
 
 const TARGET_RATIO: f64 = 0.8;
@@ -421,6 +436,261 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
     Ok(())
 }
 
+// ------------------------------------------------------------------------ repartition mode
+
+/// Target of the repartitioned / co-partitioned throughput ratio (issue 13).
+const REPARTITION_TARGET: f64 = 0.6;
+
+/// Run `topology` in-process to the end of its input under `guarantee`; the topics it
+/// creates (dead letters, changelogs, the repartition topic) are recorded in `created`.
+fn run_guarantee(
+    bootstrap: &str,
+    topology: Topology,
+    app_id: &str,
+    guarantee: &str,
+    created: &mut Created,
+) -> Res<RunSummary> {
+    let state = tempfile::tempdir()?;
+    let dir = state.path().display().to_string();
+    let mut sets = vec![
+        ("application.id", app_id),
+        ("state.dir", dir.as_str()),
+        ("processing.guarantee", guarantee),
+    ];
+    if guarantee == "exactly_once_v2" {
+        sets.push(("commit.interval.ms", "100"));
+    }
+    let cfg = onceflow_config(bootstrap, &sets)?;
+    created.topics.push(cfg.dlq_topic.clone());
+    created.topics.push(repartition_topic(app_id, "dedup"));
+    created.groups.push(app_id.to_string());
+    let app = App::new(cfg, topology);
+    created.topics.extend(app.changelog_topics().into_values());
+    Ok(app.run(RunOptions {
+        stop_at_end: true,
+        ..Default::default()
+    })?)
+}
+
+/// A repartition topic after a run: the sums over its partitions of the log start and end
+/// offsets, and its size on the broker's disk (None when the log-dirs tool fails).
+struct TopicSize {
+    start: i64,
+    end: i64,
+    bytes: Option<u64>,
+}
+
+fn topic_size(bootstrap: &str, topic: &str) -> Res<TopicSize> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()?;
+    let (mut start, mut end) = (0, 0);
+    for p in 0..PARTITIONS as i32 {
+        let (lo, hi) = c.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        start += lo;
+        end += hi;
+    }
+    Ok(TopicSize {
+        start,
+        end,
+        bytes: log_dir_bytes(bootstrap, topic),
+    })
+}
+
+/// Bytes of `topic` in the broker's log dirs, from Kafka's log-dirs tool (run through
+/// `scripts/kafka run`, from the repository root as `scripts/bench` runs us).
+fn log_dir_bytes(bootstrap: &str, topic: &str) -> Option<u64> {
+    let out = std::process::Command::new("scripts/kafka")
+        .args([
+            "run",
+            "org.apache.kafka.tools.LogDirsCommand",
+            "--bootstrap-server",
+            bootstrap,
+            "--describe",
+            "--topic-list",
+            topic,
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with('{'))?;
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    let mut total = 0;
+    for b in v["brokers"].as_array()? {
+        for d in b["logDirs"].as_array()? {
+            for p in d["partitions"].as_array()? {
+                total += p["size"].as_u64()?;
+            }
+        }
+    }
+    Some(total)
+}
+
+/// Seconds until the repartition `topic`'s log end offsets sum to at least `n` (every
+/// source record routed), polled every 50 ms; `None` when stopped first.
+fn routed_after(
+    bootstrap: &str,
+    topic: &str,
+    n: i64,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Option<f64> {
+    let started = Instant::now();
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .ok()?;
+    while !stop.load(Ordering::Relaxed) {
+        let end: i64 = (0..PARTITIONS as i32)
+            .map(|p| {
+                c.fetch_watermarks(topic, p, Duration::from_secs(2))
+                    .map_or(0, |(_, hi)| hi)
+            })
+            .sum();
+        if end >= n {
+            return Some(started.elapsed().as_secs_f64());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
+    let admin = Admin::new(&onceflow_config(&s.bootstrap, &[])?)?;
+    let keep = [("retention.ms", "-1"), ("retention.bytes", "-1")];
+    let guarantees: Vec<String> = std::env::var("ONCEFLOW_BENCH_GUARANTEES")
+        .unwrap_or_else(|_| "at_least_once".into())
+        .split(',')
+        .map(|g| g.trim().to_string())
+        .filter(|g| !g.is_empty())
+        .collect();
+    for g in &guarantees {
+        if g != "at_least_once" && g != "exactly_once_v2" {
+            return Err(format!("ONCEFLOW_BENCH_GUARANTEES: unknown guarantee {g:?}").into());
+        }
+    }
+    let ds = generate(s.records, 42);
+    let keyed = s.name("in-keyed");
+    let random = s.name("in-random");
+    for t in [&keyed, &random] {
+        admin.ensure_topic(t, PARTITIONS, &keep)?;
+        created.topics.push(t.clone());
+    }
+    let secs = load(s, &ds, &keyed)?;
+    println!("loaded: topic={keyed} (keyed by id) seconds={secs:.2}");
+    let secs = load_random_keys(s, &ds, &random, 7)?;
+    println!("loaded: topic={random} (random keys) seconds={secs:.2}");
+    let n = ds.events.len();
+
+    let mut lines = Vec::new();
+    for g in &guarantees {
+        let (mut co, mut re) = (Vec::new(), Vec::new());
+        let mut sizes = Vec::new();
+        for round in 1..=s.rounds {
+            for (input, partitioning, what) in [
+                (&keyed, Partitioning::Source, "source"),
+                (&random, Partitioning::Repartition, "repartition"),
+            ] {
+                let out = s.name(&format!("{what}-{g}-{round}"));
+                let app = format!("bench-{what}-{g}-{}-{round}", s.run_id);
+                admin.ensure_topic(&out, PARTITIONS, &keep)?;
+                created.topics.push(out.clone());
+                let topology = dedup_topology_partitioned(input, &out, partitioning)?;
+                // With the hop, a watcher notes when the routers have written every record
+                // to the repartition topic (the routing step's share of the run).
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let watcher = (partitioning == Partitioning::Repartition).then(|| {
+                    let (b, t, stop) = (
+                        s.bootstrap.clone(),
+                        repartition_topic(&app, "dedup"),
+                        stop.clone(),
+                    );
+                    std::thread::spawn(move || routed_after(&b, &t, n as i64, &stop))
+                });
+                let started = Instant::now();
+                let summary = run_guarantee(&s.bootstrap, topology, &app, g, created)?;
+                let total = started.elapsed().as_secs_f64();
+                stop.store(true, Ordering::Relaxed);
+                if let Some(Ok(Some(routed))) = watcher.map(|w| w.join()) {
+                    println!(
+                        "round {round} {g} steps: routed all {n} records after {routed:.2} s of {total:.2} s (run start to return)"
+                    );
+                }
+                println!("round {round} {g} {what}: {}", summary.line());
+                if summary.counts.records_in as usize != n {
+                    return Err(format!(
+                        "{what} {g}: read {} records, expected {n}",
+                        summary.counts.records_in
+                    )
+                    .into());
+                }
+                verify_unique(&s.bootstrap, &out, ds.distinct)?;
+                let rps = summary.records_per_second();
+                if partitioning == Partitioning::Source {
+                    co.push(rps);
+                } else {
+                    re.push(rps);
+                    let size = topic_size(&s.bootstrap, &repartition_topic(&app, "dedup"))?;
+                    println!(
+                        "round {round} {g} repartition topic: log_start={} log_end={} records_left={} bytes={}",
+                        size.start,
+                        size.end,
+                        size.end - size.start,
+                        size.bytes.map_or("?".into(), |b| b.to_string())
+                    );
+                    sizes.push(size);
+                }
+            }
+        }
+        let (mc, mr) = (median(&co), median(&re));
+        let ratio = if mc > 0.0 { mr / mc } else { 0.0 };
+        let per_round: Vec<String> = co
+            .iter()
+            .zip(&re)
+            .map(|(c, r)| format!("{:.3}", r / c))
+            .collect();
+        let last = sizes.last();
+        lines.push(format!(
+            "bench-repartition: guarantee={g} records={n} rounds={} source_rps={mc:.0} repartition_rps={mr:.0} ratio={ratio:.3} per_round=[{}] target_met={} repartition_log_start={} repartition_log_end={} repartition_bytes={}",
+            s.rounds,
+            per_round.join(","),
+            ratio >= REPARTITION_TARGET,
+            last.map_or(0, |z| z.start),
+            last.map_or(0, |z| z.end),
+            last.and_then(|z| z.bytes).map_or("?".into(), |b| b.to_string()),
+        ));
+        println!();
+        println!("== repartition bench, {g}: {n} records ({} distinct), {PARTITIONS} partitions, {} round(s), medians ==", ds.distinct, s.rounds);
+        println!(
+            "{:<48} {:>12}  [{}]",
+            "co-partitioned dedup (source), rec/s",
+            format!("{mc:.0}"),
+            rate_list(&co)
+        );
+        println!(
+            "{:<48} {:>12}  [{}]",
+            "repartitioned dedup (random keys), rec/s",
+            format!("{mr:.0}"),
+            rate_list(&re)
+        );
+        println!(
+            "{:<48} {:>12}  [{}]  target >= {REPARTITION_TARGET}: {}",
+            "ratio repartitioned/co-partitioned",
+            format!("{ratio:.3}"),
+            per_round.join(", "),
+            if ratio >= REPARTITION_TARGET {
+                "MET"
+            } else {
+                "NOT MET"
+            }
+        );
+    }
+    println!();
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     support::init_logging();
     let s = match Settings::from_env(1_000_000) {
@@ -435,7 +705,13 @@ fn main() -> ExitCode {
         s.bootstrap, s.records, s.rounds, s.run_id
     );
     let mut created = Created::default();
-    let res = run(&s, &mut created);
+    let res = match std::env::var("ONCEFLOW_BENCH_MODE").as_deref() {
+        Ok("repartition") => run_repartition(&s, &mut created),
+        Ok(other) if !other.is_empty() => {
+            Err(format!("ONCEFLOW_BENCH_MODE: unknown mode {other:?} (repartition)").into())
+        }
+        _ => run(&s, &mut created),
+    };
     cleanup(&s, &created);
     match res {
         Ok(()) => ExitCode::SUCCESS,

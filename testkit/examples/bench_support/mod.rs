@@ -11,7 +11,7 @@ use bytes::Bytes;
 use onceflow::config::Config;
 use onceflow::kafka::admin::Admin;
 use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, TimeSource};
+use onceflow::processor::stages::{DedupSpec, Partitioning, TimeSource};
 use onceflow::topology::{Format, Topology, TopologyBuilder};
 use onceflow_testkit::kafka;
 use rand::rngs::StdRng;
@@ -240,6 +240,29 @@ pub fn load(s: &Settings, ds: &Dataset, topic: &str) -> Res<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// Publish the same events with random 16-byte Kafka keys (seeded by `seed`) on the
+/// partitions librdkafka's default partitioner gives them, so copies of an id land on
+/// different partitions (3 in 4 of them for 4 partitions).
+pub fn load_random_keys(s: &Settings, ds: &Dataset, topic: &str, seed: u64) -> Res<f64> {
+    let p = kafka::TestProducer::new(&s.bootstrap)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+    let mut key = [0u8; 16];
+    for e in &ds.events {
+        rng.fill(&mut key[..]);
+        p.send(
+            topic,
+            None,
+            Some(&key),
+            Some(&e.value),
+            &[],
+            Some(e.timestamp),
+        )?;
+    }
+    p.flush()?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
 /// Records in `topic`: the sum of its partitions' high watermarks (no transactions, no
 /// deletions, so offsets are records).
 pub fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
@@ -256,11 +279,21 @@ pub fn topic_records(bootstrap: &str, topic: &str) -> Res<i64> {
 
 // ------------------------------------------------------------------------ onceflow
 
-/// The benchmarks' topology: dedup (stage and store `dedup`) on `/id`, TTL 24 h on event
-/// time, then a sink.
 /// The dedup topology of the benchmarks: dedup on `/id` (the JSON pointer key), or on the
 /// Kafka key (which the benchmarks set to the id) with `ONCEFLOW_BENCH_KEY=kafka_key`.
 pub fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
+    // Source: the benchmark publishes every copy of an id with the same Kafka key.
+    dedup_topology_partitioned(input, output, Partitioning::Source)
+}
+
+/// [`dedup_topology`] with the dedup stage's `partitioning` chosen: `Source` when every
+/// copy of an id shares a partition ([`load`]), `Repartition` when they do not
+/// ([`load_random_keys`]).
+pub fn dedup_topology_partitioned(
+    input: &str,
+    output: &str,
+    partitioning: Partitioning,
+) -> Res<Topology> {
     let key = match std::env::var("ONCEFLOW_BENCH_KEY").as_deref() {
         Ok("kafka_key") => KeySource::KafkaKey,
         Ok("json_pointer") | Err(_) => KeySource::JsonPointer("/id".into()),
@@ -273,8 +306,7 @@ pub fn dedup_topology(input: &str, output: &str) -> Res<Topology> {
     let mut spec = DedupSpec::new(key);
     spec.ttl_ms = TTL_MS;
     spec.time = TimeSource::Event;
-    // Source: the benchmark publishes every copy of an id with the same Kafka key.
-    spec.partitioning = Some(onceflow::processor::stages::Partitioning::Source);
+    spec.partitioning = Some(partitioning);
     TopologyBuilder::new("bench-dedup")
         .source(input, Format::Json)
         .dedup("dedup", spec)
