@@ -66,18 +66,21 @@ pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
 /// The source coordinates a repartitioned record carries (topic, partition, offset), or
 /// `None` when the headers are absent or not well formed.
 pub fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i64)> {
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.as_deref())
-            .and_then(|v| std::str::from_utf8(v).ok())
-    };
+    let (partition, offset) = source_position(headers)?;
     Some((
-        get(SOURCE_TOPIC)?.to_string(),
-        get(SOURCE_PARTITION)?.parse().ok()?,
-        get(SOURCE_OFFSET)?.parse().ok()?,
+        header_text(headers, SOURCE_TOPIC)?.to_string(),
+        partition,
+        offset,
     ))
+}
+
+/// The first header `name` as UTF-8 text.
+fn header_text<'h>(headers: &'h [(String, Option<Bytes>)], name: &str) -> Option<&'h str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| v.as_deref())
+        .and_then(|v| std::str::from_utf8(v).ok())
 }
 
 /// The original source partition and offset a repartitioned record carries, or `None`
@@ -86,16 +89,9 @@ pub fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)
     if headers.is_empty() {
         return None;
     }
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.as_deref())
-            .and_then(|v| std::str::from_utf8(v).ok())
-    };
     Some((
-        get(SOURCE_PARTITION)?.parse().ok()?,
-        get(SOURCE_OFFSET)?.parse().ok()?,
+        header_text(headers, SOURCE_PARTITION)?.parse().ok()?,
+        header_text(headers, SOURCE_OFFSET)?.parse().ok()?,
     ))
 }
 
