@@ -1,0 +1,548 @@
+//! The staging layer: a commit's writes held pending ([`StagedStore`]) until the commit
+//! protocol says they may land, sealed while a commit is in flight, withdrawn when the
+//! record they stand for is dead-lettered.
+
+use super::*;
+
+/// The writes of one commit: the ops in first-write order (a withdrawn op is replaced by
+/// the last one), each key once with its last value, and an index from key to op. Iterating and committing walk the ops in order
+/// without a lookup per key.
+#[derive(Debug, Default)]
+pub(super) struct Staged {
+    // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
+    pub(super) index: HashMap<Bytes, usize, ahash::RandomState>,
+    pub(super) ops: Vec<(Bytes, Option<Bytes>)>,
+}
+
+impl Staged {
+    pub(super) fn with_capacity(n: usize) -> Staged {
+        Staged {
+            index: HashMap::with_capacity_and_hasher(n, ahash::RandomState::new()),
+            ops: Vec::with_capacity(n),
+        }
+    }
+
+    pub(super) fn get(&self, key: &[u8]) -> Option<&Option<Bytes>> {
+        self.index.get(key).map(|i| &self.ops[*i].1)
+    }
+
+    pub(super) fn get_mut(&mut self, key: &[u8]) -> Option<&mut Option<Bytes>> {
+        self.index.get(key).map(|i| &mut self.ops[*i].1)
+    }
+
+    pub(super) fn insert_new(&mut self, key: Bytes, value: Option<Bytes>) {
+        self.index.insert(key.clone(), self.ops.len());
+        self.ops.push((key, value));
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Take `key` out of the batch (its op is replaced by the last one: keys are unique
+    /// in a batch, so their order carries no meaning).
+    pub(super) fn remove(&mut self, key: &[u8]) {
+        let Some(i) = self.index.remove(key) else {
+            return;
+        };
+        self.ops.swap_remove(i);
+        if let Some((moved, _)) = self.ops.get(i) {
+            if let Some(slot) = self.index.get_mut(moved) {
+                *slot = i;
+            }
+        }
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.index.clear();
+        self.ops.clear();
+    }
+}
+
+/// A staged write that stands for one source record (a dedup mark), kept until the commit
+/// so that [`StagedStore::withdraw`] can take it back if that record is dead-lettered.
+#[derive(Debug)]
+pub(super) struct Owned {
+    /// Source offset of the record the write stands for.
+    pub(super) owner: i64,
+    pub(super) key: Bytes,
+    /// The value staged.
+    pub(super) written: Option<Bytes>,
+    /// What the batch held for the key before: `None` if nothing was staged for it.
+    pub(super) before: Option<Option<Bytes>>,
+}
+
+/// A staged write taken back by [`StagedStore::withdraw`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// Source offset of the record the write stood for.
+    pub owner: i64,
+    /// The key.
+    pub key: Bytes,
+    /// The value that was staged (`None`: a delete).
+    pub written: Option<Bytes>,
+}
+
+/// A store with the writes of the open commit kept pending in memory.
+///
+/// Reads see pending writes first, so lookups within a batch see the batch's own entries;
+/// then the committed state: with a background [`Writer`] (write-behind), committed batches
+/// stay readable in memory while the writer persists them, in order, and a key never put
+/// since the engine was found empty is answered from memory alone; then the engine.
+/// [`StagedStore::commit`] makes the pending writes committed (through the writer, or by a
+/// synchronous engine write without one); [`StagedStore::abort`] drops them.
+///
+/// Write-behind keeps the commit protocol: a batch becomes committed only when the runtime
+/// commits it (after its outputs and changelog records are durable), and the engine gets
+/// committed batches only, in order, each chunk's checkpoint never ahead of its data. What
+/// the engine has not persisted at a crash or when the store is closed is restored from the
+/// changelog (its stored offset is older). Memory: at most [`UNPERSISTED_OPS`] ops wait
+/// for the engine (then commit waits), and persisted entries stay resident up to
+/// [`RESIDENT_ENTRIES`].
+pub struct StagedStore {
+    pub(super) inner: Arc<dyn KeyValueStore>,
+    pub(super) pending: Staged,
+    pub(super) behind: Option<Behind>,
+    pub(super) arena: Arena,
+    /// Changelog records of the restore step in progress.
+    pub(super) restored: Vec<(Bytes, Option<Bytes>)>,
+    /// The staged writes that stand for a source record, in staging order.
+    pub(super) owned: Vec<Owned>,
+    /// Sealed batches (commits in flight, oldest first) with their commit epoch: no longer
+    /// staged, not yet committed, readable.
+    pub(super) sealed: std::collections::VecDeque<(u64, Staged)>,
+}
+
+/// Keys and values copied into shared blocks: one allocation per block instead of one per
+/// buffer, and clones (pending map, in-memory state, writer) are reference counts. A block
+/// lives while any buffer cut from it does.
+pub(super) struct Arena {
+    pub(super) block: bytes::BytesMut,
+}
+
+/// Size of an arena block.
+pub(super) const ARENA_BLOCK: usize = 64 * 1024;
+
+impl Arena {
+    pub(super) fn new() -> Arena {
+        Arena {
+            block: bytes::BytesMut::new(),
+        }
+    }
+
+    pub(super) fn copy(&mut self, data: &[u8]) -> Bytes {
+        if self.block.capacity() - self.block.len() < data.len() {
+            self.block = bytes::BytesMut::with_capacity(ARENA_BLOCK.max(data.len()));
+        }
+        self.block.extend_from_slice(data);
+        self.block.split().freeze()
+    }
+}
+
+impl StagedStore {
+    /// Wrap an engine; committed batches are written behind by `writer` if given, else
+    /// synchronously.
+    pub fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
+        let behind = writer.map(|w| Behind::new(w, inner.as_ref()));
+        StagedStore {
+            inner,
+            pending: Staged::with_capacity(4096),
+            behind,
+            arena: Arena::new(),
+            restored: Vec::new(),
+            owned: Vec::new(),
+            sealed: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Name of the underlying store.
+    pub fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    #[cfg(test)]
+    pub(super) fn with_limits(mut self, resident: usize, unpersisted: usize) -> Self {
+        if let Some(b) = &mut self.behind {
+            b.resident_max = resident;
+            b.unpersisted_max = unpersisted;
+            b.filter_slack = 0;
+        }
+        self
+    }
+
+    /// Start the write-behind batch numbering (the writer's and the resident one) at `seq`
+    /// (tests of its wrap-around in [`Slot`]); nothing must have been committed yet. A
+    /// reopen starts the resident numbering at 0 again.
+    #[cfg(test)]
+    pub(super) fn with_seq(mut self, seq: u64) -> Self {
+        if let Some(b) = &mut self.behind {
+            b.seq = seq;
+            b.shared.lock().persisted = seq;
+            b.resident.first = seq as u32;
+        }
+        self
+    }
+
+    /// Read `key`: pending writes, then sealed batches (newest first), then committed
+    /// writes in memory, then the engine.
+    ///
+    /// # Errors
+    /// As [`KeyValueStore::get`].
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self.lookup(key)?.map(|b| b.to_vec()))
+    }
+
+    /// As [`StagedStore::get`], without copying values held in memory.
+    ///
+    /// # Errors
+    /// As [`KeyValueStore::get`].
+    pub fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
+        if let Some(v) = self.pending.get(key) {
+            return Ok(v.clone());
+        }
+        for (_, s) in self.sealed.iter().rev() {
+            if let Some(v) = s.get(key) {
+                return Ok(v.clone());
+            }
+        }
+        if let Some(b) = &self.behind {
+            if let Some(v) = b.resident.get(key) {
+                return Ok(v.clone());
+            }
+            if !b.may_be_in_engine(key) {
+                return Ok(None);
+            }
+        }
+        Ok(self.inner.get(key)?.map(Bytes::from))
+    }
+
+    /// Stage a put (`Some`) or delete (`None`) of `key`.
+    pub fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        self.stage_copy(&key, value.as_deref());
+    }
+
+    /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
+    pub fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
+        let value = value.map(|v| self.arena.copy(v));
+        if let Some(v) = self.pending.get_mut(key) {
+            *v = value;
+            return;
+        }
+        let key = self.arena.copy(key);
+        self.pending.insert_new(key, value);
+    }
+
+    /// As [`StagedStore::stage`], with shared buffers.
+    pub fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
+        match self.pending.get_mut(&key) {
+            Some(v) => *v = value,
+            None => self.pending.insert_new(key, value),
+        }
+    }
+
+    /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
+    /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
+    /// it back if that record ends in the dead-letter topic.
+    pub fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
+        let written = value.map(|v| self.arena.copy(v));
+        let (key, before) = match self.pending.index.get(key) {
+            Some(&i) => {
+                let op = &mut self.pending.ops[i];
+                let before = std::mem::replace(&mut op.1, written.clone());
+                (op.0.clone(), Some(before))
+            }
+            None => {
+                let key = self.arena.copy(key);
+                self.pending.insert_new(key.clone(), written.clone());
+                (key, None)
+            }
+        };
+        self.owned.push(Owned {
+            owner,
+            key,
+            written,
+            before,
+        });
+    }
+
+    /// Take back the writes staged with [`StagedStore::stage_for`] for the source record
+    /// at offset `owner`, which was dead-lettered: each key gets back what the batch held
+    /// for it before (nothing staged, or the earlier staged value), so the commit writes
+    /// no changelog record and no engine write for it. A write that a later one replaced
+    /// (the key written again since) stays replaced, and the later write, if withdrawn in
+    /// turn, goes back to what the key held before both. Returns the writes taken back.
+    pub fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
+        let mut out = Vec::new();
+        if !self.owned.iter().any(|o| o.owner == owner) {
+            return out;
+        }
+        let mut i = self.owned.len();
+        while i > 0 {
+            i -= 1;
+            if self.owned[i].owner != owner {
+                continue;
+            }
+            let o = self.owned.remove(i);
+            if self.pending.get(&o.key) == Some(&o.written) {
+                match &o.before {
+                    None => self.pending.remove(&o.key),
+                    Some(v) => {
+                        if let Some(slot) = self.pending.get_mut(&o.key) {
+                            *slot = v.clone();
+                        }
+                    }
+                }
+                out.push(Withdrawn {
+                    owner,
+                    key: o.key,
+                    written: o.written,
+                });
+            } else {
+                // Replaced since: the later writes of the key now stand on what this one
+                // stood on.
+                for later in self.owned[i..].iter_mut() {
+                    if later.key == o.key && later.before.as_ref() == Some(&o.written) {
+                        later.before = o.before.clone();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Forget which source records the staged writes stand for: they can no longer be
+    /// withdrawn (the task calls it after each record when no stage can fail a record
+    /// later, at the commit).
+    pub fn settle(&mut self) {
+        self.owned.clear();
+    }
+
+    /// Whether a write of `key` is staged (in the open commit).
+    pub fn is_staged(&self, key: &[u8]) -> bool {
+        self.pending.get(key).is_some()
+    }
+
+    /// Number of staged keys.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Number of keys in the committed state, when the store knows it without a scan (a
+    /// write-behind store whose engine was empty when opened, or keeps the count with its
+    /// data as sled does).
+    pub fn known_len(&self) -> Option<u64> {
+        self.behind.as_ref().and_then(|b| b.known_len)
+    }
+
+    /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
+    /// removing them.
+    pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
+    }
+
+    /// Visit every entry of the committed state once (staged writes excluded): the
+    /// engine's entries not changed since they were written, then the newer ones held in
+    /// memory. Needs no wait for the writer: an entry it writes meanwhile is still held in
+    /// memory (nothing leaves memory during the visit), so it is visited from there.
+    ///
+    /// # Errors
+    /// An engine read failure, or the first error `f` returns.
+    pub fn for_each_committed(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<()>) -> Result<()> {
+        let shadowed = |k: &[u8]| self.behind.as_ref().is_some_and(|b| b.resident.contains(k));
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let chunk = self.inner.scan(after.as_deref(), 10_000)?;
+            for (k, v) in &chunk {
+                if !shadowed(k) {
+                    f(k, v)?;
+                }
+            }
+            if chunk.len() < 10_000 {
+                break;
+            }
+            after = chunk.last().map(|(k, _)| k.clone());
+        }
+        if let Some(b) = &self.behind {
+            for (k, v) in b.resident.iter() {
+                if let Some(v) = v {
+                    f(k, v)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until every committed batch is written to the engine (so
+    /// [`StagedStore::engine`] shows the whole committed state).
+    ///
+    /// # Errors
+    /// The engine's write error.
+    pub fn sync(&mut self) -> Result<()> {
+        match &self.behind {
+            None => Ok(()),
+            Some(b) => b.sync(self.inner.name()),
+        }
+    }
+
+    /// Make the staged writes committed, as one batch with `changelog_offset`.
+    ///
+    /// # Errors
+    /// As [`KeyValueStore::write`] (for this batch or, written behind, an earlier one); the
+    /// staged writes are dropped either way, since the runtime stops or rewinds on any
+    /// failure.
+    pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+        let cap = self.pending.len().clamp(4096, 1 << 20);
+        let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
+        self.owned.clear();
+        if staged.ops.is_empty() && changelog_offset.is_none() {
+            return match &self.behind {
+                Some(b) => b.error(self.inner.name()),
+                None => Ok(()),
+            };
+        }
+        let ops = staged.ops;
+        match &mut self.behind {
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
+        }
+    }
+
+    /// Seal the staged writes as the batch of commit `epoch` (a commit in flight, see
+    /// `runtime::commit`): they stay readable, can no longer be withdrawn, and are written
+    /// by [`StagedStore::commit_sealed`] once their changelog records are durable; new
+    /// writes are staged in a fresh batch meanwhile. Nothing staged: nothing sealed.
+    pub fn seal(&mut self, epoch: u64) {
+        self.owned.clear();
+        if self.pending.ops.is_empty() {
+            return;
+        }
+        let cap = self.pending.len().clamp(4096, 1 << 20);
+        let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
+        self.sealed.push_back((epoch, staged));
+    }
+
+    /// The writes sealed for commit `epoch` (none unless it is the oldest sealed batch), in
+    /// first-write order.
+    pub fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        self.sealed
+            .front()
+            .filter(|(e, _)| *e == epoch)
+            .into_iter()
+            .flat_map(|(_, s)| s.ops.iter().map(|(k, v)| (&k[..], v.as_deref())))
+    }
+
+    /// Make the batch sealed for commit `epoch` (if any: it must be the oldest) committed,
+    /// as one batch with `changelog_offset`; as [`StagedStore::commit`].
+    ///
+    /// # Errors
+    /// As [`StagedStore::commit`].
+    pub fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
+        let ops = match self.sealed.front() {
+            Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
+            _ => None,
+        }
+        .unwrap_or_default();
+        if ops.is_empty() && changelog_offset.is_none() {
+            return match &self.behind {
+                Some(b) => b.error(self.inner.name()),
+                None => Ok(()),
+            };
+        }
+        match &mut self.behind {
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
+        }
+    }
+
+    /// Number of sealed batches (commits in flight holding writes of this store).
+    pub fn sealed_len(&self) -> usize {
+        self.sealed.len()
+    }
+
+    /// Write a restored batch (changelog records in log order, with the position reached):
+    /// committed at once, and persisted by the writer when there is one, else written now.
+    /// Nothing must be staged meanwhile.
+    ///
+    /// # Errors
+    /// The engine's write error (for this batch or, written behind, an earlier one).
+    pub fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
+        for (k, v) in &batch.ops {
+            self.push_restored(k, v.as_deref());
+        }
+        self.flush_restored(batch.changelog_offset)
+    }
+
+    /// Add one changelog record (in log order) to the restored batch being built; copied.
+    /// Nothing must be staged meanwhile.
+    pub fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
+        if self.restored.capacity() == 0 {
+            self.restored.reserve(4096);
+        }
+        let k = self.arena.copy(key);
+        let v = value.map(|v| self.arena.copy(v));
+        self.restored.push((k, v));
+    }
+
+    /// Number of records added by [`StagedStore::push_restored`] since the last flush.
+    pub fn restored_len(&self) -> usize {
+        self.restored.len()
+    }
+
+    /// Write the records added by [`StagedStore::push_restored`] as one restored batch
+    /// with `changelog_offset` (the position reached): see [`StagedStore::write_restored`].
+    ///
+    /// # Errors
+    /// As [`StagedStore::write_restored`].
+    pub fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+        // The next step is likely as big as this one: no regrowing while it is read.
+        let cap = self.restored.len();
+        let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));
+        match &mut self.behind {
+            Some(b) => b.submit(&self.inner, ops, changelog_offset),
+            None => self.inner.write_ops(&ops, changelog_offset, None),
+        }
+    }
+
+    /// Make room in memory for `n` more committed keys (a restore about to write them).
+    pub fn reserve(&mut self, n: usize) {
+        if let Some(b) = &mut self.behind {
+            let n = n.min(b.resident_max);
+            b.resident.reserve(n);
+            if let Filter::Hashes(f) = &mut b.filter {
+                f.reserve(n);
+            }
+        }
+    }
+
+    /// Drop the staged and sealed writes (the commit failed or was aborted).
+    pub fn abort(&mut self) {
+        self.pending.clear();
+        self.owned.clear();
+        self.sealed.clear();
+    }
+
+    /// Forget what is held in memory of the committed state and look at the engine again;
+    /// call after [`StagedStore::sync`] when the engine was changed directly (a restore
+    /// plan that cleared it).
+    pub fn reload(&mut self) {
+        if let Some(b) = &mut self.behind {
+            b.reload(self.inner.as_ref());
+        }
+    }
+
+    /// The engine under the staging layer (restore and scans use it directly; call
+    /// [`StagedStore::sync`] first to see every committed batch).
+    pub fn engine(&self) -> &dyn KeyValueStore {
+        self.inner.as_ref()
+    }
+}
+
+impl Drop for StagedStore {
+    fn drop(&mut self) {
+        // Closing never waits for the engine: batches not yet written are skipped (the
+        // engine's offset is older, so the next restore replays them from the changelog).
+        if let Some(b) = &self.behind {
+            b.stop();
+        }
+    }
+}
