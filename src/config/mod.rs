@@ -199,7 +199,7 @@ impl Config {
         if application_id.is_empty() {
             return Err(bad("application.id", "must not be empty".into()));
         }
-        if let Err(r) = crate::topology::check_topic_name(&application_id) {
+        if let Err(r) = crate::kafka::check_topic_name(&application_id) {
             return Err(bad(
                 "application.id",
                 format!("it prefixes internal topic names: {r}"),
@@ -242,7 +242,7 @@ impl Config {
         let dlq_topic = match get("dlq.topic") {
             t if t.is_empty() => format!("{application_id}.dlq"),
             t => {
-                crate::topology::check_topic_name(&t).map_err(|r| bad("dlq.topic", r))?;
+                crate::kafka::check_topic_name(&t).map_err(|r| bad("dlq.topic", r))?;
                 t
             }
         };
@@ -273,9 +273,7 @@ impl Config {
             id if id.is_empty() => (host_name(), false),
             id => (id, true),
         };
-        if let Err(r) =
-            crate::topology::check_topic_name(&format!("{application_id}-{instance_id}"))
-        {
+        if let Err(r) = crate::kafka::check_topic_name(&format!("{application_id}-{instance_id}")) {
             return Err(bad(
                 "instance.id",
                 format!("it is part of the transactional.id: {r}"),
