@@ -339,28 +339,25 @@ impl Engine {
         }
         // Router tasks (internal ids) are named by their source topic and partition.
         let topics = &self.topics;
+        let split = |ids: &mut dyn Iterator<Item = i32>| {
+            let (routers, stateful): (Vec<i32>, Vec<i32>) = ids.partition(|p| topics.is_router(*p));
+            let named = routers
+                .into_iter()
+                .map(|p| {
+                    let (t, q) = topics.tp(p);
+                    (t.to_string(), q)
+                })
+                .collect::<Vec<_>>();
+            (stateful, named)
+        };
+        let (assigned, routing) = split(&mut self.tasks.keys().copied());
+        let (waiting, routing_waiting) = split(&mut self.unplanned.iter().copied());
         let mut snapshot = crate::runtime::status::Partitions {
             assigned_once: self.assigned_once,
-            assigned: (self.tasks.keys().copied())
-                .filter(|p| !topics.is_router(*p))
-                .collect(),
-            routing: (self.tasks.keys().copied())
-                .filter(|p| topics.is_router(*p))
-                .map(|p| {
-                    let (t, q) = topics.tp(p);
-                    (t.to_string(), q)
-                })
-                .collect(),
-            waiting: (self.unplanned.iter().copied())
-                .filter(|p| !topics.is_router(*p))
-                .collect(),
-            routing_waiting: (self.unplanned.iter().copied())
-                .filter(|p| topics.is_router(*p))
-                .map(|p| {
-                    let (t, q) = topics.tp(p);
-                    (t.to_string(), q)
-                })
-                .collect(),
+            assigned,
+            routing,
+            waiting,
+            routing_waiting,
             restoring: Vec::new(),
         };
         for (p, t) in &self.tasks {
