@@ -21,12 +21,13 @@ use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(240);
 /// The dedicated brokers' first port (client, controller, inter-broker of the first test;
-/// the others at +5 and +10): 39260, or `FAULT_BASE_PORT` to keep parallel runs apart.
+/// the others at +5 and +10): 29260 (below Linux's ephemeral range, where a client's
+/// outgoing connection could hold the port), or `FAULT_BASE_PORT` to keep parallel runs apart.
 fn base_port() -> u16 {
     std::env::var("FAULT_BASE_PORT")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(39260)
+        .unwrap_or(29260)
 }
 
 fn admin(bootstrap: &str) -> Admin {
