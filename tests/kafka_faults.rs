@@ -252,6 +252,12 @@ impl Scenario {
         assert_eq!(ids.len(), rep.distinct);
         let duplicates: usize = counts.values().map(|n| n - 1).sum();
         let losses = ids.iter().filter(|id| !counts.contains_key(*id)).count();
+        // One row per run, as soon as it is known: scripts/fault-matrix sums these, so a
+        // later run that fails does not take the earlier ones with it.
+        eprintln!(
+            "fault: {:<48} {:<16} {:>4} {duplicates:>10} {losses:>6} {restarts:>8}",
+            self.fault, self.guarantee, 1
+        );
         Outcome {
             fault: self.fault,
             guarantee: self.guarantee,
@@ -272,7 +278,7 @@ fn report(table: &[Outcome]) {
     );
     for o in table {
         eprintln!(
-            "fault: {:<48} {:<16} {:>4} {:>10} {:>6} {:>8}",
+            "total: {:<48} {:<16} {:>4} {:>10} {:>6} {:>8}",
             o.fault, o.guarantee, o.runs, o.duplicates, o.losses, o.restarts
         );
     }
