@@ -235,3 +235,48 @@ fn a_withdrawn_mark_does_not_count_against_max_keys() {
     assert!(d.dedup_entry("dedup", 0, b"a").unwrap().is_some());
     assert_eq!(d.dedup_entry("dedup", 0, b"b").unwrap(), None);
 }
+
+/// A record larger than the producer accepts (`message.max.bytes`, librdkafka's default
+/// 1,000,000 bytes in the driver) is refused by the sink stage: it goes to the dead-letter
+/// topic with a reason naming the limit, its dedup mark is withdrawn, and processing goes
+/// on. Before, the send failed after the mark was staged and the instance stopped (on
+/// every restart: a poison pill).
+#[test]
+fn a_record_too_large_for_the_producer_is_dead_lettered_and_leaves_no_mark() {
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup(
+            "dedup",
+            DedupSpec::new(KeySource::JsonPointer("/id".into())),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    for batch in [true, false] {
+        let mut d = TestDriver::new(t.clone()).auto_commit(batch);
+        let pad = "x".repeat(1_000_001);
+        d.pipe(TestRecord::json(format!(r#"{{"id":"big","pad":"{pad}"}}"#)).timestamp(1000))
+            .unwrap();
+        d.pipe(id("a", 1001)).unwrap();
+        d.pipe(id("big", 1002)).unwrap(); // small again: passes
+        d.pipe(id("big", 1003)).unwrap(); // duplicate
+        d.commit().unwrap();
+        let dead = d.dead_letters();
+        assert_eq!(dead.len(), 1, "batch {batch}");
+        let reason = dead[0]
+            .headers
+            .iter()
+            .find(|(k, _)| k == "onceflow.dlq.reason")
+            .and_then(|(_, v)| v.clone())
+            .unwrap();
+        let reason = String::from_utf8_lossy(&reason).into_owned();
+        assert!(reason.contains("message.max.bytes"), "{reason}");
+        let out = d.output_values("out");
+        assert_eq!(out.len(), 2, "batch {batch}: a, then the small big");
+        assert!(out[1].contains(r#""id":"big""#));
+        let e = d.dedup_entry("dedup", 0, b"big").unwrap().unwrap();
+        assert_eq!(e.source_offset, 2, "batch {batch}: the mark is the small copy's");
+        let c = d.counts();
+        assert_eq!((c.passed, c.duplicates, c.dead_lettered), (3, 1, 1), "batch {batch}");
+    }
+}

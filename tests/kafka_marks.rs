@@ -121,3 +121,64 @@ fn a_dead_lettered_effect_runs_on_redelivery_at_least_once() {
 fn a_dead_lettered_effect_runs_on_redelivery_exactly_once_v2() {
     scenario("exactly_once_v2");
 }
+
+/// A record that grows past the producer's `message.max.bytes` in a stage (here a map
+/// that copies a field twice, with the limit lowered to 1,500 bytes) is dead-lettered
+/// with its source coordinates and the reason; the instance keeps running, its mark is
+/// withdrawn, and the records around it come out. Before, the send failed and the
+/// instance exited non-zero, again at every restart.
+#[test]
+fn a_record_too_large_for_the_producer_is_dead_lettered_not_a_stop() {
+    for guarantee in ["at_least_once", "exactly_once_v2"] {
+        let yaml = r#"name: big
+source: { topic: "{input}", format: json }
+stages:
+  - dedup: { name: seen, key: { json_pointer: /id }, ttl: 24h, partitioning: source }
+  - map: { name: grow, set: { copy1: value.pad, copy2: value.pad } }
+  - sink: { topic: "{output}" }
+"#;
+        let names = names_for(yaml, 1);
+        let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+        let send = |id: &str, pad: usize| {
+            let v = format!(r#"{{"id":"{id}","pad":"{}"}}"#, "x".repeat(pad));
+            p.send(&names.input, Some(0), None, Some(v.as_bytes()), &[], None)
+                .unwrap();
+        };
+        send("a", 10);
+        send("big", 600); // ~1,850 bytes after the map
+        send("b", 10);
+        send("big", 10); // the redelivery, small: passes (the mark was withdrawn)
+        p.flush().unwrap();
+        let sets = [
+            ("processing.guarantee", guarantee.to_string()),
+            ("kafka.producer.message.max.bytes", "1500".to_string()),
+        ];
+        let run = start(&names, &sets, &[], &["--stop-at-end"]);
+        let log = run.stderr.clone();
+        let (st, out) = run.wait(T);
+        let log = log.lock().unwrap().clone();
+        assert!(st.success(), "{guarantee}: exit {st:?}\n{out}\n{log}");
+        let ids: Vec<String> = kafka::read_topic(&bootstrap(), &names.output, true, T)
+            .unwrap()
+            .iter()
+            .map(|r| json_id(r.value.as_deref()))
+            .collect();
+        assert_eq!(ids, ["a", "b", "big"], "{guarantee}");
+        let dead = kafka::read_topic(&bootstrap(), &names.dlq, true, T).unwrap();
+        assert_eq!(dead.len(), 1, "{guarantee}");
+        let header = |k: &str| {
+            dead[0]
+                .headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .and_then(|(_, v)| v.clone())
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+        };
+        assert_eq!(header("onceflow.dlq.source.offset").as_deref(), Some("1"));
+        assert!(
+            header("onceflow.dlq.reason").is_some_and(|r| r.contains("message.max.bytes")),
+            "{guarantee}: {:?}",
+            header("onceflow.dlq.reason")
+        );
+    }
+}

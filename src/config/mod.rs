@@ -399,6 +399,17 @@ fn host_name() -> String {
 }
 
 impl Config {
+    /// The largest record the producer accepts, in bytes: `kafka.producer.message.max.bytes`,
+    /// else `kafka.message.max.bytes`, else librdkafka's default 1,000,000. A stage that would
+    /// write a larger record dead-letters its source record instead.
+    pub fn max_record_bytes(&self) -> usize {
+        self.kafka_producer
+            .get("message.max.bytes")
+            .or_else(|| self.kafka.get("message.max.bytes"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(crate::processor::DEFAULT_MAX_RECORD_BYTES)
+    }
+
     /// Whether `processing.guarantee` is exactly_once_v2.
     pub fn exactly_once(&self) -> bool {
         self.processing_guarantee == Guarantee::ExactlyOnceV2

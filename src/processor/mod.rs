@@ -102,6 +102,23 @@ pub struct Context<'a> {
     pub wall_clock_ms: i64,
     /// The partition's stream time: the highest record timestamp seen (ms).
     pub stream_time_ms: i64,
+    /// The largest record the producer accepts, in bytes (librdkafka's
+    /// `message.max.bytes`, default [`DEFAULT_MAX_RECORD_BYTES`]); see [`Context::emit`].
+    pub(crate) max_record_bytes: usize,
+}
+
+/// librdkafka's default `message.max.bytes`: the largest record a producer accepts.
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
+
+/// The size librdkafka counts against `message.max.bytes` for `record` (value, key and
+/// headers; each header counted with a few bytes of framing, so slightly over).
+pub fn record_bytes(record: &OutRecord) -> usize {
+    let headers: usize = record
+        .headers
+        .iter()
+        .map(|(k, v)| k.len() + v.as_ref().map_or(0, |v| v.len()) + 10)
+        .sum();
+    record.value.as_ref().map_or(0, |v| v.len()) + record.key.as_ref().map_or(0, |k| k.len()) + headers
 }
 
 impl Context<'_> {
@@ -111,9 +128,23 @@ impl Context<'_> {
     }
 
     /// Write `record` to a topic; it becomes durable with the task's next commit.
-    pub fn emit(&mut self, record: OutRecord) {
+    ///
+    /// # Errors
+    /// The reason, when the record is larger than the producer accepts
+    /// (`message.max.bytes`): the stage refuses its source record, which goes to the
+    /// dead-letter topic (its marks withdrawn), instead of the send failing and stopping
+    /// the instance on every restart.
+    pub fn emit(&mut self, record: OutRecord) -> Result<(), String> {
+        let size = record_bytes(&record);
+        if size > self.max_record_bytes {
+            return Err(format!(
+                "the record for topic {:?} is {size} bytes, over the producer's message.max.bytes ({}); raise kafka.producer.message.max.bytes (and the topic's max.message.bytes) to let it through",
+                record.topic, self.max_record_bytes
+            ));
+        }
         self.counts.records_out += 1;
         self.emitted.push(record);
+        Ok(())
     }
 
     /// The task's store named `name`.

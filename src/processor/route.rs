@@ -156,7 +156,8 @@ impl Processor for Route {
             headers: record.headers.clone(),
             timestamp: record.timestamp,
         };
-        ctx.emit(out);
+        ctx.emit(out)
+            .map_err(|e| RecordError::new(&self.name, e))?;
         if self.forward {
             ctx.forward(record);
         }

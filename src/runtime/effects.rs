@@ -52,6 +52,7 @@ impl Task {
                     tables: &self.tables,
                     wall_clock_ms: wall_ms,
                     stream_time_ms: self.stream_time,
+                    max_record_bytes: self.max_record_bytes,
                 };
                 self.nodes[i].1.flush(&mut ctx)?
             };
@@ -101,6 +102,7 @@ impl Task {
                             tables: &self.tables,
                             wall_clock_ms: wall_ms,
                             stream_time_ms: self.stream_time,
+                    max_record_bytes: self.max_record_bytes,
                         };
                         self.nodes[j].1.process(rec, &mut ctx)
                     };
@@ -154,6 +156,7 @@ impl Task {
                                     tables: &self.tables,
                                     wall_clock_ms: wall_ms,
                                     stream_time_ms: self.stream_time,
+                    max_record_bytes: self.max_record_bytes,
                                 };
                                 self.nodes[k].1.on_withdrawn(store, w, &mut ctx)?
                             };

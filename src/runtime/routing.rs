@@ -69,7 +69,8 @@ impl Engine {
         }
         Ok(
             Task::new(&self.topology, id, &self.backend, &self.config.dlq_topic)?
-                .with_tables(self.tables.clone()),
+                .with_tables(self.tables.clone())
+                .with_max_record_bytes(self.config.max_record_bytes()),
         )
     }
 

@@ -59,6 +59,8 @@ pub struct Task {
     /// A router task (the source partition of a repartition hop): no stages, no stores;
     /// each record becomes its repartition record.
     router: Option<crate::processor::repartition::Router>,
+    /// The largest record the producer accepts (see [`Task::with_max_record_bytes`]).
+    max_record_bytes: usize,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -120,6 +122,7 @@ impl Task {
                 .iter()
                 .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
             router: None,
+            max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
         })
     }
 
@@ -158,12 +161,21 @@ impl Task {
             tables: Default::default(),
             fails_late: false,
             router: Some(router),
+            max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
         }
     }
 
     /// Whether this is a router task ([`Task::router`]).
     pub fn is_router(&self) -> bool {
         self.router.is_some()
+    }
+
+    /// The largest record (value, key and headers, in bytes) the task's producer accepts
+    /// (librdkafka's `message.max.bytes`; default 1,000,000): a stage that would write a
+    /// larger one refuses its source record, which goes to the dead-letter topic.
+    pub fn with_max_record_bytes(mut self, bytes: usize) -> Self {
+        self.max_record_bytes = bytes;
+        self
     }
 
     /// Give the task the instance's lookup tables (for enrich stages); they are shared by
@@ -292,6 +304,7 @@ impl Task {
                     tables: &self.tables,
                     wall_clock_ms: wall_ms,
                     stream_time_ms: self.stream_time,
+                    max_record_bytes: self.max_record_bytes,
                 };
                 match node.process(rec, &mut ctx) {
                     Ok(()) => {}
@@ -354,6 +367,7 @@ impl Task {
                 tables: &self.tables,
                 wall_clock_ms: wall_ms,
                 stream_time_ms: self.stream_time,
+                    max_record_bytes: self.max_record_bytes,
             };
             node.punctuate(&mut ctx)?;
         }

@@ -613,7 +613,8 @@ impl Processor for Dedup {
                 self.metrics.duplicate.increment(1);
                 ctx.counts().duplicates += 1;
                 if let Some(side) = &self.spec.duplicates_to {
-                    side_output(side, record, prev.as_ref(), "duplicate", ctx);
+                    side_output(side, record, prev.as_ref(), "duplicate", ctx)
+                        .map_err(|e| RecordError::new(&self.name, e))?;
                 }
             }
             Decision::Conflict => {
@@ -625,7 +626,8 @@ impl Processor for Dedup {
                     ConflictPolicy::DuplicatesTo => {
                         // build() refuses this policy without a duplicates_to topic.
                         if let Some(side) = &self.spec.duplicates_to {
-                            side_output(side, record, prev.as_ref(), "conflict", ctx);
+                            side_output(side, record, prev.as_ref(), "conflict", ctx)
+                                .map_err(|e| RecordError::new(&self.name, e))?;
                         }
                     }
                     ConflictPolicy::DeadLetter => {
@@ -664,7 +666,7 @@ fn side_output(
     first: Option<&DedupEntry>,
     kind: &'static str,
     ctx: &mut Context<'_>,
-) {
+) -> Result<(), String> {
     let mut headers = record.headers;
     let h = |s: String| Some(bytes::Bytes::from(s.into_bytes()));
     headers.push((
@@ -688,7 +690,7 @@ fn side_output(
         value: record.value,
         headers,
         timestamp: record.timestamp,
-    });
+    })
 }
 
 /// Header of a record on a dedup stage's duplicate topic: `duplicate` (same key, same

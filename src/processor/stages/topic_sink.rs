@@ -153,7 +153,8 @@ impl Processor for TopicSink {
                 value,
                 headers: record.headers,
                 timestamp,
-            });
+            })
+            .map_err(|e| RecordError::new(&self.name, e))?;
             return Ok(());
         }
         let (key, headers) = if plain {
@@ -176,7 +177,8 @@ impl Processor for TopicSink {
                 value,
                 headers: headers.clone(),
                 timestamp,
-            });
+            })
+            .map_err(|e| RecordError::new(&self.name, e))?;
         }
         if self.forward {
             ctx.forward(record);
