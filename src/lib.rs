@@ -6,6 +6,7 @@
 //! route, sinks; CEL expressions in files, closures in Rust) to output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
 //! protocol; [`testing::TestDriver`] runs it without a broker.
 
+pub mod codec;
 pub mod config;
 pub mod deploy;
 pub mod dsl;

@@ -1,7 +1,7 @@
 //! Codecs per topic through the broker-free test driver: protobuf (from the descriptor set
 //! in tests/data), JSON, UTF-8 string and raw bytes, with exact outputs and dead letters.
 
-use onceflow::processor::codec::ProtoFormat;
+use onceflow::codec::ProtoFormat;
 use onceflow::processor::key::KeySource;
 use onceflow::runtime::task::dlq_headers;
 use onceflow::testing::{TestDriver, TestRecord};

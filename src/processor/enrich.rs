@@ -13,9 +13,11 @@
 //! table as loaded at that moment: the table follows its topic in the background, so an
 //! update changes later joins, never earlier ones (no re-join of past records).
 
-use super::codec::{view_mut, Format};
-use super::key::{json_type, KeySource};
+use super::codec::view_mut;
+use super::key::KeySource;
 use super::{Context, Processor, Record, StageError};
+use crate::codec::json_type;
+use crate::codec::Format;
 use crate::error::{Error, RecordError};
 use serde_json::Value;
 

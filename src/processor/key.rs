@@ -1,6 +1,7 @@
 //! Where a dedup key comes from, and how it is taken from a record as raw bytes.
 
 use super::record::Record;
+use crate::codec::json_type;
 
 /// The source of a dedup (or idempotency) key.
 ///
@@ -192,18 +193,6 @@ fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(
     }
     let _ = write!(out, "{n}");
     Ok(())
-}
-
-/// The JSON type name of a value, for error messages.
-pub fn json_type(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
 }
 
 #[cfg(test)]

@@ -152,7 +152,7 @@ pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>
 #[derive(Debug, Clone)]
 pub struct Router {
     key: KeySource,
-    format: super::codec::Format,
+    format: crate::codec::Format,
     topic: String,
     partitions: i32,
     pointers: std::sync::Arc<[String]>,
@@ -162,7 +162,7 @@ pub struct Router {
 impl Router {
     /// The router for a dedup stage keyed by `key`, reading `format` values, writing to
     /// `topic` with `partitions` partitions (≥ 1).
-    pub fn new(key: KeySource, format: super::codec::Format, topic: &str, partitions: i32) -> Self {
+    pub fn new(key: KeySource, format: crate::codec::Format, topic: &str, partitions: i32) -> Self {
         let mut pointers = Vec::new();
         key.json_pointers(&mut pointers);
         let tokens = pointers
@@ -186,7 +186,7 @@ impl Router {
 
     /// The repartition record of `record` (see [`route`] and the type's docs).
     pub fn route(&self, mut record: Record) -> OutRecord {
-        use super::codec::Format;
+        use crate::codec::Format;
         if self.key.needs_json() {
             match (&self.format, record.value.as_deref()) {
                 (Format::Json, Some(v)) => {
@@ -268,7 +268,7 @@ mod tests {
         assert_eq!(source_of(&out2.headers), Some(("events".into(), 3, 17)));
         assert_eq!(out2.headers.len(), out.headers.len());
         // The router: keyed by the scanned key; a record without one keeps its Kafka key.
-        let router = Router::new(key.clone(), super::super::codec::Format::Json, "t", 4);
+        let router = Router::new(key.clone(), crate::codec::Format::Json, "t", 4);
         let mut raw = rec.clone();
         raw.json = None;
         let r = router.route(raw.clone());

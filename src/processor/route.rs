@@ -81,7 +81,7 @@ pub struct Route {
     forward: bool,
     metrics: StatelessMetrics,
     /// Source format and each topic's format (see [`super::codec::encode_for_sink`]).
-    codecs: Option<(super::codec::Format, Vec<(String, super::codec::Format)>)>,
+    codecs: Option<(crate::codec::Format, Vec<(String, crate::codec::Format)>)>,
 }
 
 impl Route {
@@ -104,8 +104,8 @@ impl Route {
     /// dead-letter topic.
     pub fn with_codecs(
         mut self,
-        source: super::codec::Format,
-        topics: Vec<(String, super::codec::Format)>,
+        source: crate::codec::Format,
+        topics: Vec<(String, crate::codec::Format)>,
     ) -> Self {
         self.codecs = Some((source, topics));
         self

@@ -5,8 +5,8 @@
 //! expression fails on it; neither ever panics on input.
 
 use super::expr::{ensure_json, plan, projection, Bindings, Computed, Predicate};
-use super::key::json_type;
 use super::{Context, Processor, Record, StageError};
+use crate::codec::json_type;
 use crate::error::RecordError;
 use serde_json::Value;
 use std::sync::Arc;

@@ -18,7 +18,7 @@ use crate::processor::transform::{Filter, FilterSpec, MapFields, MapSpec};
 use crate::processor::Processor;
 use crate::processor::Record;
 
-pub use crate::processor::codec::{Format, ProtoFormat};
+pub use crate::codec::{Format, ProtoFormat};
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.

@@ -65,10 +65,7 @@ pub struct TopicSink {
     json: bool,
     forward: bool,
     /// Source format and each topic's format (see [`crate::processor::codec::encode_for_sink`]).
-    codecs: Option<(
-        crate::processor::codec::Format,
-        Vec<crate::processor::codec::Format>,
-    )>,
+    codecs: Option<(crate::codec::Format, Vec<crate::codec::Format>)>,
 }
 
 impl TopicSink {
@@ -96,8 +93,8 @@ impl TopicSink {
     /// dead-letter topic, and nothing is written for it.
     pub fn with_codecs(
         mut self,
-        source: crate::processor::codec::Format,
-        sinks: Vec<crate::processor::codec::Format>,
+        source: crate::codec::Format,
+        sinks: Vec<crate::codec::Format>,
     ) -> Self {
         self.codecs = Some((source, sinks));
         self
