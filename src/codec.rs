@@ -17,7 +17,7 @@
 //! topic. Decoding never panics on any input.
 //!
 //! The contract between stages and sinks: a stage that changes a record changes its view
-//! ([`view_mut`](crate::processor::codec::view_mut) parses a JSON value on first use) and clears [`Record::fields`] (they
+//! ([`view_mut`](crate::processor::codec::view_mut) parses a JSON value on first use) and clears [`Record::fields`](crate::processor::Record::fields) (they
 //! described the bytes as read); a sink writes the view, encoded in its topic's format, when
 //! there is one, and otherwise the value bytes as read ([`encode_for_sink`](crate::processor::codec::encode_for_sink)). A stage may
 //! instead write new value bytes in the source's format and leave no view (the enrich fast

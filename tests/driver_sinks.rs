@@ -508,7 +508,7 @@ fn preflight_rejects_unusable_http_secrets_without_showing_them() {
         ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::None),
         Format::Json,
     );
-    let e = onceflow::sink::preflight(&t).unwrap_err().to_string();
+    let e = t.preflight().unwrap_err().to_string();
     assert!(e.contains("stage `hook`: field `url`"), "{e}");
     assert!(e.contains("REVIEW_BAD_URL"), "{e}");
     assert!(

@@ -16,10 +16,10 @@
 //! Output is raw bytes: nothing is decoded or escaped, so any byte (`:`, `/`, non-UTF-8) is
 //! kept as given.
 
+use crate::codec::Format;
 use crate::processor::json_scan::Scalar;
 use crate::processor::key::KeySource;
 use crate::processor::Record;
-use crate::topology::Format;
 use std::io::Write as _;
 
 /// One part of a parsed template.

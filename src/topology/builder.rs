@@ -150,7 +150,14 @@ impl TopologyBuilder {
         // gives them).
         let fmt = self.source.as_ref().map(|s| s.format.clone());
         for i in 0..self.stages.len() {
-            for r in crate::sink::validate(&mut self.stages, i, fmt.as_ref()) {
+            let upstream_dedup = self.stages[..i].iter().rev().find_map(|s| match &s.kind {
+                StageKind::Dedup(d) => Some(d.key.clone()),
+                _ => None,
+            });
+            let StageKind::External(spec) = &mut self.stages[i].kind else {
+                continue;
+            };
+            for r in spec.validate(upstream_dedup, fmt.as_ref()) {
                 let (field, reason) = split_field(&r);
                 errors.push(BuildError {
                     stage: Some(i),

@@ -98,11 +98,29 @@ pub struct Topology {
 
 impl Topology {
     /// This topology with its external sinks' local stores bound to an instance's state
-    /// dir (see [`crate::sink::bind_state_dir`]); `App::run` calls it with `state.dir` and
-    /// `application.id`.
+    /// dir (see [`crate::sink::ExternalSinkSpec::bind_state_dir`]); `App::run` calls it with
+    /// `state.dir` and `application.id`.
     pub fn with_state_dir(mut self, state_dir: &std::path::Path, application_id: &str) -> Topology {
-        crate::sink::bind_state_dir(&mut self.stages, state_dir, application_id);
+        for st in &mut self.stages {
+            if let StageKind::External(spec) = &mut st.kind {
+                spec.bind_state_dir(state_dir, application_id);
+            }
+        }
         self
+    }
+
+    /// Start-up check of the external sinks (see [`crate::sink::preflight`]): every secret
+    /// given as `{ env: VAR }` is set, and an HTTP sink's URL and header values are usable.
+    /// `App::run` calls it before processing starts.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::error::Error::Config) naming the stage, the field and the
+    /// variable (never a value).
+    pub fn preflight(&self) -> crate::error::Result<()> {
+        crate::sink::preflight(self.stages.iter().filter_map(|st| match &st.kind {
+            StageKind::External(spec) => Some((st.name.as_str(), &**spec)),
+            _ => None,
+        }))
     }
 
     /// The topology's name (a metric label).
