@@ -46,12 +46,12 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::kafka::admin::Admin;
-use onceflow::processor::stages::{repartition_topic, Partitioning};
-use onceflow::processor::{Counts, Record, SourceMeta};
-use onceflow::runtime::{App, RunOptions, RunSummary, Task};
-use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
-use onceflow::topology::Topology;
+use onceflow::__testkit::Admin;
+use onceflow::__testkit::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::Topology;
+use onceflow::{__testkit::repartition_topic, Partitioning};
+use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
+use onceflow::{Counts, Record, SourceMeta};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
