@@ -61,9 +61,9 @@ fn main() -> std::process::ExitCode {
 mod tests {
     use super::*;
     use onceflow::headers::dlq_headers;
+    use onceflow::headers::{DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
     use onceflow::headers::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
     use onceflow::{TestDriver, TestRecord};
-    use onceflow::headers::{DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
 
     /// A header's value as text (`None` when absent or null).
     fn header<'a>(h: &'a [(String, Option<bytes::Bytes>)], name: &str) -> Option<&'a str> {

@@ -66,7 +66,7 @@ impl Format {
     }
 
     /// Whether records of this format have a view (all but `bytes`).
-    pub fn has_view(&self) -> bool {
+    pub(crate) fn has_view(&self) -> bool {
         !matches!(self, Format::Bytes)
     }
 
@@ -184,7 +184,7 @@ impl ProtoFormat {
     }
 
     /// Full name of the message type.
-    pub fn message_name(&self) -> &str {
+    pub(crate) fn message_name(&self) -> &str {
         self.message.full_name()
     }
 
@@ -235,7 +235,7 @@ impl ProtoFormat {
 }
 
 /// The JSON type name of a value, for error messages.
-pub fn json_type(v: &serde_json::Value) -> &'static str {
+pub(crate) fn json_type(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a boolean",

@@ -108,7 +108,7 @@ impl Error {
 
     /// For a failed transactional operation: whether it is fatal (fenced, or the producer
     /// is unusable) rather than abortable or retriable.
-    pub fn is_fatal_transaction_error(&self) -> bool {
+    pub(crate) fn is_fatal_transaction_error(&self) -> bool {
         match self {
             Error::Fenced(_) => true,
             Error::Kafka { source, .. } => {
@@ -129,7 +129,7 @@ impl Error {
 
     /// Whether a local store or file failed (full disk, corrupt file): not the
     /// transaction's fault, so retrying the transaction cannot help.
-    pub fn is_store_failure(&self) -> bool {
+    pub(crate) fn is_store_failure(&self) -> bool {
         matches!(self, Error::State { .. } | Error::Io { .. })
     }
 

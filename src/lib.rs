@@ -10,6 +10,8 @@
 //! the config, [`App`], [`TestDriver`] and the error types. A program that builds its
 //! topology in Rust and is deployed as a binary ends in [`deploy::main`].
 
+#![warn(unreachable_pub)]
+
 // The parts of the library; their items are crate-private unless re-exported below.
 pub(crate) mod codec;
 pub(crate) mod config;
@@ -41,8 +43,8 @@ pub use processor::transform::MapSpec;
 pub use processor::{Counts, OutRecord, Record, SourceMeta};
 pub use runtime::{App, RunOptions, RunSummary};
 pub use sink::{
-    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, OnStoreError, PostgresSpec, RedisSpec,
-    Secret, StoreSpec,
+    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, InFlight, OnStoreError, PostgresSpec,
+    RedisSpec, ReservationPolicy, Secret, StoreSpec,
 };
 pub use testing::{TestDriver, TestRecord};
 pub use topology::{
@@ -56,10 +58,10 @@ pub mod prelude {
     pub use crate::{
         App, BuildError, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec,
         EnrichSpec, Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee,
-        HttpSpec, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
-        Partitioning, PostgresSpec, ProtoFormat, Record, RecordError, RedisSpec, Result,
-        RouteBranch, RouteSpec, RunOptions, RunSummary, Secret, SinkSpec, SourceMeta, StoreSpec,
-        TableSpec, TestDriver, TestRecord, TimeSource, Topology, TopologyBuilder,
+        HttpSpec, InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
+        Partitioning, PostgresSpec, ProtoFormat, Record, RecordError, RedisSpec, ReservationPolicy,
+        Result, RouteBranch, RouteSpec, RunOptions, RunSummary, Secret, SinkSpec, SourceMeta,
+        StoreSpec, TableSpec, TestDriver, TestRecord, TimeSource, Topology, TopologyBuilder,
     };
 }
 

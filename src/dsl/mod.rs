@@ -42,8 +42,8 @@
 //! the stage (``stage `dedup` (dedup)``) or the top-level section.
 
 mod compile;
-pub mod node;
-pub mod sinks;
+pub(crate) mod node;
+pub(crate) mod sinks;
 mod stages;
 
 use crate::error::Error;

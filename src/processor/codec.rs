@@ -13,7 +13,7 @@ use serde_json::Value;
 /// # Errors
 /// The value is null or not JSON (it is then not from a JSON source: the topology checks
 /// that view-using stages follow a source with a view).
-pub fn view_mut(record: &mut Record) -> Result<&mut Value, String> {
+pub(crate) fn view_mut(record: &mut Record) -> Result<&mut Value, String> {
     if record.json.is_none() {
         let v = match record.value.as_deref() {
             None => return Err("value is null, the stage needs a record value".into()),
@@ -31,7 +31,7 @@ pub fn view_mut(record: &mut Record) -> Result<&mut Value, String> {
 ///
 /// # Errors
 /// The view does not encode in `sink` format, or the source value does not decode.
-pub fn encode_for_sink(
+pub(crate) fn encode_for_sink(
     record: &Record,
     source: &Format,
     sink: &Format,

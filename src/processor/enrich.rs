@@ -106,7 +106,7 @@ impl EnrichSpec {
 }
 
 /// The enrich processor (one per task).
-pub struct Enrich {
+pub(crate) struct Enrich {
     name: String,
     spec: EnrichSpec,
     into: Vec<String>,
@@ -120,7 +120,7 @@ pub struct Enrich {
 
 impl Enrich {
     /// The stage `name` of topology `topology`.
-    pub fn new(topology: &str, name: &str, spec: EnrichSpec) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: EnrichSpec) -> Self {
         let c = |result: &'static str| {
             metrics::counter!(crate::metrics::ENRICH_LOOKUPS,
                 "topology" => topology.to_string(), "stage" => name.to_string(), "result" => result)

@@ -27,7 +27,7 @@ pub enum KeySource {
 
 /// Why no key could be taken from a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyError {
+pub(crate) enum KeyError {
     /// The key is absent: no such field, header, or a null Kafka key.
     Missing(String),
     /// The field exists but is not a string or a number.
@@ -62,7 +62,7 @@ impl KeySource {
     }
 
     /// The JSON pointers this key reads.
-    pub fn json_pointers(&self, out: &mut Vec<String>) {
+    pub(crate) fn json_pointers(&self, out: &mut Vec<String>) {
         match self {
             KeySource::JsonPointer(p) if !out.contains(p) => {
                 out.push(p.clone());
@@ -73,7 +73,7 @@ impl KeySource {
     }
 
     /// Whether this key needs the decoded JSON value.
-    pub fn needs_json(&self) -> bool {
+    pub(crate) fn needs_json(&self) -> bool {
         match self {
             KeySource::JsonPointer(_) => true,
             KeySource::Composite(parts) => parts.iter().any(|p| p.needs_json()),
@@ -86,7 +86,7 @@ impl KeySource {
     /// # Errors
     /// [`KeyError::Missing`] when the field, header or Kafka key is absent or null;
     /// [`KeyError::WrongType`] when a JSON field is not a string or number.
-    pub fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+    pub(crate) fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
         out.clear();
         self.append(record, out)
     }

@@ -5,18 +5,18 @@
 //! partition's state stores. Processors are created per task (per source partition), so
 //! they may keep scratch buffers without locks.
 
-pub mod codec;
-pub mod dedup;
-pub mod enrich;
-pub mod expr;
-pub mod fingerprint;
-pub mod json_scan;
-pub mod key;
-pub mod record;
-pub mod repartition;
-pub mod route;
-pub mod stages;
-pub mod transform;
+pub(crate) mod codec;
+pub(crate) mod dedup;
+pub(crate) mod enrich;
+pub(crate) mod expr;
+pub(crate) mod fingerprint;
+pub(crate) mod json_scan;
+pub(crate) mod key;
+pub(crate) mod record;
+pub(crate) mod repartition;
+pub(crate) mod route;
+pub(crate) mod stages;
+pub(crate) mod transform;
 
 pub use record::{OutRecord, Record, SourceMeta};
 
@@ -88,7 +88,7 @@ impl Counts {
 }
 
 /// The state stores of one task, by store name.
-pub type Stores = BTreeMap<String, StagedStore>;
+pub(crate) type Stores = BTreeMap<String, StagedStore>;
 
 /// What a processor may touch while it handles a record.
 pub struct Context<'a> {
@@ -99,9 +99,9 @@ pub struct Context<'a> {
     /// The instance's lookup tables (enrich stages read them).
     pub(crate) tables: &'a crate::state::table::Tables,
     /// Wall-clock time in ms (the test driver's mock clock under test).
-    pub wall_clock_ms: i64,
+    pub(crate) wall_clock_ms: i64,
     /// The partition's stream time: the highest record timestamp seen (ms).
-    pub stream_time_ms: i64,
+    pub(crate) stream_time_ms: i64,
 }
 
 impl Context<'_> {

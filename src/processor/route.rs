@@ -72,7 +72,7 @@ impl RouteSpec {
 
 /// Writes each record to the topic its branch picks, and forwards it when a later stage
 /// exists (like a topic sink).
-pub struct Route {
+pub(crate) struct Route {
     name: String,
     spec: RouteSpec,
     proj: Option<Arc<[String]>>,
@@ -86,7 +86,13 @@ pub struct Route {
 
 impl Route {
     /// A route stage; `json`: the source is JSON; `forward`: not the last stage.
-    pub fn new(topology: &str, name: &str, spec: RouteSpec, json: bool, forward: bool) -> Self {
+    pub(crate) fn new(
+        topology: &str,
+        name: &str,
+        spec: RouteSpec,
+        json: bool,
+        forward: bool,
+    ) -> Self {
         let (proj, tree) = plan(json, spec.branches.iter().map(|b| &b.when));
         Route {
             name: name.to_string(),
@@ -102,7 +108,7 @@ impl Route {
     /// Write values in each topic's format, the source being in `source` format (see
     /// [`super::codec::encode_for_sink`]); a record whose view does not encode goes to the
     /// dead-letter topic.
-    pub fn with_codecs(
+    pub(crate) fn with_codecs(
         mut self,
         source: crate::codec::Format,
         topics: Vec<(String, crate::codec::Format)>,

@@ -42,13 +42,13 @@ pub(crate) fn prepare(stage: &str, record: &mut Record, json: bool) -> Result<()
 
 /// Settings of a filter stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FilterSpec {
+pub(crate) struct FilterSpec {
     /// Records for which it is true go on; false ones are dropped (counted as `filtered`).
-    pub predicate: Predicate,
+    pub(crate) predicate: Predicate,
 }
 
 /// Keeps the records its predicate accepts.
-pub struct Filter {
+pub(crate) struct Filter {
     name: String,
     spec: FilterSpec,
     proj: Option<Arc<[String]>>,
@@ -59,7 +59,7 @@ pub struct Filter {
 
 impl Filter {
     /// A filter stage; `json` says the source value is JSON (decoded for the predicate).
-    pub fn new(topology: &str, name: &str, spec: FilterSpec, json: bool) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: FilterSpec, json: bool) -> Self {
         let (proj, tree) = plan(json, [&spec.predicate]);
         Filter {
             name: name.to_string(),
@@ -152,7 +152,7 @@ impl MapSpec {
 ///
 /// # Errors
 /// A sentence saying what is wrong.
-pub fn check_field_pointer(p: &str) -> Result<(), String> {
+pub(crate) fn check_field_pointer(p: &str) -> Result<(), String> {
     if !p.starts_with('/') || p.len() < 2 {
         return Err(format!(
             "field path {p:?} must be a JSON pointer such as /name or /a/b"
@@ -210,7 +210,7 @@ fn put(root: &mut Value, p: &str, v: Value) -> Result<(), String> {
 }
 
 /// Sets, renames and drops fields of a JSON object value.
-pub struct MapFields {
+pub(crate) struct MapFields {
     name: String,
     spec: MapSpec,
     proj: Option<Arc<[String]>>,
@@ -219,7 +219,7 @@ pub struct MapFields {
 
 impl MapFields {
     /// A map stage (its source must be JSON; `build()` checks).
-    pub fn new(topology: &str, name: &str, spec: MapSpec) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: MapSpec) -> Self {
         MapFields {
             name: name.to_string(),
             proj: projection(spec.set.iter().filter_map(|(_, f)| f.as_expr())),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// Default of how long the run loop may go without a turn before `/health` reports it
 /// stuck: 60 s (longer than any bounded wait inside one turn: a commit, a flush, a
 /// metadata request).
-pub const DEFAULT_STUCK_AFTER: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_STUCK_AFTER: Duration = Duration::from_secs(60);
 
 /// The phase of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +44,7 @@ pub struct Restoring {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Partitions {
     /// Whether the group has given this instance an assignment yet (maybe empty).
-    pub assigned_once: bool,
+    pub(crate) assigned_once: bool,
     /// Assigned partitions that run the topology: of the source topic, or of the
     /// repartition topic with a repartition hop.
     pub assigned: Vec<i32>,
@@ -55,7 +55,7 @@ pub struct Partitions {
     /// previous owner's open transaction to end, or not planned yet).
     pub waiting: Vec<i32>,
     /// Routed source partitions (as in `routing`) not resumed yet (until the next plan).
-    pub routing_waiting: Vec<(String, i32)>,
+    pub(crate) routing_waiting: Vec<(String, i32)>,
     /// Store partitions being restored.
     pub restoring: Vec<Restoring>,
 }
@@ -91,15 +91,15 @@ impl Default for Status {
 
 /// What `/health` answers.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Health {
+pub(crate) struct Health {
     /// 200 when true, 503 otherwise.
-    pub healthy: bool,
+    pub(crate) healthy: bool,
     /// The phase.
-    pub phase: Phase,
+    pub(crate) phase: Phase,
     /// Milliseconds since the run loop's last turn (`None` before the first).
-    pub since_last_turn_ms: Option<u64>,
+    pub(crate) since_last_turn_ms: Option<u64>,
     /// The fatal error, if the run failed.
-    pub failure: Option<String>,
+    pub(crate) failure: Option<String>,
 }
 
 impl Status {
@@ -117,7 +117,7 @@ impl Status {
     }
 
     /// The run loop turned (one relaxed atomic store).
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         let ms = self.started.elapsed().as_millis() as u64;
         self.last_turn_ms.store(ms, Ordering::Relaxed);
         if self.phase() == Phase::Starting {

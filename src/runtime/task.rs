@@ -63,7 +63,7 @@ pub struct Task {
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
 /// tombstone) and changelog offset.
-pub type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
+pub(crate) type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
 
 impl Task {
     /// Create the task for `partition` of the topology's source, opening its stores.
@@ -162,7 +162,7 @@ impl Task {
     }
 
     /// Whether this is a router task ([`Task::router`]).
-    pub fn is_router(&self) -> bool {
+    pub(crate) fn is_router(&self) -> bool {
         self.router.is_some()
     }
 
@@ -184,7 +184,7 @@ impl Task {
     }
 
     /// Highest record time seen (ms), `i64::MIN` before the first record.
-    pub fn stream_time(&self) -> i64 {
+    pub(crate) fn stream_time(&self) -> i64 {
         self.stream_time
     }
 
@@ -339,7 +339,7 @@ impl Task {
     ///
     /// # Errors
     /// A store failure.
-    pub fn punctuate(&mut self, wall_ms: i64) -> Result<()> {
+    pub(crate) fn punctuate(&mut self, wall_ms: i64) -> Result<()> {
         if self.is_restoring() {
             return Ok(());
         }
@@ -362,7 +362,7 @@ impl Task {
 
     /// Visit every staged write, store by store, in first-write order: the changelog
     /// records of this commit.
-    pub fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+    pub(crate) fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
         for (name, s) in &self.stores {
             for (k, v) in s.pending() {
                 f(name, k, v);
@@ -402,7 +402,11 @@ impl Task {
 
     /// Visit every write sealed for commit `epoch`, store by store, in first-write order:
     /// that commit's changelog records.
-    pub fn for_each_sealed_write(&self, epoch: u64, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+    pub(crate) fn for_each_sealed_write(
+        &self,
+        epoch: u64,
+        mut f: impl FnMut(&str, &[u8], Option<&[u8]>),
+    ) {
         for (name, s) in &self.stores {
             for (k, v) in s.sealed(epoch) {
                 f(name, k, v);
@@ -464,7 +468,7 @@ impl Task {
     ///
     /// # Errors
     /// A store failure.
-    pub fn apply_restore(
+    pub(crate) fn apply_restore(
         &mut self,
         store: &str,
         records: Vec<ChangelogRecord>,
@@ -573,7 +577,7 @@ impl Task {
     ///
     /// # Errors
     /// The engine's write error.
-    pub fn sync_stores(&mut self) -> Result<()> {
+    pub(crate) fn sync_stores(&mut self) -> Result<()> {
         for s in self.stores.values_mut() {
             s.sync()?;
         }
@@ -581,7 +585,7 @@ impl Task {
     }
 
     /// Number of staged (uncommitted) store writes.
-    pub fn pending_writes(&self) -> usize {
+    pub(crate) fn pending_writes(&self) -> usize {
         self.stores.values().map(|s| s.pending_len()).sum()
     }
 
@@ -589,7 +593,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::Topology`] for an unknown store; [`Error::State`] when the read fails.
-    pub fn store_get(&self, store: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn store_get(&self, store: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.stores
             .get(store)
             .ok_or_else(|| Error::Topology {
@@ -608,7 +612,7 @@ fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64)
 /// headers as read, plus the `onceflow.dlq.*` headers naming source and reason. A record
 /// read from a repartition topic is named by its original source (its
 /// `onceflow.source.*` headers), not by its repartition coordinates.
-pub fn dead_letter(
+pub(crate) fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
     key: Option<Bytes>,

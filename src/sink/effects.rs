@@ -176,7 +176,7 @@ impl Effector {
     }
 
     /// Whether this is a PostgreSQL effect (which can carry its inbox row).
-    pub fn is_postgres(&self) -> bool {
+    pub(crate) fn is_postgres(&self) -> bool {
         matches!(self.kind, Kind::Postgres { .. })
     }
 
@@ -495,7 +495,7 @@ const REDIS_RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// RPUSH, LPUSHX, RPUSHX, APPEND, PUBLISH, LPOP, RPOP, SPOP, LMOVE, EVAL, ...) counts as not
 /// idempotent, and so does `ZADD ... INCR`. EXPIRE and PEXPIRE are on the list although a
 /// repeat restarts the relative expiry.
-pub fn redis_command_is_idempotent(args: &[Vec<u8>]) -> bool {
+pub(crate) fn redis_command_is_idempotent(args: &[Vec<u8>]) -> bool {
     let Some(name) = args.first() else {
         return false;
     };

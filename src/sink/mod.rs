@@ -31,18 +31,19 @@
 //! at once per partition, keeping the order of records with the same key, and the task waits
 //! for all of them before each commit ([`crate::processor::Processor::flush`]).
 
-pub mod effects;
-pub mod protocol;
-pub mod stage;
-pub mod store;
-pub mod template;
+pub(crate) mod effects;
+pub(crate) mod protocol;
+pub(crate) mod stage;
+pub(crate) mod store;
+pub(crate) mod template;
 
 use crate::codec::Format;
 use crate::processor::key::KeySource;
-pub use protocol::{EffectError, EffectOutcome, InFlight, OnStoreError, ReservationPolicy};
+pub use protocol::OnStoreError;
+pub use protocol::{InFlight, ReservationPolicy};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-pub use template::Template;
+pub(crate) use template::Template;
 
 /// A setting that may be a secret: given inline, or read from an environment variable when
 /// the sink connects. `describe` and errors print only `env:NAME` or `<inline>`, never the
@@ -221,7 +222,7 @@ impl StoreSpec {
 
 /// How the idempotency key is made.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyRule {
+pub(crate) enum KeyRule {
     /// A template over the record.
     Template(Template),
     /// The key of the dedup stage upstream (the default when there is one).
@@ -236,7 +237,7 @@ pub struct ExternalSinkSpec {
     /// Key template; `None` = the default (dedup key upstream, else topic-partition-offset).
     pub key: Option<String>,
     /// Filled by `build()`: the key rule in force.
-    pub resolved_key: Option<KeyRule>,
+    pub(crate) resolved_key: Option<KeyRule>,
     /// Longest key accepted, in bytes (default 1024).
     pub max_key_bytes: usize,
     /// The idempotency store.
@@ -269,7 +270,7 @@ impl ExternalSinkSpec {
     }
 
     /// The JSON pointers its templates read.
-    pub fn json_pointers(&self, out: &mut Vec<String>) {
+    pub(crate) fn json_pointers(&self, out: &mut Vec<String>) {
         let mut push = |t: &str| {
             if let Ok(t) = Template::parse(t) {
                 t.json_pointers(out);
@@ -479,7 +480,7 @@ pub fn redis_prefix(scope: &str) -> String {
 /// with state dir `state_dir`: `<state.dir>/idempotency/<application.id>`, next to the
 /// dedup stores' database `<state.dir>/<application.id>`. One sled database for all the
 /// application's sinks, one tree per topology and sink.
-pub fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
+pub(crate) fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
     state_dir.join("idempotency").join(application_id)
 }
 
@@ -504,7 +505,7 @@ impl ExternalSinkSpec {
 }
 
 /// The longest an HTTP effect can take: every try timing out, plus the backoffs between.
-pub fn http_worst_case(h: &HttpSpec) -> Duration {
+pub(crate) fn http_worst_case(h: &HttpSpec) -> Duration {
     let mut total = h.timeout * (h.retries + 1);
     let mut pause = h.backoff;
     for _ in 0..h.retries {
@@ -522,7 +523,7 @@ pub fn http_worst_case(h: &HttpSpec) -> Duration {
 /// # Errors
 /// [`crate::error::Error::Config`] naming the stage, the field and the variable (never a
 /// value).
-pub fn preflight<'a>(
+pub(crate) fn preflight<'a>(
     sinks: impl IntoIterator<Item = (&'a str, &'a ExternalSinkSpec)>,
 ) -> Result<(), crate::error::Error> {
     let mut errs = Vec::new();
@@ -588,7 +589,7 @@ pub fn preflight<'a>(
 
 /// The shared runtime on which every external effect runs (two worker threads, started on
 /// first use).
-pub fn runtime() -> &'static tokio::runtime::Runtime {
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()

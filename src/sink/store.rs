@@ -256,21 +256,21 @@ type Entries = HashMap<Vec<u8>, Vec<u8>>;
 /// In-process store for tests: a map behind a mutex, with real time for leases. It can be
 /// set to fail the next `n` operations, to exercise `on_store_error`.
 #[derive(Default, Clone)]
-pub struct MemoryIdempotencyStore {
+pub(crate) struct MemoryIdempotencyStore {
     map: Arc<Mutex<Entries>>,
     fail_next: Arc<AtomicUsize>,
     /// Operations served (reserve, complete, release, lookup), failed or not.
-    pub ops: Arc<AtomicUsize>,
+    pub(crate) ops: Arc<AtomicUsize>,
 }
 
 impl MemoryIdempotencyStore {
     /// An empty store.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Fail the next `n` operations with a [`StoreError`].
-    pub fn fail_next(&self, n: usize) {
+    pub(crate) fn fail_next(&self, n: usize) {
         self.fail_next.store(n, Ordering::SeqCst);
     }
 
@@ -478,7 +478,7 @@ impl RedisIdempotencyStore {
 
     /// A fresh [`TransactionMark`] for `key` in a store with key prefix `prefix`, kept for
     /// `ttl` (the completed TTL).
-    pub fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
+    pub(crate) fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
         let mut k = prefix.to_vec();
         k.extend_from_slice(key);
         TransactionMark {

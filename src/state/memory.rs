@@ -9,7 +9,7 @@ type Shared = Arc<Mutex<(BTreeMap<Vec<u8>, Vec<u8>>, Option<i64>)>>;
 
 /// A [`KeyValueStore`] over a `BTreeMap`. Clones of one backend share their stores, so a
 /// store reopened after a simulated restart sees what was committed before.
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     name: String,
     data: Shared,
 }

@@ -129,19 +129,19 @@ impl Restorer {
     }
 
     /// First offset to read.
-    pub fn start_offset(&self) -> i64 {
+    pub(crate) fn start_offset(&self) -> i64 {
         self.start
     }
 
     /// The end captured when the restore started.
-    pub fn end_offset(&self) -> i64 {
+    pub(crate) fn end_offset(&self) -> i64 {
         self.end
     }
 
     /// The offsets `[from, to)` of changelog records deleted before this store read them
     /// (the log start was beyond the store's checkpoint), if any; logged as a warning when
     /// planned.
-    pub fn deleted_range(&self) -> Option<(i64, i64)> {
+    pub(crate) fn deleted_range(&self) -> Option<(i64, i64)> {
         self.deleted
     }
 
@@ -223,7 +223,7 @@ impl Restorer {
     }
 
     /// Log a progress line.
-    pub fn log_progress(&self) {
+    pub(crate) fn log_progress(&self) {
         let p = self.progress();
         tracing::info!(store = %self.store, partition = self.partition, done = p.done, total = p.total,
             remaining = p.remaining, rate = format!("{:.0}/s", p.rate), eta = format!("{:.1}s", p.eta_seconds),

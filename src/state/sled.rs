@@ -21,7 +21,7 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 }
 
 /// A [`KeyValueStore`] on one sled tree.
-pub struct SledStore {
+pub(crate) struct SledStore {
     name: String,
     tree: ::sled::Tree,
 }
@@ -410,7 +410,7 @@ impl SledBackend {
 
     /// The partitions of `store` that have a tree in this database, ascending. Read-only:
     /// for inspection tools, which must not create trees.
-    pub fn stored_partitions(&self, store: &str) -> Vec<i32> {
+    pub(crate) fn stored_partitions(&self, store: &str) -> Vec<i32> {
         let prefix = format!("{store}-");
         let mut out: Vec<i32> = self
             .db

@@ -74,13 +74,13 @@ pub(super) struct Owned {
 
 /// A staged write taken back by [`StagedStore::withdraw`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Withdrawn {
+pub(crate) struct Withdrawn {
     /// Source offset of the record the write stood for.
-    pub owner: i64,
+    pub(crate) owner: i64,
     /// The key.
-    pub key: Bytes,
+    pub(crate) key: Bytes,
     /// The value that was staged (`None`: a delete).
-    pub written: Option<Bytes>,
+    pub(crate) written: Option<Bytes>,
 }
 
 /// A store with the writes of the open commit kept pending in memory.
@@ -233,7 +233,7 @@ impl StagedStore {
     }
 
     /// As [`StagedStore::stage`], with shared buffers.
-    pub fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
+    pub(crate) fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
         match self.pending.get_mut(&key) {
             Some(v) => *v = value,
             None => self.pending.insert_new(key, value),
@@ -318,19 +318,19 @@ impl StagedStore {
     }
 
     /// Whether a write of `key` is staged (in the open commit).
-    pub fn is_staged(&self, key: &[u8]) -> bool {
+    pub(crate) fn is_staged(&self, key: &[u8]) -> bool {
         self.pending.get(key).is_some()
     }
 
     /// Number of staged keys.
-    pub fn pending_len(&self) -> usize {
+    pub(crate) fn pending_len(&self) -> usize {
         self.pending.len()
     }
 
     /// Number of keys in the committed state, when the store knows it without a scan (a
     /// write-behind store whose engine was empty when opened, or keeps the count with its
     /// data as sled does).
-    pub fn known_len(&self) -> Option<u64> {
+    pub(crate) fn known_len(&self) -> Option<u64> {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
 
@@ -347,7 +347,10 @@ impl StagedStore {
     ///
     /// # Errors
     /// An engine read failure, or the first error `f` returns.
-    pub fn for_each_committed(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<()>) -> Result<()> {
+    pub(crate) fn for_each_committed(
+        &self,
+        mut f: impl FnMut(&[u8], &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let shadowed = |k: &[u8]| self.behind.as_ref().is_some_and(|b| b.resident.contains(k));
         let mut after: Option<Vec<u8>> = None;
         loop {
@@ -455,7 +458,7 @@ impl StagedStore {
     }
 
     /// Number of sealed batches (commits in flight holding writes of this store).
-    pub fn sealed_len(&self) -> usize {
+    pub(crate) fn sealed_len(&self) -> usize {
         self.sealed.len()
     }
 
@@ -484,7 +487,7 @@ impl StagedStore {
     }
 
     /// Number of records added by [`StagedStore::push_restored`] since the last flush.
-    pub fn restored_len(&self) -> usize {
+    pub(crate) fn restored_len(&self) -> usize {
         self.restored.len()
     }
 
@@ -493,7 +496,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`StagedStore::write_restored`].
-    pub fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         // The next step is likely as big as this one: no regrowing while it is read.
         let cap = self.restored.len();
         let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));

@@ -157,7 +157,7 @@ impl Writer {
     }
 
     /// Whether any [`WriterHold`] is alive.
-    pub fn is_held(&self) -> bool {
+    pub(crate) fn is_held(&self) -> bool {
         self.gate.lock().holds > 0
     }
 

@@ -18,7 +18,7 @@ use crate::processor::transform::{Filter, FilterSpec, MapFields, MapSpec};
 use crate::processor::Processor;
 use crate::processor::Record;
 
-pub use crate::codec::{Format, ProtoFormat};
+pub(crate) use crate::codec::{Format, ProtoFormat};
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.
@@ -51,7 +51,7 @@ pub enum StageKind {
 
 impl StageKind {
     /// The kind as written in topology files (`dedup`, `sink`, ...).
-    pub fn kind_name(&self) -> &'static str {
+    pub(crate) fn kind_name(&self) -> &'static str {
         match self {
             StageKind::Dedup(_) => "dedup",
             StageKind::Sink(_) => "sink",
@@ -64,7 +64,7 @@ impl StageKind {
     }
 
     /// Topics this stage writes (sinks, routes, a dedup's duplicate topic), in order.
-    pub fn output_topics(&self) -> Vec<String> {
+    pub(crate) fn output_topics(&self) -> Vec<String> {
         match self {
             StageKind::Sink(k) => k.topics.clone(),
             StageKind::Route(r) => r.topics(),
@@ -100,7 +100,11 @@ impl Topology {
     /// This topology with its external sinks' local stores bound to an instance's state
     /// dir (see [`crate::sink::ExternalSinkSpec::bind_state_dir`]); `App::run` calls it with
     /// `state.dir` and `application.id`.
-    pub fn with_state_dir(mut self, state_dir: &std::path::Path, application_id: &str) -> Topology {
+    pub(crate) fn with_state_dir(
+        mut self,
+        state_dir: &std::path::Path,
+        application_id: &str,
+    ) -> Topology {
         for st in &mut self.stages {
             if let StageKind::External(spec) = &mut st.kind {
                 spec.bind_state_dir(state_dir, application_id);
@@ -167,7 +171,7 @@ impl Topology {
     }
 
     /// The JSON pointers the stages read, for decoding without a tree.
-    pub fn json_pointers(&self) -> Vec<String> {
+    pub(crate) fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();
         for s in &self.stages {
             match &s.kind {
@@ -190,7 +194,7 @@ impl Topology {
 
     /// Topics the stages write (sinks, routes, duplicate topics), in order, without
     /// repeats; the runtime creates the missing ones before the run.
-    pub fn sink_topics(&self) -> Vec<String> {
+    pub(crate) fn sink_topics(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         for s in &self.stages {
             for t in s.kind.output_topics() {

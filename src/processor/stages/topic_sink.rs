@@ -57,7 +57,7 @@ type Headers = Vec<(String, Option<bytes::Bytes>)>;
 /// headers possibly computed), and forwards it when a later stage exists. A key or header
 /// that cannot be computed sends the record to the dead-letter topic, and nothing is
 /// written for it.
-pub struct TopicSink {
+pub(crate) struct TopicSink {
     name: String,
     spec: SinkSpec,
     proj: Option<std::sync::Arc<[String]>>,
@@ -72,7 +72,7 @@ impl TopicSink {
     /// A sink stage; `json`: the source is JSON (decoded for key and header expressions);
     /// `forward` is false for the last stage, which then moves the record out instead of
     /// copying it.
-    pub fn new(name: &str, spec: &SinkSpec, json: bool, forward: bool) -> Self {
+    pub(crate) fn new(name: &str, spec: &SinkSpec, json: bool, forward: bool) -> Self {
         let (proj, tree) = plan(
             json,
             spec.key.iter().chain(spec.headers.iter().map(|(_, f)| f)),
@@ -91,7 +91,7 @@ impl TopicSink {
     /// being in `source` format (see [`crate::processor::codec::encode_for_sink`]); without this the
     /// value bytes pass as they are. A record whose view does not encode goes to the
     /// dead-letter topic, and nothing is written for it.
-    pub fn with_codecs(
+    pub(crate) fn with_codecs(
         mut self,
         source: crate::codec::Format,
         sinks: Vec<crate::codec::Format>,
