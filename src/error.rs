@@ -7,7 +7,7 @@ use std::fmt;
 
 /// Who caused an error, so an operator knows where to look (the Arroyo habit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The user's config, topology file or input data.
     User,
     /// A system outside onceflow: the broker, the disk, a sink.
@@ -19,7 +19,7 @@ pub enum Fault {
 impl Fault {
     /// What an operator does about an error of this kind, for the last line `onceflow run`
     /// prints before it exits.
-    pub fn hint(self) -> &'static str {
+    pub(crate) fn hint(self) -> &'static str {
         match self {
             Fault::User => "fix the config or topology named above and start again",
             Fault::External => {
@@ -31,7 +31,7 @@ impl Fault {
 
     /// The exit code of `onceflow run` for an error of this kind: 2 for the user's config or
     /// topology (as for errors found before the run starts), 1 otherwise.
-    pub fn exit_code(self) -> u8 {
+    pub(crate) fn exit_code(self) -> u8 {
         match self {
             Fault::User => 2,
             Fault::External | Fault::Internal => 1,
@@ -88,7 +88,7 @@ pub enum Error {
 
 impl Error {
     /// Who is at fault for this error.
-    pub fn fault(&self) -> Fault {
+    pub(crate) fn fault(&self) -> Fault {
         match self {
             Error::Config(_) | Error::Topology { .. } => Fault::User,
             Error::State { .. }
@@ -159,7 +159,7 @@ pub struct RecordError {
 
 impl RecordError {
     /// A record error raised by `stage`.
-    pub fn new(stage: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn new(stage: impl Into<String>, reason: impl Into<String>) -> Self {
         RecordError {
             stage: stage.into(),
             reason: reason.into(),

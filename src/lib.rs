@@ -104,4 +104,10 @@ pub mod __testkit {
     pub use crate::state::restore::{changelog_topic, ChangelogRecord, Restorer};
     pub use crate::state::table::{apply_records, MemoryTable, TableEngine, TableRecord, Tables};
     pub use crate::state::{MemoryBackend, SledBackend, StateBackend};
+
+    /// Build the processors of `topology`'s stages (what a task does on assignment) and
+    /// return how many there are; for tests that only check it does not panic.
+    pub fn instantiate(topology: &crate::Topology) -> usize {
+        topology.instantiate().len()
+    }
 }

@@ -307,7 +307,7 @@ fn must_not_panic(text: &str) {
             ] {
                 let _ = t.describe_as(f, "app");
             }
-            let _ = t.instantiate();
+            let _ = onceflow::__testkit::instantiate(&t);
         }
     }
 }

@@ -389,7 +389,7 @@ impl Admin {
     /// [`Error::Kafka`] when the request fails, [`Error::Broker`] naming the partition the
     /// broker refused (e.g. an offset beyond its high watermark). Not retried: the next
     /// purge asks again.
-    pub fn delete_records(&self, topic: &str, offsets: &[(i32, i64)]) -> Result<()> {
+    pub(crate) fn delete_records(&self, topic: &str, offsets: &[(i32, i64)]) -> Result<()> {
         let mut tpl = rdkafka::TopicPartitionList::new();
         for (p, o) in offsets {
             tpl.add_partition_offset(topic, *p, rdkafka::Offset::Offset(*o))

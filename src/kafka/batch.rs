@@ -45,7 +45,7 @@ impl<'a> BatchRecord<'a> {
     }
 
     /// The topic name, `None` when not UTF-8 (never for topics onceflow names).
-    pub fn topic(&self) -> Option<&'a str> {
+    pub(crate) fn topic(&self) -> Option<&'a str> {
         if self.msg.rkt.is_null() {
             return None;
         }
@@ -91,7 +91,7 @@ impl Drop for Batch {
 
 impl Batch {
     /// Records and errors taken.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
 

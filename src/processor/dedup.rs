@@ -39,7 +39,7 @@ pub struct DedupEntry {
 impl DedupEntry {
     /// The time the sweep counts this entry's expiry from, in ms: the later of its
     /// first-seen time and the stream time when it was written.
-    pub fn sweep_base_ms(&self) -> i64 {
+    pub(crate) fn sweep_base_ms(&self) -> i64 {
         self.written_stream_ms
             .map_or(self.first_seen_ms, |w| w.max(self.first_seen_ms))
     }

@@ -78,7 +78,7 @@ impl FingerprintFields {
     }
 
     /// The pointers tokenized, ready to hash records.
-    pub fn compile(&self) -> Fingerprinter {
+    pub(crate) fn compile(&self) -> Fingerprinter {
         let toks = |v: &[String]| v.iter().map(|p| super::json_scan::tokens(p)).collect();
         Fingerprinter {
             cover: toks(&self.cover),

@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 
 /// Why a processor stopped on a record.
 #[derive(Debug)]
-pub enum StageError {
+pub(crate) enum StageError {
     /// Something about this record: it is dead-lettered and processing goes on.
     Record(RecordError),
     /// Something about the system (a store failed): processing of the batch stops.
@@ -91,7 +91,7 @@ impl Counts {
 pub(crate) type Stores = BTreeMap<String, StagedStore>;
 
 /// What a processor may touch while it handles a record.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     pub(crate) stores: &'a mut Stores,
     pub(crate) forwarded: &'a mut Vec<Record>,
     pub(crate) emitted: &'a mut Vec<OutRecord>,
@@ -106,12 +106,12 @@ pub struct Context<'a> {
 
 impl Context<'_> {
     /// Send `record` on to the next stage.
-    pub fn forward(&mut self, record: Record) {
+    pub(crate) fn forward(&mut self, record: Record) {
         self.forwarded.push(record);
     }
 
     /// Write `record` to a topic; it becomes durable with the task's next commit.
-    pub fn emit(&mut self, record: OutRecord) {
+    pub(crate) fn emit(&mut self, record: OutRecord) {
         self.counts.records_out += 1;
         self.emitted.push(record);
     }
@@ -121,7 +121,7 @@ impl Context<'_> {
     /// # Errors
     /// [`Error::Topology`] when no such store was declared (a topology bug, caught by
     /// `build()` for built-in stages).
-    pub fn store(&mut self, name: &str) -> Result<&mut StagedStore, Error> {
+    pub(crate) fn store(&mut self, name: &str) -> Result<&mut StagedStore, Error> {
         self.stores.get_mut(name).ok_or_else(|| Error::Topology {
             node: name.to_string(),
             reason: "no such state store in this task".into(),
@@ -129,13 +129,13 @@ impl Context<'_> {
     }
 
     /// Totals for the run summary.
-    pub fn counts(&mut self) -> &mut Counts {
+    pub(crate) fn counts(&mut self) -> &mut Counts {
         self.counts
     }
 }
 
 /// A stage of a topology: one required method, called once per record.
-pub trait Processor: Send {
+pub(crate) trait Processor: Send {
     /// Handle `record`: forward, emit, or drop it.
     ///
     /// # Errors

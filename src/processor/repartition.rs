@@ -155,7 +155,7 @@ pub(crate) fn unrouted(
 /// the dedup stage on the repartition topic dead-letters it there, naming the original
 /// source record.
 #[derive(Debug, Clone)]
-pub struct Router {
+pub(crate) struct Router {
     key: KeySource,
     format: crate::codec::Format,
     topic: String,
@@ -167,7 +167,7 @@ pub struct Router {
 impl Router {
     /// The router for a dedup stage keyed by `key`, reading `format` values, writing to
     /// `topic` with `partitions` partitions (≥ 1).
-    pub fn new(key: KeySource, format: crate::codec::Format, topic: &str, partitions: i32) -> Self {
+    pub(crate) fn new(key: KeySource, format: crate::codec::Format, topic: &str, partitions: i32) -> Self {
         let mut pointers = Vec::new();
         key.json_pointers(&mut pointers);
         let tokens = pointers
@@ -185,12 +185,12 @@ impl Router {
     }
 
     /// The repartition topic.
-    pub fn topic(&self) -> &str {
+    pub(crate) fn topic(&self) -> &str {
         &self.topic
     }
 
     /// The repartition record of `record` (see [`route`] and the type's docs).
-    pub fn route(&self, mut record: Record) -> OutRecord {
+    pub(crate) fn route(&self, mut record: Record) -> OutRecord {
         use crate::codec::Format;
         if self.key.needs_json() {
             match (&self.format, record.value.as_deref()) {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteBranch {
     /// The predicate.
-    pub when: Predicate,
+    pub(crate) when: Predicate,
     /// The destination topic.
     pub topic: String,
 }

@@ -100,7 +100,7 @@ impl Processor for Filter {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MapSpec {
     /// Computed fields: pointer and function.
-    pub set: Vec<(String, Computed)>,
+    pub(crate) set: Vec<(String, Computed)>,
     /// Renames: from pointer, to pointer.
     pub rename: Vec<(String, String)>,
     /// Pointers of fields to remove.

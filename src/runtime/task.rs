@@ -127,7 +127,7 @@ impl Task {
     /// hop: it runs no stage and has no store; each record becomes one repartition record
     /// ([`Router::route`](crate::processor::repartition::Router::route)), sent and committed
     /// like any output, and the stages run on the repartition topic's partitions.
-    pub fn router(
+    pub(crate) fn router(
         topology: &Topology,
         partition: i32,
         router: crate::processor::repartition::Router,
@@ -174,12 +174,12 @@ impl Task {
     }
 
     /// The source partition.
-    pub fn partition(&self) -> i32 {
+    pub(crate) fn partition(&self) -> i32 {
         self.partition
     }
 
     /// Offset of the next record to process: what the next commit stores for this partition.
-    pub fn position(&self) -> Option<i64> {
+    pub(crate) fn position(&self) -> Option<i64> {
         self.position
     }
 
@@ -194,7 +194,7 @@ impl Task {
     }
 
     /// The task's span (`task{topology, partition, stores}`).
-    pub fn span(&self) -> &tracing::Span {
+    pub(crate) fn span(&self) -> &tracing::Span {
         &self.span
     }
 
@@ -206,7 +206,7 @@ impl Task {
     }
 
     /// The task's stores.
-    pub fn stores(&self) -> &Stores {
+    pub(crate) fn stores(&self) -> &Stores {
         &self.stores
     }
 
@@ -391,7 +391,7 @@ impl Task {
     /// Seal every store's staged writes as the batch of at_least_once commit `epoch`, which
     /// is now in flight: they stay readable and can no longer be withdrawn; the next
     /// records stage into fresh batches. [`Task::commit_sealed`] applies them.
-    pub fn seal(&mut self, epoch: u64) {
+    pub(crate) fn seal(&mut self, epoch: u64) {
         for s in self.stores.values_mut() {
             s.seal(epoch);
         }
@@ -420,7 +420,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::State`] when a store write fails.
-    pub fn commit_sealed(
+    pub(crate) fn commit_sealed(
         &mut self,
         epoch: u64,
         changelog_offset: impl Fn(&str) -> Option<i64>,
@@ -497,7 +497,7 @@ impl Task {
 
     /// As [`Task::restore_record`] for each of `records` (key, value, offset; in log
     /// order), finding the store once. Returns how many were taken.
-    pub fn restore_records(&mut self, store: &str, records: &[RestoreRecord<'_>]) -> u64 {
+    pub(crate) fn restore_records(&mut self, store: &str, records: &[RestoreRecord<'_>]) -> u64 {
         let Some(r) = self.restorers.iter().find(|r| r.store() == store) else {
             return 0;
         };
@@ -556,13 +556,13 @@ impl Task {
     }
 
     /// The restores in progress.
-    pub fn restorers(&self) -> &[Restorer] {
+    pub(crate) fn restorers(&self) -> &[Restorer] {
         &self.restorers
     }
 
     /// Drop every store's staged writes and forget the position: the caller rewinds the
     /// partition to its committed offset.
-    pub fn abort(&mut self, committed: Option<i64>) {
+    pub(crate) fn abort(&mut self, committed: Option<i64>) {
         for s in self.stores.values_mut() {
             s.abort();
         }

@@ -281,7 +281,7 @@ impl Effector {
     /// # Errors
     /// As [`Effector::run`]; [`EffectError::unknown`] when the record cannot be read back
     /// within the retry window after a lost reply.
-    pub async fn run_redis_in_transaction(
+    pub(crate) async fn run_redis_in_transaction(
         &self,
         prep: &Prepared,
         mark: &TransactionMark,

@@ -145,7 +145,7 @@ impl EffectOutcome {
     }
 
     /// The effect's result (run now or stored).
-    pub fn result(&self) -> &[u8] {
+    pub(crate) fn result(&self) -> &[u8] {
         match self {
             EffectOutcome::Done(r)
             | EffectOutcome::SkippedDuplicate(r)

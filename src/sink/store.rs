@@ -136,7 +136,7 @@ fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
 /// The map under a local store (memory, sled): the few operations the reservation steps
 /// are made of. The steps themselves are written once, in the [`IdempotencyStore`]
 /// implementation for every `LocalMap`, over the entry encoding above.
-pub trait LocalMap: Send + Sync {
+pub(crate) trait LocalMap: Send + Sync {
     /// Called once at the start of every store operation (the memory store counts
     /// operations and fails injected ones here).
     ///
@@ -426,13 +426,13 @@ pub(crate) const RELEASE_LUA: &str =
 /// nonce), so after a lost reply the sink can read whether *this* attempt ran. Once the
 /// reply is in, the reservation protocol overwrites it with the command's real result.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransactionMark {
+pub(crate) struct TransactionMark {
     /// The Redis key of the idempotency record: the store's prefix + the idempotency key.
-    pub key: Vec<u8>,
+    pub(crate) key: Vec<u8>,
     /// The record: `C` (completed) + `transaction <nonce>`.
-    pub value: Vec<u8>,
+    pub(crate) value: Vec<u8>,
     /// Its time to live, in milliseconds (the completed TTL).
-    pub ttl_ms: u64,
+    pub(crate) ttl_ms: u64,
 }
 
 impl RedisIdempotencyStore {

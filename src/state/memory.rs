@@ -77,7 +77,7 @@ pub struct MemoryBackend {
 
 impl MemoryBackend {
     /// Forget every store, as if the state dir were deleted.
-    pub fn wipe(&self) {
+    pub(crate) fn wipe(&self) {
         self.stores.lock().expect("memory backend lock").clear();
     }
 }

@@ -38,15 +38,15 @@ use std::sync::{Arc, Condvar, Mutex};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WriteBatch {
     /// Puts (`Some`) and deletes (`None`) in order; a later op on a key wins.
-    pub ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    pub(crate) ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     /// The changelog offset these writes reached, stored in the same batch (restore resumes
     /// from it). `None` leaves the stored offset as it was.
-    pub changelog_offset: Option<i64>,
+    pub(crate) changelog_offset: Option<i64>,
 }
 
 impl WriteBatch {
     /// Whether the batch has nothing to write.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.ops.is_empty() && self.changelog_offset.is_none()
     }
 }

@@ -283,7 +283,7 @@ impl SledBackend {
     /// # Errors
     /// As [`SledBackend::open`] for failures that are not corruption (a lock held, no
     /// space, no permission); [`Error::Io`] when the corrupted database cannot be renamed.
-    pub fn open_checked(dir: &Path) -> Result<SledBackend> {
+    pub(crate) fn open_checked(dir: &Path) -> Result<SledBackend> {
         let why = match Self::open_and_check(dir) {
             Ok(b) => return Ok(b),
             Err(Damage::Other(e)) => return Err(e),
@@ -374,7 +374,7 @@ impl SledBackend {
     /// # Errors
     /// [`Error::State`] when a tree cannot be read; [`Error::Io`] when the seal cannot be
     /// written.
-    pub fn seal(&self) -> Result<()> {
+    pub(crate) fn seal(&self) -> Result<()> {
         self.db
             .flush()
             .map_err(|e| Error::state(self.path.display().to_string(), e))?;
@@ -404,7 +404,7 @@ impl SledBackend {
     }
 
     /// Path of the database directory.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 

@@ -99,7 +99,7 @@ pub(crate) struct Withdrawn {
 /// changelog (its stored offset is older). Memory: at most [`UNPERSISTED_OPS`] ops wait
 /// for the engine (then commit waits), and persisted entries stay resident up to
 /// [`RESIDENT_ENTRIES`].
-pub struct StagedStore {
+pub(crate) struct StagedStore {
     pub(super) inner: Arc<dyn KeyValueStore>,
     pub(super) pending: Staged,
     pub(super) behind: Option<Behind>,
@@ -142,7 +142,7 @@ impl Arena {
 impl StagedStore {
     /// Wrap an engine; committed batches are written behind by `writer` if given, else
     /// synchronously.
-    pub fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
         let behind = writer.map(|w| Behind::new(w, inner.as_ref()));
         StagedStore {
             inner,
@@ -156,7 +156,7 @@ impl StagedStore {
     }
 
     /// Name of the underlying store.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         self.inner.name()
     }
 
@@ -188,7 +188,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
-    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         Ok(self.lookup(key)?.map(|b| b.to_vec()))
     }
 
@@ -196,7 +196,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
-    pub fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
+    pub(crate) fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
@@ -217,12 +217,12 @@ impl StagedStore {
     }
 
     /// Stage a put (`Some`) or delete (`None`) of `key`.
-    pub fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+    pub(crate) fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
         self.stage_copy(&key, value.as_deref());
     }
 
     /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
-    pub fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
         let value = value.map(|v| self.arena.copy(v));
         if let Some(v) = self.pending.get_mut(key) {
             *v = value;
@@ -243,7 +243,7 @@ impl StagedStore {
     /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
     /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
     /// it back if that record ends in the dead-letter topic.
-    pub fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
         let written = value.map(|v| self.arena.copy(v));
         let (key, before) = match self.pending.index.get(key) {
             Some(&i) => {
@@ -271,7 +271,7 @@ impl StagedStore {
     /// no changelog record and no engine write for it. A write that a later one replaced
     /// (the key written again since) stays replaced, and the later write, if withdrawn in
     /// turn, goes back to what the key held before both. Returns the writes taken back.
-    pub fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
+    pub(crate) fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
         let mut out = Vec::new();
         if !self.owned.iter().any(|o| o.owner == owner) {
             return out;
@@ -313,7 +313,7 @@ impl StagedStore {
     /// Forget which source records the staged writes stand for: they can no longer be
     /// withdrawn (the task calls it after each record when no stage can fail a record
     /// later, at the commit).
-    pub fn settle(&mut self) {
+    pub(crate) fn settle(&mut self) {
         self.owned.clear();
     }
 
@@ -336,7 +336,7 @@ impl StagedStore {
 
     /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
     /// removing them.
-    pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+    pub(crate) fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
     }
 
@@ -380,7 +380,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// The engine's write error.
-    pub fn sync(&mut self) -> Result<()> {
+    pub(crate) fn sync(&mut self) -> Result<()> {
         match &self.behind {
             None => Ok(()),
             Some(b) => b.sync(self.inner.name()),
@@ -393,7 +393,7 @@ impl StagedStore {
     /// As [`KeyValueStore::write`] (for this batch or, written behind, an earlier one); the
     /// staged writes are dropped either way, since the runtime stops or rewinds on any
     /// failure.
-    pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         let cap = self.pending.len().clamp(4096, 1 << 20);
         let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
         self.owned.clear();
@@ -414,7 +414,7 @@ impl StagedStore {
     /// `runtime::commit`): they stay readable, can no longer be withdrawn, and are written
     /// by [`StagedStore::commit_sealed`] once their changelog records are durable; new
     /// writes are staged in a fresh batch meanwhile. Nothing staged: nothing sealed.
-    pub fn seal(&mut self, epoch: u64) {
+    pub(crate) fn seal(&mut self, epoch: u64) {
         self.owned.clear();
         if self.pending.ops.is_empty() {
             return;
@@ -426,7 +426,7 @@ impl StagedStore {
 
     /// The writes sealed for commit `epoch` (none unless it is the oldest sealed batch), in
     /// first-write order.
-    pub fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+    pub(crate) fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.sealed
             .front()
             .filter(|(e, _)| *e == epoch)
@@ -439,7 +439,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`StagedStore::commit`].
-    pub fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
         let ops = match self.sealed.front() {
             Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
             _ => None,
@@ -468,7 +468,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// The engine's write error (for this batch or, written behind, an earlier one).
-    pub fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
+    pub(crate) fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
         for (k, v) in &batch.ops {
             self.push_restored(k, v.as_deref());
         }
@@ -477,7 +477,7 @@ impl StagedStore {
 
     /// Add one changelog record (in log order) to the restored batch being built; copied.
     /// Nothing must be staged meanwhile.
-    pub fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
         if self.restored.capacity() == 0 {
             self.restored.reserve(4096);
         }
@@ -507,7 +507,7 @@ impl StagedStore {
     }
 
     /// Make room in memory for `n` more committed keys (a restore about to write them).
-    pub fn reserve(&mut self, n: usize) {
+    pub(crate) fn reserve(&mut self, n: usize) {
         if let Some(b) = &mut self.behind {
             let n = n.min(b.resident_max);
             b.resident.reserve(n);
@@ -518,7 +518,7 @@ impl StagedStore {
     }
 
     /// Drop the staged and sealed writes (the commit failed or was aborted).
-    pub fn abort(&mut self) {
+    pub(crate) fn abort(&mut self) {
         self.pending.clear();
         self.owned.clear();
         self.sealed.clear();
@@ -527,7 +527,7 @@ impl StagedStore {
     /// Forget what is held in memory of the committed state and look at the engine again;
     /// call after [`StagedStore::sync`] when the engine was changed directly (a restore
     /// plan that cleared it).
-    pub fn reload(&mut self) {
+    pub(crate) fn reload(&mut self) {
         if let Some(b) = &mut self.behind {
             b.reload(self.inner.as_ref());
         }
@@ -535,7 +535,7 @@ impl StagedStore {
 
     /// The engine under the staging layer (restore and scans use it directly; call
     /// [`StagedStore::sync`] first to see every committed batch).
-    pub fn engine(&self) -> &dyn KeyValueStore {
+    pub(crate) fn engine(&self) -> &dyn KeyValueStore {
         self.inner.as_ref()
     }
 }

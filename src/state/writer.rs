@@ -128,7 +128,7 @@ impl Writer {
     ///
     /// # Panics
     /// When the OS refuses to start a thread.
-    pub fn spawn() -> Arc<Writer> {
+    pub(crate) fn spawn() -> Arc<Writer> {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let gate = Arc::new(Gate::default());
         let g = gate.clone();

@@ -107,7 +107,7 @@ impl TopologyBuilder {
     // ---- end of external sinks ----
 
     /// Add a stage of any kind (what topology files compile to).
-    pub fn stage(mut self, name: impl Into<String>, kind: StageKind) -> Self {
+    pub(crate) fn stage(mut self, name: impl Into<String>, kind: StageKind) -> Self {
         self.stages.push(Stage {
             name: name.into(),
             kind,

@@ -23,16 +23,16 @@ pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
+pub(crate) struct Source {
     /// Topic name.
-    pub topic: String,
+    pub(crate) topic: String,
     /// Value format.
-    pub format: Format,
+    pub(crate) format: Format,
 }
 
 /// What a stage does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StageKind {
+pub(crate) enum StageKind {
     /// Drop repeated records by key within a TTL.
     Dedup(DedupSpec),
     /// Write records to one or more topics.
@@ -79,11 +79,11 @@ impl StageKind {
 
 /// A named stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stage {
+pub(crate) struct Stage {
     /// Unique name; also the name of the stage's state store, if it has one.
-    pub name: String,
+    pub(crate) name: String,
     /// What it does.
-    pub kind: StageKind,
+    pub(crate) kind: StageKind,
 }
 
 /// A validated topology, ready to run.
@@ -133,12 +133,12 @@ impl Topology {
     }
 
     /// Its source.
-    pub fn source(&self) -> &Source {
+    pub(crate) fn source(&self) -> &Source {
         &self.source
     }
 
     /// Its stages in order.
-    pub fn stages(&self) -> &[Stage] {
+    pub(crate) fn stages(&self) -> &[Stage] {
         &self.stages
     }
 
@@ -154,7 +154,7 @@ impl Topology {
     /// The dedup stages with `partitioning: repartition` in effect (stated or by default),
     /// with their index in the stage list: each reads its input back from
     /// `<application.id>-<stage>-repartition`.
-    pub fn repartitioned(&self) -> Vec<(usize, &str, &DedupSpec)> {
+    pub(crate) fn repartitioned(&self) -> Vec<(usize, &str, &DedupSpec)> {
         self.stages
             .iter()
             .enumerate()
@@ -207,7 +207,7 @@ impl Topology {
     }
 
     /// New processor instances for one task (one source partition), in stage order.
-    pub fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
+    pub(crate) fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
         let last = self.stages.len().saturating_sub(1);
         let json = self.source.format == Format::Json;
         let t = self.name.as_str();
@@ -265,13 +265,13 @@ impl Topology {
 
 impl Topology {
     /// The lookup tables, in declaration order.
-    pub fn tables(&self) -> &[TableSpec] {
+    pub(crate) fn tables(&self) -> &[TableSpec] {
         &self.tables
     }
 
     /// The codec of `topic`'s values: as set with [`TopologyBuilder::topic_format`], else the
     /// source's format (so a pipeline writes what it reads unless told otherwise).
-    pub fn topic_format(&self, topic: &str) -> Format {
+    pub(crate) fn topic_format(&self, topic: &str) -> Format {
         self.topic_formats
             .get(topic)
             .cloned()

@@ -9,7 +9,7 @@ pub(crate) type RecordFn<T> = Arc<dyn Fn(&Record) -> Result<T, String> + Send + 
 
 /// What a stage computes from a record: a CEL expression (topology files) or a closure
 /// (builder API).
-pub enum Func<T> {
+pub(crate) enum Func<T> {
     /// A parsed CEL expression.
     Expr(Expr),
     /// A Rust closure.
@@ -55,7 +55,7 @@ impl<T: FromCel> Func<T> {
     ///
     /// # Errors
     /// As [`Expr::parse`].
-    pub fn expr(source: &str) -> Result<Self, String> {
+    pub(crate) fn expr(source: &str) -> Result<Self, String> {
         Expr::parse(source).map(Func::Expr)
     }
 
@@ -68,7 +68,7 @@ impl<T: FromCel> Func<T> {
     }
 
     /// For descriptions: the expression text, or `<closure>`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Func::Expr(e) => e.source().to_string(),
             Func::Native(_) => "<closure>".into(),

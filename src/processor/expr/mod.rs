@@ -49,7 +49,7 @@ fn env() -> Arc<Env> {
 
 /// A parsed CEL expression and its source text.
 #[derive(Clone)]
-pub struct Expr {
+pub(crate) struct Expr {
     source: String,
     program: Arc<Program>,
     /// The top-level fields of `value` it reads (`value.a`, `value["a"]`), or `None` when
@@ -172,7 +172,7 @@ impl Expr {
     /// The parser's message (with the position inside the expression) when `source` is not
     /// a CEL expression, or names a variable other than those of [`VARIABLES`] (and the
     /// names bound by macros such as `exists(x, ...)`).
-    pub fn parse(source: &str) -> Result<Expr, String> {
+    pub(crate) fn parse(source: &str) -> Result<Expr, String> {
         if source.trim().is_empty() {
             return Err("expression is empty".into());
         }
@@ -267,7 +267,7 @@ impl Expr {
     }
 
     /// The source text.
-    pub fn source(&self) -> &str {
+    pub(crate) fn source(&self) -> &str {
         &self.source
     }
 

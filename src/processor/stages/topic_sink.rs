@@ -9,10 +9,10 @@ pub struct SinkSpec {
     pub topics: Vec<String>,
     /// The output key; default: the record's key unchanged. A `null` result writes a null
     /// key.
-    pub key: Option<BytesFn>,
+    pub(crate) key: Option<BytesFn>,
     /// Headers to set, in order: each replaces the record's headers of that name; a `null`
     /// result removes them.
-    pub headers: Vec<(String, BytesFn)>,
+    pub(crate) headers: Vec<(String, BytesFn)>,
 }
 
 impl SinkSpec {
