@@ -34,16 +34,7 @@ pub(crate) enum RebalanceEvent {
     },
 }
 
-impl RebalanceEvent {
-    /// The partitions of the event.
-    pub(crate) fn partitions(&self) -> Vec<i32> {
-        let tpl = match self {
-            RebalanceEvent::Assigned(t) => t,
-            RebalanceEvent::Revoked { partitions, .. } => partitions,
-        };
-        tpl.elements().iter().map(|e| e.partition()).collect()
-    }
-}
+impl RebalanceEvent {}
 
 /// Consumer context sending rebalances to the run loop.
 pub(crate) struct SourceContext {

@@ -269,20 +269,6 @@ impl OutputProducer {
         Ok(())
     }
 
-    /// Wait until every queued record is delivered or failed.
-    ///
-    /// # Errors
-    /// [`Error::Broker`] naming the first failed delivery since the producer started;
-    /// [`Error::Kafka`] when the flush times out.
-    pub(crate) fn flush(&self, timeout: Duration) -> Result<()> {
-        let deadline = std::time::Instant::now() + timeout;
-        self.wait_in_flight(deadline);
-        self.producer
-            .flush(deadline.saturating_duration_since(std::time::Instant::now()))
-            .map_err(Error::kafka("flush"))?;
-        self.check_failures()
-    }
-
     /// The offset after the highest delivered record of changelog `topic`'s `partition`
     /// (what a store checkpoints after a commit), `None` before the first delivery.
     pub(crate) fn changelog_next_offset(&self, topic: &str, partition: i32) -> Option<i64> {
@@ -374,10 +360,5 @@ impl OutputProducer {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
         }
-    }
-
-    /// Records queued and not yet delivered.
-    pub(crate) fn in_flight(&self) -> i32 {
-        self.producer.in_flight_count()
     }
 }

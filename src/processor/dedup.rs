@@ -83,15 +83,6 @@ impl Decision {
     pub(crate) fn passes(self) -> bool {
         matches!(self, Decision::First | Decision::Renewed)
     }
-
-    /// The `result` label of `onceflow_records_processed_total`.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Decision::First | Decision::Renewed => "passed",
-            Decision::Duplicate => "duplicate",
-            Decision::Conflict => "conflict",
-        }
-    }
 }
 
 /// Whether `entry` is expired for a record at `time_ms` under `policy`.

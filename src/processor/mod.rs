@@ -101,6 +101,7 @@ pub(crate) struct Context<'a> {
     /// Wall-clock time in ms (the test driver's mock clock under test).
     pub(crate) wall_clock_ms: i64,
     /// The partition's stream time: the highest record timestamp seen (ms).
+    #[allow(dead_code)] // no built-in stage reads it since issue 16 made it crate-private
     pub(crate) stream_time_ms: i64,
 }
 

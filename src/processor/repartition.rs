@@ -167,7 +167,12 @@ pub(crate) struct Router {
 impl Router {
     /// The router for a dedup stage keyed by `key`, reading `format` values, writing to
     /// `topic` with `partitions` partitions (≥ 1).
-    pub(crate) fn new(key: KeySource, format: crate::codec::Format, topic: &str, partitions: i32) -> Self {
+    pub(crate) fn new(
+        key: KeySource,
+        format: crate::codec::Format,
+        topic: &str,
+        partitions: i32,
+    ) -> Self {
         let mut pointers = Vec::new();
         key.json_pointers(&mut pointers);
         let tokens = pointers

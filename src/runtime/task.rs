@@ -161,6 +161,7 @@ impl Task {
         }
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Whether this is a router task ([`Task::router`]).
     pub(crate) fn is_router(&self) -> bool {
         self.router.is_some()
@@ -173,6 +174,7 @@ impl Task {
         self
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// The source partition.
     pub(crate) fn partition(&self) -> i32 {
         self.partition
@@ -183,6 +185,7 @@ impl Task {
         self.position
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Highest record time seen (ms), `i64::MIN` before the first record.
     pub(crate) fn stream_time(&self) -> i64 {
         self.stream_time
@@ -205,6 +208,7 @@ impl Task {
         }
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// The task's stores.
     pub(crate) fn stores(&self) -> &Stores {
         &self.stores
@@ -584,6 +588,7 @@ impl Task {
         Ok(())
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Number of staged (uncommitted) store writes.
     pub(crate) fn pending_writes(&self) -> usize {
         self.stores.values().map(|s| s.pending_len()).sum()

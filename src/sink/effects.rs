@@ -175,11 +175,6 @@ impl Effector {
         })
     }
 
-    /// Whether this is a PostgreSQL effect (which can carry its inbox row).
-    pub(crate) fn is_postgres(&self) -> bool {
-        matches!(self.kind, Kind::Postgres { .. })
-    }
-
     /// Run the effect once (with its own retries), sending `key` where the target takes one
     /// (HTTP `Idempotency-Key`). Returns the result to store.
     ///

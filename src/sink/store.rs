@@ -5,7 +5,7 @@
 //! its lease expires) or *completed* (with the stored result, until its TTL expires). A key
 //! with no entry, or with an expired lease, is free. Keys are raw bytes, stored as given.
 //!
-//! - [`MemoryIdempotencyStore`]: one process, for tests (it can be told to fail, to test the policies);
+//! - `MemoryIdempotencyStore` (under `cfg(test)`): one process, for tests (it can be told to fail, to test the policies);
 //! - [`SledIdempotencyStore`]: one instance, local disk (a sled tree per sink);
 //! - [`RedisIdempotencyStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
 //!
@@ -251,10 +251,12 @@ impl<M: LocalMap> IdempotencyStore for M {
 }
 
 /// The memory store's entries: idempotency key → encoded entry.
+#[cfg(test)]
 type Entries = HashMap<Vec<u8>, Vec<u8>>;
 
 /// In-process store for tests: a map behind a mutex, with real time for leases. It can be
 /// set to fail the next `n` operations, to exercise `on_store_error`.
+#[cfg(test)]
 #[derive(Default, Clone)]
 pub(crate) struct MemoryIdempotencyStore {
     map: Arc<Mutex<Entries>>,
@@ -263,6 +265,7 @@ pub(crate) struct MemoryIdempotencyStore {
     pub(crate) ops: Arc<AtomicUsize>,
 }
 
+#[cfg(test)]
 impl MemoryIdempotencyStore {
     /// An empty store.
     pub(crate) fn new() -> Self {
@@ -292,6 +295,7 @@ impl MemoryIdempotencyStore {
     }
 }
 
+#[cfg(test)]
 impl LocalMap for MemoryIdempotencyStore {
     fn begin(&self) -> Result<(), StoreError> {
         self.check()

@@ -45,6 +45,7 @@ pub struct WriteBatch {
 }
 
 impl WriteBatch {
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Whether the batch has nothing to write.
     pub(crate) fn is_empty(&self) -> bool {
         self.ops.is_empty() && self.changelog_offset.is_none()

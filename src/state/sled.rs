@@ -403,6 +403,7 @@ impl SledBackend {
             .open()
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Path of the database directory.
     pub(crate) fn path(&self) -> &Path {
         &self.path

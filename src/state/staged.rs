@@ -232,6 +232,7 @@ impl StagedStore {
         self.pending.insert_new(key, value);
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// As [`StagedStore::stage`], with shared buffers.
     pub(crate) fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
         match self.pending.get_mut(&key) {
@@ -322,6 +323,7 @@ impl StagedStore {
         self.pending.get(key).is_some()
     }
 
+    #[cfg_attr(not(test), allow(dead_code))] // used by tests and by `Task::pending_writes` (unused)
     /// Number of staged keys.
     pub(crate) fn pending_len(&self) -> usize {
         self.pending.len()
@@ -439,7 +441,11 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`StagedStore::commit`].
-    pub(crate) fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn commit_sealed(
+        &mut self,
+        epoch: u64,
+        changelog_offset: Option<i64>,
+    ) -> Result<()> {
         let ops = match self.sealed.front() {
             Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
             _ => None,
@@ -457,11 +463,13 @@ impl StagedStore {
         }
     }
 
+    #[cfg(test)]
     /// Number of sealed batches (commits in flight holding writes of this store).
     pub(crate) fn sealed_len(&self) -> usize {
         self.sealed.len()
     }
 
+    #[cfg(test)]
     /// Write a restored batch (changelog records in log order, with the position reached):
     /// committed at once, and persisted by the writer when there is one, else written now.
     /// Nothing must be staged meanwhile.

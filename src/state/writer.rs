@@ -156,6 +156,7 @@ impl Writer {
         }
     }
 
+    #[cfg(test)]
     /// Whether any [`WriterHold`] is alive.
     pub(crate) fn is_held(&self) -> bool {
         self.gate.lock().holds > 0

@@ -11,6 +11,7 @@ pub(crate) struct Bindings<'r> {
 }
 
 impl<'r> Bindings<'r> {
+    #[cfg(test)]
     /// Bindings of `record`; its decoded JSON ([`Record::json`]) is `value` when present,
     /// else the raw value bytes.
     pub(crate) fn new(record: &'r Record) -> Self {
