@@ -17,8 +17,11 @@
 
 use futures::future::BoxFuture;
 use std::collections::HashMap;
+#[cfg(test)]
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+#[cfg(test)]
+use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What a reservation attempt found.
