@@ -49,14 +49,26 @@ pub enum Error {
     Config(String),
     /// The topology failed validation; `node` names the stage (or file location).
     #[error("topology error in {node}: {reason}")]
-    Topology { node: String, reason: String },
+    Topology {
+        /// The stage (or `file:line:column`) at fault.
+        node: String,
+        /// What is wrong, a sentence.
+        reason: String,
+    },
     /// A state store failed (open, read, write, flush).
     #[error("state store error ({store}): {reason}")]
-    State { store: String, reason: String },
+    State {
+        /// The store.
+        store: String,
+        /// What failed.
+        reason: String,
+    },
     /// A Kafka operation failed; `op` says which one.
     #[error("kafka {op} failed: {source}")]
     Kafka {
+        /// The operation (`subscribe`, `commit`, ...).
         op: &'static str,
+        /// The client's error.
         #[source]
         source: rdkafka::error::KafkaError,
     },
@@ -76,13 +88,17 @@ pub enum Error {
     /// object (`delete group g`). Transient codes are retried first (`kafka::retry`).
     #[error("{what}: {code}")]
     BrokerCode {
+        /// The request and its object.
         what: String,
+        /// The broker's error code.
         code: rdkafka::types::RDKafkaErrorCode,
     },
     /// I/O on a local file.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

@@ -10,7 +10,7 @@
 //! the config, [`App`], [`TestDriver`] and the error types. A program that builds its
 //! topology in Rust and is deployed as a binary ends in [`deploy::main`].
 
-#![warn(unreachable_pub)]
+#![warn(unreachable_pub, missing_docs)]
 
 // The parts of the library; their items are crate-private unless re-exported below.
 pub(crate) mod codec;

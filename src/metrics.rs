@@ -1,6 +1,6 @@
 //! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; served in
 //! Prometheus format at `/metrics` of the HTTP listener (`http.address`, see
-//! [`crate::http`]).
+//! `http.rs`).
 
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
 /// `filtered` for records a filter drops or no route takes.

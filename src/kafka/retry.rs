@@ -58,7 +58,7 @@ pub(crate) fn is_retriable(e: &Error) -> bool {
 }
 
 /// Run `f` until it succeeds, fails with an error that is not transient, or
-/// [`DEFAULT_BUDGET`] has passed; each transient failure is logged (at info level) with
+/// `DEFAULT_BUDGET` has passed; each transient failure is logged (at info level) with
 /// `what` and waited out with a doubling backoff from 100 ms to 2 s.
 ///
 /// # Errors

@@ -182,11 +182,11 @@ pub enum StoreSpec {
     /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
-    /// one instance only. Bound to a state dir before it runs ([`bind_state_dir`]: `App::run`
+    /// one instance only. Bound to a state dir before it runs ([`ExternalSinkSpec::bind_state_dir`]: `App::run`
     /// and `TestDriver::state_dir` do it), so that it is covered by the state dir's lock and
     /// two instances with different state dirs never share it.
     Sled {
-        /// Database directory: `None` (the default) is [`sled_home`]`(state.dir,
+        /// Database directory: `None` (the default) is `sled_home``(state.dir,
         /// application.id)`; a relative path is taken under `state.dir`; an absolute path is
         /// used as it is (outside the state dir, the lock does not cover it).
         path: Option<PathBuf>,
@@ -486,7 +486,7 @@ pub(crate) fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
 
 impl ExternalSinkSpec {
     /// Bind this sink's sled idempotency store to a state dir: a default path becomes
-    /// [`sled_home`], a relative one is joined to `state_dir`, and both are made absolute
+    /// `sled_home`, a relative one is joined to `state_dir`, and both are made absolute
     /// (a relative `state_dir` is taken from the working directory now, as the dedup stores'
     /// database is). A bound path is absolute, so binding twice changes nothing; the sink
     /// refuses an unbound (default or relative) path rather than guess a directory. Other

@@ -50,7 +50,7 @@ pub trait IdempotencyStore: Send + Sync {
     /// Reserve `key` for `token` with a lease of `lease`, unless it is in flight or completed.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn reserve<'a>(
         &'a self,
         key: &'a [u8],
@@ -62,7 +62,7 @@ pub trait IdempotencyStore: Send + Sync {
     /// succeeded; it overwrites whatever is there (a completed effect is completed).
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn complete<'a>(
         &'a self,
         key: &'a [u8],
@@ -73,13 +73,13 @@ pub trait IdempotencyStore: Send + Sync {
     /// Drop the reservation of `key` if `token` still holds it (the effect failed).
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// The state of `key` now: `None` when free, else `InFlight` or `Completed`.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn lookup<'a>(
         &'a self,
         key: &'a [u8],

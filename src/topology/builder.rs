@@ -90,7 +90,7 @@ impl TopologyBuilder {
     // ---- External sinks (issue 6: effects outside Kafka with keyed idempotency) ----
 
     /// Add an external sink stage: an HTTP call, a PostgreSQL statement, a Redis command or
-    /// a file line per record, made once per idempotency key (see [`crate::sink`]). Its key
+    /// a file line per record, made once per idempotency key (see [`ExternalSinkSpec`](crate::ExternalSinkSpec)). Its key
     /// template and settings are checked by [`TopologyBuilder::build`].
     pub fn external_sink(
         mut self,
@@ -420,7 +420,7 @@ impl BuildError {
 
 impl TopologyBuilder {
     /// Declare a lookup table materialized from a compacted topic (see
-    /// [`crate::state::table`]); enrich stages refer to it by name.
+    /// `state::table`); enrich stages refer to it by name.
     pub fn table(mut self, spec: TableSpec) -> Self {
         self.tables.push(spec);
         self

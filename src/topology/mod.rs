@@ -113,7 +113,7 @@ impl Topology {
         self
     }
 
-    /// Start-up check of the external sinks (see [`crate::sink::preflight`]): every secret
+    /// Start-up check of the external sinks (`sink::preflight`): every secret
     /// given as `{ env: VAR }` is set, and an HTTP sink's URL and header values are usable.
     /// `App::run` calls it before processing starts.
     ///
