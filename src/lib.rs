@@ -111,3 +111,12 @@ pub mod __testkit {
         topology.instantiate().len()
     }
 }
+
+/// The allocator of every program that links onceflow (feature `mimalloc`, on by
+/// default; turn default features off to keep your own `#[global_allocator]`). onceflow
+/// allocates on several threads at once (processing, the state writer, librdkafka's
+/// callbacks); with glibc's allocator the state writer spent about half its time growing
+/// and consolidating its arena (measured with `perf` on `scripts/bench`).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -240,6 +240,54 @@ fn a_graceful_stop_persists_the_state_and_a_restart_restores_nothing() {
     );
 }
 
+/// A graceful stop waits for the state writer at most `state.stop.persist.ms`; with 0 it
+/// leaves the last committed marks unpersisted. The engine then holds a prefix of the
+/// batches with the changelog offset of the last one written, so the next start restores
+/// the rest from the changelog and every repeat is still a duplicate (were the stored
+/// offset ahead of the data, the repeats of the unpersisted marks would pass).
+#[test]
+fn a_stop_that_leaves_marks_unpersisted_restores_them_at_the_next_start() {
+    let no_wait = [("state.stop.persist.ms", "0".to_string())];
+    // The writer may still finish before the stop looks (a fast machine): try again with
+    // fresh names until a stop leaves marks behind.
+    for attempt in 1..=3 {
+        let names = gharchive_names(4);
+        let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+        onceflow_testkit::gharchive::publish(&p, &names.input, 0, 13).unwrap();
+        let run = start(&names, &no_wait, &[], &["--stop-at-end"]);
+        let log = run.stderr.clone();
+        let (st, out) = run.wait(T);
+        let log = log.lock().unwrap().clone();
+        assert!(st.success(), "exit {st:?}\n{out}\n{log}");
+        assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
+        if !log.contains("stop: state partly persisted") {
+            eprintln!("attempt {attempt}: the writer finished before the stop; again");
+            continue;
+        }
+        let rep = onceflow_testkit::gharchive::publish(&p, &names.input, 0, 14).unwrap();
+        let out = run_to_end(&names);
+        let restored = summary_field(&out, "restored").unwrap_or(0.0);
+        assert!(
+            restored > 0.0,
+            "the unpersisted marks come from the changelog: {out}"
+        );
+        assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
+        assert_eq!(
+            summary_field(&out, "duplicates"),
+            Some(rep.published as f64),
+            "{out}"
+        );
+        assert_eq!(
+            kafka::read_topic(&bootstrap(), &names.output, true, T)
+                .unwrap()
+                .len(),
+            15_129
+        );
+        return;
+    }
+    panic!("in 3 attempts no stop left a mark unpersisted");
+}
+
 #[test]
 fn a_changelog_with_another_partition_count_stops_start_up() {
     let names = names_for(BY_ID, 2);

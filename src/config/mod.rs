@@ -41,6 +41,7 @@ pub(crate) const KEYS: &[&str] = &[
     "http.address",
     "log.format",
     "instance.id",
+    "state.stop.persist.ms",
 ];
 
 /// `log.format`.
@@ -91,6 +92,12 @@ pub struct Config {
     pub http_address: Option<SocketAddr>,
     /// `log.format` (default text).
     pub log_format: LogFormat,
+    /// `state.stop.persist.ms` (default 3000): how long a graceful stop waits for the
+    /// state writer to persist the committed marks still in memory. What is not persisted
+    /// by then is restored from the changelog at the next start (the stored changelog
+    /// offset never runs ahead of the data), so a stop after a long backlog stays short;
+    /// 0 waits for nothing.
+    pub stop_persist_ms: u64,
     /// librdkafka properties for both clients (`kafka.*`, prefix removed).
     pub kafka: BTreeMap<String, String>,
     /// librdkafka properties for the consumer only (`kafka.consumer.*`).
@@ -265,6 +272,15 @@ impl Config {
                 ))
             }
         };
+        let stop_persist_ms: u64 = get("state.stop.persist.ms").parse().map_err(|_| {
+            bad(
+                "state.stop.persist.ms",
+                format!(
+                    "{:?} is not a number of milliseconds",
+                    get("state.stop.persist.ms")
+                ),
+            )
+        })?;
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
             return Err(bad("state.dir", "must not be empty".into()));
@@ -291,6 +307,7 @@ impl Config {
             dlq_topic,
             http_address,
             log_format,
+            stop_persist_ms,
             kafka,
             kafka_consumer,
             kafka_producer,

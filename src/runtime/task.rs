@@ -576,16 +576,19 @@ impl Task {
         self.position = committed;
     }
 
-    /// Wait until every committed write of this task's stores is in the engine (sled), so
-    /// that a restart resumes from the latest changelog offset instead of restoring again.
+    /// Wait until every committed write of this task's stores is in the engine (sled), or
+    /// until `deadline`: true when all are, so that a restart resumes from the latest
+    /// changelog offset; what is not written is restored from the changelog at the next
+    /// start.
     ///
     /// # Errors
-    /// The engine's write error.
-    pub(crate) fn sync_stores(&mut self) -> Result<()> {
+    /// A store's background write error.
+    pub(crate) fn sync_stores_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
+        let mut all = true;
         for s in self.stores.values_mut() {
-            s.sync()?;
+            all &= s.sync_until(deadline)?;
         }
-        Ok(())
+        Ok(all)
     }
 
     #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove

@@ -243,6 +243,16 @@ impl Behind {
 
     /// Wait until every submitted batch is persisted.
     pub(super) fn sync(&self, store: &str) -> Result<()> {
+        self.sync_until(store, None).map(|_| ())
+    }
+
+    /// Wait until every submitted batch is persisted, or until `deadline`; true when all
+    /// are.
+    pub(super) fn sync_until(
+        &self,
+        store: &str,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<bool> {
         let _demand = self.writer.demand();
         let mut st = self.shared.lock();
         loop {
@@ -253,7 +263,10 @@ impl Behind {
                 ));
             }
             if st.persisted >= self.seq {
-                return Ok(());
+                return Ok(true);
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Ok(false);
             }
             st = self
                 .shared

@@ -389,6 +389,20 @@ impl StagedStore {
         }
     }
 
+    /// [`StagedStore::sync`], waiting at most until `deadline`: true when every committed
+    /// batch is written. Batches left unwritten are skipped when the store closes; the
+    /// engine then holds a prefix of the batches with the changelog offset of the last
+    /// one written, and a restore replays the changelog from there.
+    ///
+    /// # Errors
+    /// The engine's write error.
+    pub(crate) fn sync_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
+        match &self.behind {
+            None => Ok(true),
+            Some(b) => b.sync_until(self.inner.name(), Some(deadline)),
+        }
+    }
+
     /// Make the staged writes committed, as one batch with `changelog_offset`.
     ///
     /// # Errors

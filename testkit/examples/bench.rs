@@ -14,7 +14,10 @@
 //!      stop at end, fresh application.id and state dir; records/s from `RunSummary`. The
 //!      output is read back read_committed and must hold each distinct id once.
 //!
-//!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported.
+//!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported. Each side
+//!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
+//!    peak RSS and CPU time (user + system, from `wait4`) are its own: reported per side,
+//!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
 //! 3. Without a broker: `Task`s (one per partition) over the same N pre-built records,
 //!    with the sled backend and with the memory backend, committing state every 10,000
 //!    records (plus an fsync for sled); decisions/s and the ratio sled/memory.
@@ -68,6 +71,9 @@ use support::{
 };
 
 const TARGET_RATIO: f64 = 0.8;
+/// Target of onceflow's peak RSS against the passthrough's (issue 12).
+const RSS_TARGET: f64 = 1.5;
+const MIB: f64 = 1024.0 * 1024.0;
 /// Commit interval of the broker-free dedup runs, in records.
 const STATE_COMMIT_EVERY: usize = 10_000;
 
@@ -169,34 +175,150 @@ fn passthrough(
 
 // ------------------------------------------------------------------------ (b) onceflow
 
-/// Run the dedup topology in-process to the end of `input`. The topics it creates (dead
-/// letters, changelogs) are recorded in `created` before the run, for the cleanup.
-fn run_onceflow(
+/// The config of the dedup topology's run (fresh application.id and state dir).
+fn onceflow_run_config(bootstrap: &str, app_id: &str, state_dir: &str) -> Res<onceflow::Config> {
+    onceflow_config(
+        bootstrap,
+        &[
+            ("application.id", app_id),
+            ("state.dir", state_dir),
+            ("processing.guarantee", "at_least_once"),
+        ],
+    )
+}
+
+/// Record, for the cleanup, the topics and group that the run of `app_id` creates (dead
+/// letters, changelogs).
+fn record_onceflow_topics(
     bootstrap: &str,
     input: &str,
     output: &str,
     app_id: &str,
     created: &mut Created,
-) -> Res<RunSummary> {
-    let state = tempfile::tempdir()?;
-    let dir = state.path().display().to_string();
-    let cfg = onceflow_config(
-        bootstrap,
-        &[
-            ("application.id", app_id),
-            ("state.dir", &dir),
-            ("processing.guarantee", "at_least_once"),
-        ],
-    )?;
+) -> Res<()> {
+    let cfg = onceflow_run_config(bootstrap, app_id, "unused")?;
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, dedup_topology(input, output)?);
     created.topics.extend(app.changelog_topics().into_values());
+    Ok(())
+}
+
+/// Run the dedup topology in this process to the end of `input` (a fresh state dir).
+fn run_onceflow(bootstrap: &str, input: &str, output: &str, app_id: &str) -> Res<RunSummary> {
+    let state = tempfile::tempdir()?;
+    let cfg = onceflow_run_config(bootstrap, app_id, &state.path().display().to_string())?;
+    let app = App::new(cfg, dedup_topology(input, output)?);
     let summary = app.run(RunOptions {
         stop_at_end: true,
         ..Default::default()
     })?;
     Ok(summary)
+}
+
+// ------------------------------------------------------------------------ child processes
+
+/// The environment variable that makes this program run one side of a round and exit.
+const CHILD_ENV: &str = "ONCEFLOW_BENCH_CHILD";
+
+/// What one side of a round did, with the child process's resource use (`wait4`).
+#[derive(Clone, Default)]
+struct ChildRun {
+    records: usize,
+    seconds: f64,
+    /// onceflow's `summary:` line (empty for the passthrough).
+    summary: String,
+    /// Peak resident set size, bytes.
+    peak_rss: u64,
+    /// User + system CPU time, seconds.
+    cpu_seconds: f64,
+}
+
+impl ChildRun {
+    fn usage(&self) -> String {
+        format!(
+            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}",
+            self.peak_rss as f64 / (1024.0 * 1024.0),
+            self.cpu_seconds,
+            self.cpu_seconds * 1e6 / self.records.max(1) as f64
+        )
+    }
+}
+
+/// Run one side of a round in a child process (this program with [`CHILD_ENV`] set), so
+/// that its peak RSS and CPU time are its own. `args`: `passthrough INPUT OUTPUT GROUP N` or
+/// `onceflow INPUT OUTPUT APP_ID`.
+fn run_child(args: &[&str]) -> Res<ChildRun> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .env(CHILD_ENV, args.join(" "))
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .ok_or("child: no stdout")?
+        .read_to_string(&mut out)?;
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid value; wait4 fills it for our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: `pid` is our child, not yet reaped (std reaps only on wait, never called).
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if r != pid {
+        return Err(format!(
+            "child {args:?}: wait4 failed: {}",
+            std::io::Error::last_os_error()
+        )
+        .into());
+    }
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        return Err(format!("child {args:?} failed (status {status}); its output: {out}").into());
+    }
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("child-result: "))
+        .ok_or_else(|| format!("child {args:?} printed no result; its output: {out}"))?;
+    let field = |name: &str| -> Res<&str> {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .ok_or_else(|| format!("child result without {name}: {line}").into())
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Ok(ChildRun {
+        records: field("records")?.parse()?,
+        seconds: field("seconds")?.parse()?,
+        summary: out
+            .lines()
+            .find(|l| l.starts_with("summary: "))
+            .unwrap_or("")
+            .to_string(),
+        // Linux reports ru_maxrss in KiB.
+        peak_rss: usage.ru_maxrss as u64 * 1024,
+        cpu_seconds: tv(usage.ru_utime) + tv(usage.ru_stime),
+    })
+}
+
+/// The child side of [`run_child`].
+fn child_main(spec: &str, bootstrap: &str) -> Res<()> {
+    let a: Vec<&str> = spec.split(' ').collect();
+    match a.as_slice() {
+        ["passthrough", input, output, group, n] => {
+            let (n, secs) = passthrough(bootstrap, input, output, group, n.parse()?)?;
+            println!("child-result: records={n} seconds={secs}");
+        }
+        ["onceflow", input, output, app] => {
+            let summary = run_onceflow(bootstrap, input, output, app)?;
+            println!("{}", summary.line());
+            println!(
+                "child-result: records={} seconds={}",
+                summary.counts.records_in, summary.seconds
+            );
+        }
+        _ => return Err(format!("{CHILD_ENV}={spec:?}: unknown child").into()),
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------------------ (3) dedup alone
@@ -272,6 +394,8 @@ fn dedup_alone(ds: &Dataset, backend: &dyn StateBackend) -> Res<(Counts, f64)> {
 struct Results {
     passthrough: Vec<f64>,
     onceflow: Vec<f64>,
+    passthrough_usage: Vec<ChildRun>,
+    onceflow_usage: Vec<ChildRun>,
     sled: Vec<f64>,
     memory: Vec<f64>,
 }
@@ -322,6 +446,67 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("target b/a >= {TARGET_RATIO}"),
         if met { "MET" } else { "NOT MET" }
     );
+    let rss = |u: &[ChildRun]| {
+        median(
+            &u.iter()
+                .map(|c| c.peak_rss as f64 / MIB)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let cpu = |u: &[ChildRun]| {
+        median(
+            &u.iter()
+                .map(|c| c.cpu_seconds * 1e6 / c.records.max(1) as f64)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (ra, rb) = (rss(&r.passthrough_usage), rss(&r.onceflow_usage));
+    let (ca, cb) = (cpu(&r.passthrough_usage), cpu(&r.onceflow_usage));
+    let rss_ratio = if ra > 0.0 { rb / ra } else { 0.0 };
+    let list = |u: &[ChildRun], f: &dyn Fn(&ChildRun) -> f64| {
+        u.iter()
+            .map(|c| format!("{:.1}", f(c)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mib = |c: &ChildRun| c.peak_rss as f64 / MIB;
+    let us = |c: &ChildRun| c.cpu_seconds * 1e6 / c.records.max(1) as f64;
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(a) peak RSS, MiB",
+        format!("{ra:.0}"),
+        list(&r.passthrough_usage, &mib)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(b) peak RSS, MiB",
+        format!("{rb:.0}"),
+        list(&r.onceflow_usage, &mib)
+    );
+    println!(
+        "{:<44} {:>14}",
+        format!("RSS b/a (target <= {RSS_TARGET})"),
+        format!(
+            "{rss_ratio:.2} {}",
+            if rss_ratio <= RSS_TARGET {
+                "MET"
+            } else {
+                "NOT MET"
+            }
+        )
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(a) CPU us/record (user+sys)",
+        format!("{ca:.2}"),
+        list(&r.passthrough_usage, &us)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(b) CPU us/record (user+sys)",
+        format!("{cb:.2}"),
+        list(&r.onceflow_usage, &us)
+    );
     println!(
         "{:<44} {:>14}  [{}]",
         "dedup alone, sled, decisions/s",
@@ -340,7 +525,7 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("{sled_ratio:.3}")
     );
     println!(
-        "bench: records={} rounds={} passthrough_rps={pa:.0} onceflow_rps={pb:.0} ratio={ratio:.3} target_met={met} sled_dps={ps:.0} memory_dps={pm:.0} sled_memory_ratio={sled_ratio:.3}",
+        "bench: records={} rounds={} passthrough_rps={pa:.0} onceflow_rps={pb:.0} ratio={ratio:.3} target_met={met} passthrough_rss_mib={ra:.0} onceflow_rss_mib={rb:.0} rss_ratio={rss_ratio:.2} passthrough_cpu_us={ca:.2} onceflow_cpu_us={cb:.2} sled_dps={ps:.0} memory_dps={pm:.0} sled_memory_ratio={sled_ratio:.3}",
         ds.events.len(),
         s.rounds
     );
@@ -380,26 +565,42 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         admin.ensure_topic(&out, PARTITIONS, &keep)?;
         created.topics.push(out.clone());
         created.groups.push(group.clone());
-        let (n, secs) = passthrough(&s.bootstrap, &input, &out, &group, ds.events.len())?;
+        let child = run_child(&[
+            "passthrough",
+            &input,
+            &out,
+            &group,
+            &ds.events.len().to_string(),
+        ])?;
+        let (n, secs) = (child.records, child.seconds);
         let written = topic_records(&s.bootstrap, &out)?;
         if written != n as i64 {
             return Err(format!("passthrough wrote {written} records, expected {n}").into());
         }
         let rps = n as f64 / secs;
-        println!("round {round} (a) passthrough: records={n} seconds={secs:.3} records_per_second={rps:.0}");
+        println!(
+            "round {round} (a) passthrough: records={n} seconds={secs:.3} records_per_second={rps:.0} {}",
+            child.usage()
+        );
         res.passthrough.push(rps);
+        res.passthrough_usage.push(child.clone());
 
         // (b) onceflow
         let out = s.name(&format!("unique{round}"));
         let app = format!("bench-dedup-{}-{round}", s.run_id);
         admin.ensure_topic(&out, PARTITIONS, &keep)?;
         created.topics.push(out.clone());
-        let summary = run_onceflow(&s.bootstrap, &input, &out, &app, created)?;
-        println!("round {round} (b) onceflow: {}", summary.line());
-        if summary.counts.records_in as usize != ds.events.len() {
+        record_onceflow_topics(&s.bootstrap, &input, &out, &app, created)?;
+        let child = run_child(&["onceflow", &input, &out, &app])?;
+        println!(
+            "round {round} (b) onceflow: {} {}",
+            child.summary,
+            child.usage()
+        );
+        if child.records != ds.events.len() {
             return Err(format!(
                 "onceflow read {} records, expected {}",
-                summary.counts.records_in,
+                child.records,
                 ds.events.len()
             )
             .into());
@@ -409,7 +610,8 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
             "round {round} (b) verified: {} unique records in {out} (read_committed)",
             ds.distinct
         );
-        res.onceflow.push(summary.records_per_second());
+        res.onceflow.push(child.records as f64 / child.seconds);
+        res.onceflow_usage.push(child);
     }
 
     for round in 1..=s.rounds {
@@ -700,6 +902,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Ok(spec) = std::env::var(CHILD_ENV) {
+        // One side of a round (see `run_child`): run it, print its result, exit.
+        return match child_main(&spec, &s.bootstrap) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench child: failed: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     println!(
         "bench: broker={} records={} rounds={} run_id={}",
         s.bootstrap, s.records, s.rounds, s.run_id
