@@ -2,9 +2,7 @@
 //! clock, look into its stores, and simulate crashes and restarts.
 //!
 //! ```
-//! use onceflow::testing::{TestDriver, TestRecord};
-//! use onceflow::topology::{TopologyBuilder, Format};
-//! use onceflow::processor::{key::KeySource, stages::DedupSpec};
+//! use onceflow::prelude::*;
 //! let t = TopologyBuilder::new("t").source("in", Format::Json)
 //!     .dedup("dedup", DedupSpec::new(KeySource::JsonPointer("/id".into())))
 //!     .sink("out", "out").build().unwrap();

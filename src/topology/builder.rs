@@ -6,8 +6,7 @@ use super::*;
 /// Builds a [`Topology`] stage by stage.
 ///
 /// ```
-/// use onceflow::topology::{TopologyBuilder, Format};
-/// use onceflow::processor::{key::KeySource, stages::DedupSpec};
+/// use onceflow::prelude::*;
 /// let t = TopologyBuilder::new("dedup-demo")
 ///     .source("events", Format::Json)
 ///     .dedup("dedup", DedupSpec::new(KeySource::JsonPointer("/id".into())))
