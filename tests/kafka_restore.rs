@@ -267,10 +267,7 @@ fn a_stop_that_leaves_marks_unpersisted_restores_them_at_the_next_start() {
         let rep = onceflow_testkit::gharchive::publish(&p, &names.input, 0, 14).unwrap();
         let out = run_to_end(&names);
         let restored = summary_field(&out, "restored").unwrap_or(0.0);
-        assert!(
-            restored > 0.0,
-            "the unpersisted marks come from the changelog: {out}"
-        );
+        assert!(restored > 0.0, "the unpersisted marks come from the changelog: {out}");
         assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
         assert_eq!(
             summary_field(&out, "duplicates"),
