@@ -1,11 +1,11 @@
 //! onceflow: a stream processor for Kafka, in the style of Kafka Streams, whose promise is
 //! that every effect happens once however often the message behind it is delivered.
 //!
-//! A [`topology::Topology`] (from a YAML or TOML file via [`dsl`], or built with
-//! [`topology::TopologyBuilder`]) wires a source topic through stages (filter, map, dedup,
-//! route, sinks; CEL expressions in files, closures in Rust) to output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
-//! protocol; [`testing::TestDriver`] runs it without a broker.
-
+//! A [`Topology`] (from a YAML or TOML file via [`dsl`], or built with [`TopologyBuilder`])
+//! wires a source topic through stages (filter, map, dedup, route, sinks; CEL expressions in
+//! files, closures in Rust) to output topics. [`App`] runs it against Kafka with the
+//! at_least_once commit protocol; [`TestDriver`] runs it without a broker.
+//!
 //! Start with [`prelude`]: `use onceflow::prelude::*;` brings the builder, the stage specs,
 //! the config, [`App`], [`TestDriver`] and the error types. A program that builds its
 //! topology in Rust and is deployed as a binary ends in [`deploy::main`].
