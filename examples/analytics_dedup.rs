@@ -21,9 +21,9 @@
 //! ONCEFLOW_EXAMPLE_DUPLICATES. The same idea as a file (which also sets the output key
 //! and a header): topologies/analytics-dedup.yaml.
 
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, Partitioning};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::KeySource;
+use onceflow::{DedupSpec, Partitioning};
+use onceflow::{Format, Topology, TopologyBuilder};
 
 /// Events of `input` deduplicated by `/event_id` over 24 h of event time: first
 /// occurrences written to `output`, repeats to `duplicates`.
@@ -60,12 +60,10 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use onceflow::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
-    use onceflow::processor::stages::{
-        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
-    };
-    use onceflow::runtime::task::dlq_headers;
-    use onceflow::testing::{TestDriver, TestRecord};
+    use onceflow::headers::dlq_headers;
+    use onceflow::headers::{DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    use onceflow::headers::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
+    use onceflow::{TestDriver, TestRecord};
 
     /// A header's value as text (`None` when absent or null).
     fn header<'a>(h: &'a [(String, Option<bytes::Bytes>)], name: &str) -> Option<&'a str> {

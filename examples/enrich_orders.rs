@@ -15,8 +15,8 @@
 //! Topic names can be changed with ONCEFLOW_EXAMPLE_ORDERS, ONCEFLOW_EXAMPLE_CUSTOMERS and
 //! ONCEFLOW_EXAMPLE_OUTPUT. The same topology as a file: topologies/enrich-orders.yaml.
 
-use onceflow::processor::key::KeySource;
-use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
+use onceflow::KeySource;
+use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
 
 /// Orders from `orders` joined with the customers of `customers`, written to `output`.
 pub fn topology(orders: &str, customers: &str, output: &str) -> Topology {
@@ -54,7 +54,7 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use onceflow::testing::{TestDriver, TestRecord};
+    use onceflow::{TestDriver, TestRecord};
 
     #[test]
     fn orders_are_joined_with_their_customer() {

@@ -20,10 +20,10 @@
 //! a file, with CEL expressions where this uses closures:
 //! topologies/routing-by-event-type.yaml.
 
-use onceflow::processor::route::RouteSpec;
-use onceflow::processor::transform::MapSpec;
-use onceflow::processor::Record;
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::MapSpec;
+use onceflow::Record;
+use onceflow::RouteSpec;
+use onceflow::{Format, Topology, TopologyBuilder};
 use serde_json::Value;
 
 /// The string at JSON pointer `ptr` of the record's value.
@@ -88,8 +88,8 @@ fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use onceflow::runtime::task::dlq_headers;
-    use onceflow::testing::{TestDriver, TestRecord};
+    use onceflow::headers::dlq_headers;
+    use onceflow::{TestDriver, TestRecord};
 
     /// A header's value as text (`None` when absent or null).
     fn header<'a>(h: &'a [(String, Option<bytes::Bytes>)], name: &str) -> Option<&'a str> {

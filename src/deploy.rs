@@ -4,7 +4,7 @@
 //! A deployable program is its topology plus one call:
 //!
 //! ```no_run
-//! use onceflow::topology::{Format, TopologyBuilder};
+//! use onceflow::prelude::*;
 //!
 //! fn main() -> std::process::ExitCode {
 //!     let topology = TopologyBuilder::new("copy-orders")

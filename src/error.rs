@@ -7,19 +7,21 @@ use std::fmt;
 
 /// Who caused an error, so an operator knows where to look (the Arroyo habit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The user's config, topology file or input data.
     User,
     /// A system outside onceflow: the broker, the disk, a sink.
     External,
     /// A bug in onceflow.
+    #[allow(dead_code)]
+    // nothing classifies an error as onceflow's own bug yet (issue 16, item 4)
     Internal,
 }
 
 impl Fault {
     /// What an operator does about an error of this kind, for the last line `onceflow run`
     /// prints before it exits.
-    pub fn hint(self) -> &'static str {
+    pub(crate) fn hint(self) -> &'static str {
         match self {
             Fault::User => "fix the config or topology named above and start again",
             Fault::External => {
@@ -31,7 +33,7 @@ impl Fault {
 
     /// The exit code of `onceflow run` for an error of this kind: 2 for the user's config or
     /// topology (as for errors found before the run starts), 1 otherwise.
-    pub fn exit_code(self) -> u8 {
+    pub(crate) fn exit_code(self) -> u8 {
         match self {
             Fault::User => 2,
             Fault::External | Fault::Internal => 1,
@@ -47,14 +49,26 @@ pub enum Error {
     Config(String),
     /// The topology failed validation; `node` names the stage (or file location).
     #[error("topology error in {node}: {reason}")]
-    Topology { node: String, reason: String },
+    Topology {
+        /// The stage (or `file:line:column`) at fault.
+        node: String,
+        /// What is wrong, a sentence.
+        reason: String,
+    },
     /// A state store failed (open, read, write, flush).
     #[error("state store error ({store}): {reason}")]
-    State { store: String, reason: String },
+    State {
+        /// The store.
+        store: String,
+        /// What failed.
+        reason: String,
+    },
     /// A Kafka operation failed; `op` says which one.
     #[error("kafka {op} failed: {source}")]
     Kafka {
+        /// The operation (`subscribe`, `commit`, ...).
         op: &'static str,
+        /// The client's error.
         #[source]
         source: rdkafka::error::KafkaError,
     },
@@ -74,13 +88,17 @@ pub enum Error {
     /// object (`delete group g`). Transient codes are retried first (`kafka::retry`).
     #[error("{what}: {code}")]
     BrokerCode {
+        /// The request and its object.
         what: String,
+        /// The broker's error code.
         code: rdkafka::types::RDKafkaErrorCode,
     },
     /// I/O on a local file.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
@@ -88,7 +106,7 @@ pub enum Error {
 
 impl Error {
     /// Who is at fault for this error.
-    pub fn fault(&self) -> Fault {
+    pub(crate) fn fault(&self) -> Fault {
         match self {
             Error::Config(_) | Error::Topology { .. } => Fault::User,
             Error::State { .. }
@@ -108,7 +126,7 @@ impl Error {
 
     /// For a failed transactional operation: whether it is fatal (fenced, or the producer
     /// is unusable) rather than abortable or retriable.
-    pub fn is_fatal_transaction_error(&self) -> bool {
+    pub(crate) fn is_fatal_transaction_error(&self) -> bool {
         match self {
             Error::Fenced(_) => true,
             Error::Kafka { source, .. } => {
@@ -129,7 +147,7 @@ impl Error {
 
     /// Whether a local store or file failed (full disk, corrupt file): not the
     /// transaction's fault, so retrying the transaction cannot help.
-    pub fn is_store_failure(&self) -> bool {
+    pub(crate) fn is_store_failure(&self) -> bool {
         matches!(self, Error::State { .. } | Error::Io { .. })
     }
 
@@ -159,7 +177,7 @@ pub struct RecordError {
 
 impl RecordError {
     /// A record error raised by `stage`.
-    pub fn new(stage: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn new(stage: impl Into<String>, reason: impl Into<String>) -> Self {
         RecordError {
             stage: stage.into(),
             reason: reason.into(),

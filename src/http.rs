@@ -33,7 +33,7 @@ use std::time::Duration;
 ///
 /// # Errors
 /// As [`serve`] and [`crate::metrics::install_prometheus`].
-pub fn start(config: &crate::config::Config) -> Result<Arc<Status>> {
+pub(crate) fn start(config: &crate::config::Config) -> Result<Arc<Status>> {
     let status = Arc::new(Status::default());
     if let Some(addr) = config.http_address {
         let metrics = crate::metrics::install_prometheus()?;
@@ -49,7 +49,7 @@ pub fn start(config: &crate::config::Config) -> Result<Arc<Status>> {
 /// # Errors
 /// [`Error::Config`] naming `http.address` when the address cannot be bound (in use, not
 /// local).
-pub fn serve(
+pub(crate) fn serve(
     addr: SocketAddr,
     status: Arc<Status>,
     metrics: Option<PrometheusHandle>,

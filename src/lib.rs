@@ -1,28 +1,116 @@
 //! onceflow: a stream processor for Kafka, in the style of Kafka Streams, whose promise is
 //! that every effect happens once however often the message behind it is delivered.
 //!
-//! A [`topology::Topology`] (from a YAML or TOML file via [`dsl`], or built with
-//! [`topology::TopologyBuilder`]) wires a source topic through stages (filter, map, dedup,
-//! route, sinks; CEL expressions in files, closures in Rust) to output topics. [`runtime::App`] runs it against Kafka with the at_least_once commit
-//! protocol; [`testing::TestDriver`] runs it without a broker.
+//! A [`Topology`] (from a YAML or TOML file via [`dsl`], or built with [`TopologyBuilder`])
+//! wires a source topic through stages (filter, map, dedup, route, sinks; CEL expressions in
+//! files, closures in Rust) to output topics. [`App`] runs it against Kafka with the
+//! at_least_once commit protocol; [`TestDriver`] runs it without a broker.
+//!
+//! Start with [`prelude`]: `use onceflow::prelude::*;` brings the builder, the stage specs,
+//! the config, [`App`], [`TestDriver`] and the error types. A program that builds its
+//! topology in Rust and is deployed as a binary ends in [`deploy::main`].
 
-pub mod config;
+#![warn(unreachable_pub, missing_docs)]
+
+// The parts of the library; their items are crate-private unless re-exported below.
+pub(crate) mod codec;
+pub(crate) mod config;
+pub(crate) mod error;
+pub(crate) mod http;
+pub(crate) mod kafka;
+pub(crate) mod logging;
+pub(crate) mod processor;
+pub(crate) mod runtime;
+pub(crate) mod sink;
+pub(crate) mod state;
+pub(crate) mod testing;
+pub(crate) mod tools;
+pub(crate) mod topology;
+
+pub mod cli;
 pub mod deploy;
 pub mod dsl;
-pub mod error;
-pub mod http;
-pub mod kafka;
-pub mod logging;
 pub mod metrics;
-pub mod processor;
-pub mod runtime;
-pub mod sink;
-pub mod state;
-pub mod testing;
-pub mod tools;
-pub mod topology;
 
+pub use codec::{Format, ProtoFormat};
+pub use config::{Config, Guarantee, LogFormat};
 pub use error::{Error, RecordError, Result};
+pub use processor::fingerprint::FingerprintFields;
+pub use processor::key::KeySource;
+pub use processor::route::{RouteBranch, RouteSpec};
+pub use processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
+pub use processor::transform::MapSpec;
+pub use processor::{Counts, OutRecord, Record, SourceMeta};
+pub use runtime::{App, RunOptions, RunSummary};
+pub use sink::{
+    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, InFlight, OnStoreError, PostgresSpec,
+    RedisSpec, ReservationPolicy, Secret, StoreSpec,
+};
+pub use testing::{TestDriver, TestRecord};
+pub use topology::{
+    BuildError, DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
+};
+
+/// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
+/// builder and its stage specs, the config, the run entry points, the test driver, records
+/// and the error types.
+pub mod prelude {
+    pub use crate::{
+        App, BuildError, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec,
+        EnrichSpec, Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee,
+        HttpSpec, InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
+        Partitioning, PostgresSpec, ProtoFormat, Record, RecordError, RedisSpec, ReservationPolicy,
+        Result, RouteBranch, RouteSpec, RunOptions, RunSummary, Secret, SinkSpec, SourceMeta,
+        StoreSpec, TableSpec, TestDriver, TestRecord, TimeSource, Topology, TopologyBuilder,
+    };
+}
+
+/// The names of the headers onceflow writes on the records it emits.
+pub mod headers {
+    pub use crate::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
+    pub use crate::processor::stages::{
+        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+    };
+    pub use crate::runtime::task::dlq_headers;
+    pub use crate::sink::stage::{OUTCOME_HEADER, RESULT_HEADER};
+}
+
+/// The failpoints of the commit protocol: the points at which [`TestDriver::crash_at`]
+/// (and the crash harness, through `ONCEFLOW_FAILPOINT`) stops a run.
+pub mod failpoints {
+    pub use crate::runtime::commit::{
+        commit_failpoints, AFTER_CHANGELOG, AFTER_FLUSH, AFTER_STATE, BEFORE_FLUSH,
+        EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT, FAILPOINTS,
+        RESTORE_DURING,
+    };
+}
+
+/// Internals that the workspace's own tests, benchmarks and crash harness (`tests/`,
+/// `testkit/`) drive directly. Not part of the API: no stability, no documentation.
+#[doc(hidden)]
+pub mod __testkit {
+    pub use crate::kafka::admin::Admin;
+    pub use crate::kafka::batch::consume_batch;
+    pub use crate::kafka::retry::retry;
+    pub use crate::logging::init as init_logging;
+    pub use crate::processor::dedup::DedupEntry;
+    pub use crate::processor::repartition::partition_for;
+    pub use crate::processor::stages::{repartition_topic, SWEEP_BATCH};
+    pub use crate::runtime::commit::MAX_IN_FLIGHT;
+    pub use crate::runtime::Task;
+    pub use crate::sink::effects::Effector;
+    pub use crate::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
+    pub use crate::sink::{idempotency_scope, redis_prefix};
+    pub use crate::state::restore::{changelog_topic, ChangelogRecord, Restorer};
+    pub use crate::state::table::{apply_records, MemoryTable, TableEngine, TableRecord, Tables};
+    pub use crate::state::{MemoryBackend, SledBackend, StateBackend};
+
+    /// Build the processors of `topology`'s stages (what a task does on assignment) and
+    /// return how many there are; for tests that only check it does not panic.
+    pub fn instantiate(topology: &crate::Topology) -> usize {
+        topology.instantiate().len()
+    }
+}
 
 /// The allocator of every program that links onceflow (feature `mimalloc`, on by
 /// default; turn default features off to keep your own `#[global_allocator]`). onceflow

@@ -1,39 +1,39 @@
 //! Metric names (DESIGN.md, "Operations"). Recorded through the `metrics` facade; served in
 //! Prometheus format at `/metrics` of the HTTP listener (`http.address`, see
-//! [`crate::http`]).
+//! `http.rs`).
 
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
 /// `filtered` for records a filter drops or no route takes.
-pub const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
+pub(crate) const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
 /// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage),
 /// sampled one decision in 64.
 pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
 /// Gauge `{topology,store,partition}`: keys held.
-pub const DEDUP_KEYS: &str = "onceflow_dedup_keys";
+pub(crate) const DEDUP_KEYS: &str = "onceflow_dedup_keys";
 /// Counter `{store,partition}`: changelog records applied by restore.
-pub const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
+pub(crate) const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
 /// Gauge `{store,partition}`: changelog records left to restore.
-pub const RESTORE_REMAINING: &str = "onceflow_restore_remaining_records";
+pub(crate) const RESTORE_REMAINING: &str = "onceflow_restore_remaining_records";
 /// Counter `{result}`, result = committed|aborted.
-pub const TRANSACTIONS: &str = "onceflow_transactions_total";
+pub(crate) const TRANSACTIONS: &str = "onceflow_transactions_total";
 /// Counter `{topology,sink,result}`, result = done|skipped_duplicate|unprotected|failed|unknown
 /// (external sinks; `unprotected`: run without idempotency under `on_store_error: fail_open`;
 /// `unknown`: a Redis command that is not idempotent lost its reply, so whether it ran is
 /// unknown; the record is dead-lettered, not retried).
-pub const SINK_EFFECTS: &str = "onceflow_sink_effects_total";
+pub(crate) const SINK_EFFECTS: &str = "onceflow_sink_effects_total";
 /// Counter `{topology,topic,stage}`: records sent to the dead-letter topic.
-pub const DEAD_LETTERS: &str = "onceflow_dead_letters_total";
+pub(crate) const DEAD_LETTERS: &str = "onceflow_dead_letters_total";
 /// Counter `{topology,store,partition}`: entries evicted by `max_keys`, oldest first.
-pub const EVICTED: &str = "onceflow_dedup_evicted_total";
+pub(crate) const EVICTED: &str = "onceflow_dedup_evicted_total";
 /// Counter `{topology,store}`: entries removed by the expiry sweep.
-pub const EXPIRED: &str = "onceflow_dedup_expired_total";
+pub(crate) const EXPIRED: &str = "onceflow_dedup_expired_total";
 /// Counter `{topology}`: commits of the at_least_once protocol.
-pub const COMMITS: &str = "onceflow_commits_total";
+pub(crate) const COMMITS: &str = "onceflow_commits_total";
 
 /// Counter `{table}`: table topic records applied to a lookup table (load and follow).
 pub const TABLE_RECORDS: &str = "onceflow_table_records_total";
 /// Counter `{topology,stage,result}` of enrich stages, result = matched|missing|error.
-pub const ENRICH_LOOKUPS: &str = "onceflow_enrich_lookups_total";
+pub(crate) const ENRICH_LOOKUPS: &str = "onceflow_enrich_lookups_total";
 
 /// Buckets of [`DEDUP_CHECK_SECONDS`], in seconds: 1 µs to 100 ms.
 pub const DEDUP_CHECK_BUCKETS: &[f64] = &[

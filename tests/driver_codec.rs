@@ -1,11 +1,11 @@
 //! Codecs per topic through the broker-free test driver: protobuf (from the descriptor set
 //! in tests/data), JSON, UTF-8 string and raw bytes, with exact outputs and dead letters.
 
-use onceflow::processor::codec::ProtoFormat;
-use onceflow::processor::key::KeySource;
-use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{EnrichSpec, Format, TableSpec, TopologyBuilder};
+use onceflow::headers::dlq_headers;
+use onceflow::KeySource;
+use onceflow::ProtoFormat;
+use onceflow::{EnrichSpec, Format, TableSpec, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use prost::Message;
 use prost_reflect::{DynamicMessage, Value as PValue};
 use prost_types::{
@@ -342,7 +342,7 @@ fn protobuf_table_enriches_into_a_protobuf_sink() {
 
 #[test]
 fn dedup_by_pointer_on_a_protobuf_source() {
-    use onceflow::processor::stages::DedupSpec;
+    use onceflow::DedupSpec;
     let t = TopologyBuilder::new("t")
         .source("orders", proto("shop.Order"))
         .dedup(

@@ -1,21 +1,21 @@
 //! The dedup topology through the broker-free test driver: windows, time sources, key
 //! sources, the staging guarantee and dead letters, each with its exact output.
 
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{ConflictPolicy, DedupSpec, TimeSource};
-use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::headers::dlq_headers;
+use onceflow::KeySource;
+use onceflow::{ConflictPolicy, DedupSpec, TimeSource};
+use onceflow::{Format, Topology, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use std::time::Duration;
 
-use onceflow::config::Guarantee;
-use onceflow::runtime::commit;
+use onceflow::failpoints;
+use onceflow::Guarantee;
 
 /// Every test body runs once per guarantee: the driver commits with the runtime's protocol
 /// under each.
 const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2];
 
-fn driver_for(g: Guarantee, t: onceflow::topology::Topology) -> TestDriver {
+fn driver_for(g: Guarantee, t: onceflow::Topology) -> TestDriver {
     TestDriver::new(t).guarantee(g)
 }
 
@@ -27,7 +27,7 @@ fn topology(key: KeySource, ttl_ms: i64, time: TimeSource, format: Format) -> To
     spec.time = time;
     // These tests pipe every copy of a key to one partition (the promise of `source`);
     // tests/driver_repartition.rs covers copies on several partitions.
-    spec.partitioning = Some(onceflow::processor::stages::Partitioning::Source);
+    spec.partitioning = Some(onceflow::Partitioning::Source);
     TopologyBuilder::new("t")
         .source("in", format)
         .dedup("dedup", spec)
@@ -306,7 +306,7 @@ fn fingerprint_conflicts_follow_the_policy() {
     }
 }
 
-fn header(r: &onceflow::processor::OutRecord, name: &str) -> String {
+fn header(r: &onceflow::OutRecord, name: &str) -> String {
     let v = r
         .headers
         .iter()
@@ -448,7 +448,7 @@ fn out_ids(d: &TestDriver) -> Vec<String> {
 #[test]
 fn a_crash_at_every_failpoint_loses_nothing() {
     for g in GUARANTEES {
-        for point in commit::commit_failpoints(g) {
+        for point in failpoints::commit_failpoints(g) {
             for wipe in [false, true] {
                 let ctx = format!(
                     "{g:?} at {point}{}",
@@ -514,11 +514,11 @@ fn a_crash_at_every_failpoint_loses_nothing() {
 #[test]
 fn crash_at_refuses_a_point_of_the_other_guarantee() {
     let mut d = by_id(Guarantee::AtLeastOnce, MIN);
-    assert!(d.crash_at(commit::EOS_BEFORE_COMMIT).is_err());
-    assert!(d.crash_at(commit::AFTER_FLUSH).is_ok());
+    assert!(d.crash_at(failpoints::EOS_BEFORE_COMMIT).is_err());
+    assert!(d.crash_at(failpoints::AFTER_FLUSH).is_ok());
     let mut d = by_id(Guarantee::ExactlyOnceV2, MIN);
-    assert!(d.crash_at(commit::AFTER_FLUSH).is_err());
-    assert!(d.crash_at(commit::EOS_AFTER_COMMIT).is_ok());
+    assert!(d.crash_at(failpoints::AFTER_FLUSH).is_err());
+    assert!(d.crash_at(failpoints::EOS_AFTER_COMMIT).is_ok());
 }
 
 /// exactly_once_v2: a transaction that fails to commit (abortable) is aborted, its staged

@@ -2,10 +2,10 @@
 //! tombstones, missing-match policies, bad lookup keys, and the table restored from its
 //! topic after the state is wiped; each with its exact output.
 
-use onceflow::processor::key::KeySource;
-use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, TopologyBuilder};
+use onceflow::headers::dlq_headers;
+use onceflow::KeySource;
+use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 
 fn driver(policy: MissingPolicy, into: &str) -> TestDriver {
     let t = TopologyBuilder::new("orders")

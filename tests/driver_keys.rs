@@ -6,15 +6,15 @@
 mod sink_support;
 
 use onceflow::dsl;
-use onceflow::sink::stage::OUTCOME_HEADER;
-use onceflow::testing::{TestDriver, TestRecord};
+use onceflow::headers::OUTCOME_HEADER;
+use onceflow::{TestDriver, TestRecord};
 use sink_support::Receiver;
 
 fn driver(yaml: &str) -> TestDriver {
     TestDriver::new(dsl::parse("t.yaml", yaml).unwrap_or_else(|e| panic!("{e}")))
 }
 
-fn header(r: &onceflow::processor::OutRecord, name: &str) -> Option<String> {
+fn header(r: &onceflow::OutRecord, name: &str) -> Option<String> {
     r.headers
         .iter()
         .find(|(k, _)| k == name)
@@ -158,7 +158,7 @@ stages:
     let reasons: Vec<String> = d
         .dead_letters()
         .iter()
-        .map(|r| header(r, onceflow::runtime::task::dlq_headers::REASON).unwrap())
+        .map(|r| header(r, onceflow::headers::dlq_headers::REASON).unwrap())
         .collect();
     assert_eq!(reasons.len(), 6, "{reasons:?}");
     assert!(
@@ -377,10 +377,10 @@ fn fingerprint_fields_are_validated_with_their_place() {
 /// `build()` (a bytes source has no fields; `duplicates_to` needs its topic).
 #[test]
 fn fingerprint_fields_from_the_builder() {
-    use onceflow::processor::fingerprint::FingerprintFields;
-    use onceflow::processor::key::KeySource;
-    use onceflow::processor::stages::{ConflictPolicy, DedupSpec};
-    use onceflow::topology::{Format, TopologyBuilder};
+    use onceflow::FingerprintFields;
+    use onceflow::KeySource;
+    use onceflow::{ConflictPolicy, DedupSpec};
+    use onceflow::{Format, TopologyBuilder};
     let spec = |format: Format, side: Option<&str>| {
         let mut s = DedupSpec::new(KeySource::JsonPointer("/id".into())).with_fingerprint_fields(
             FingerprintFields::ignore(["/payload/commits/*/author/email"]),

@@ -5,13 +5,13 @@
 
 mod sink_support;
 
-use onceflow::processor::key::KeySource;
-use onceflow::processor::route::RouteSpec;
-use onceflow::processor::stages::DedupSpec;
-use onceflow::processor::transform::MapSpec;
-use onceflow::sink::{EffectSpec, ExternalSinkSpec, HttpSpec, Secret, StoreSpec};
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::DedupSpec;
+use onceflow::KeySource;
+use onceflow::MapSpec;
+use onceflow::RouteSpec;
+use onceflow::{EffectSpec, ExternalSinkSpec, HttpSpec, Secret, StoreSpec};
+use onceflow::{Format, Topology, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use sink_support::*;
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,12 +3,12 @@
 //! steps in order (outputs acknowledged, then changelog, then store, then offsets); a crash
 //! repeats at most what was in flight and loses nothing.
 
-use onceflow::config::Guarantee;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, Partitioning};
-use onceflow::runtime::commit::{self, MAX_IN_FLIGHT};
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, TopologyBuilder};
+use onceflow::Guarantee;
+use onceflow::KeySource;
+use onceflow::{__testkit::MAX_IN_FLIGHT, failpoints};
+use onceflow::{DedupSpec, Partitioning};
+use onceflow::{Format, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 
 fn pipelined() -> TestDriver {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
@@ -98,7 +98,7 @@ fn a_crash_with_commits_in_flight_repeats_at_most_them_and_loses_nothing() {
         &["g", "e", "h"],
     ];
     let total: i64 = batches.iter().map(|b| b.len() as i64).sum();
-    for point in commit::commit_failpoints(Guarantee::AtLeastOnce) {
+    for point in failpoints::commit_failpoints(Guarantee::AtLeastOnce) {
         for wipe in [false, true] {
             let ctx = format!("at {point}{}", if wipe { " + wiped state" } else { "" });
             let mut d = pipelined();

@@ -3,14 +3,15 @@
 //! meet on one partition; `partitioning: source` is the user's promise and, broken, lets
 //! each copy pass (shown here so the promise is documented by a test).
 
-use onceflow::config::Guarantee;
+use onceflow::__testkit::partition_for;
 use onceflow::dsl;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::repartition;
-use onceflow::processor::stages::{DedupSpec, Partitioning};
-use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::headers;
+use onceflow::headers::dlq_headers;
+use onceflow::Guarantee;
+use onceflow::KeySource;
+use onceflow::{DedupSpec, Partitioning};
+use onceflow::{Format, Topology, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 
 const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2];
 
@@ -64,29 +65,29 @@ fn repartition_passes_an_id_once_across_partitions() {
             assert_eq!(out[0].key.as_deref(), Some(&b"e-1"[..]));
             assert_eq!(out[1].key.as_deref(), Some(&b"e-2"[..]));
             // The first copy's coordinates travel as headers; the timestamp is kept.
-            let h = |r: &onceflow::processor::OutRecord, n: &str| {
+            let h = |r: &onceflow::OutRecord, n: &str| {
                 r.headers
                     .iter()
                     .find(|(k, _)| k == n)
                     .and_then(|(_, v)| v.clone())
             };
             assert_eq!(
-                h(out[0], repartition::SOURCE_TOPIC).as_deref(),
+                h(out[0], headers::SOURCE_TOPIC).as_deref(),
                 Some(&b"in"[..])
             );
             assert_eq!(
-                h(out[0], repartition::SOURCE_PARTITION).as_deref(),
+                h(out[0], headers::SOURCE_PARTITION).as_deref(),
                 Some(&b"0"[..])
             );
             assert_eq!(
-                h(out[0], repartition::SOURCE_OFFSET).as_deref(),
+                h(out[0], headers::SOURCE_OFFSET).as_deref(),
                 Some(&b"0"[..])
             );
             assert_eq!(out[0].timestamp, Some(1_000));
             let c = d.counts();
             assert_eq!(c.duplicates, 1, "{g:?}: the second copy is a duplicate");
             // The store partition holding the mark is the key's repartition partition.
-            let p1 = repartition::partition_for(b"e-1", 4);
+            let p1 = partition_for(b"e-1", 4);
             assert!(d.dedup_entry("dedup", p1, b"e-1").unwrap().is_some());
         }
     }
@@ -131,7 +132,7 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
     d.pipe(TestRecord::json(r#"{"x":2}"#).partition(1)).unwrap();
     let dl = d.dead_letters();
     assert_eq!(dl.len(), 2);
-    let h = |r: &onceflow::processor::OutRecord, n: &str| {
+    let h = |r: &onceflow::OutRecord, n: &str| {
         r.headers
             .iter()
             .rev()
@@ -151,7 +152,7 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
 
 #[test]
 fn crash_and_restart_after_repartition_emit_once() {
-    for point in onceflow::runtime::commit::commit_failpoints(Guarantee::ExactlyOnceV2) {
+    for point in onceflow::failpoints::commit_failpoints(Guarantee::ExactlyOnceV2) {
         let mut d = TestDriver::new(by_id(None))
             .guarantee(Guarantee::ExactlyOnceV2)
             .source_partitions(2);
@@ -182,7 +183,7 @@ fn topology_files_state_partitioning_and_describe_shows_it() {
         "name: t\nsource: { topic: in, format: json }\nstages:\n  - dedup: { key: { json_pointer: /id } }\n  - sink: { topic: out }\n",
     )
     .unwrap();
-    let text = t.describe_as(onceflow::topology::DescribeFormat::Text, "app");
+    let text = t.describe_as(onceflow::DescribeFormat::Text, "app");
     assert!(text.contains("partitioning=repartition (default"), "{text}");
     assert!(
         text.contains("Repartition: topic app-dedup-repartition keyed by json pointer /id"),
@@ -202,7 +203,7 @@ fn topology_files_state_partitioning_and_describe_shows_it() {
 /// headers), not by its coordinates on the repartition topic.
 #[test]
 fn dedup_entries_name_the_original_source_record() {
-    use onceflow::processor::stages::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
+    use onceflow::headers::{DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
     for g in GUARANTEES {
         let mut spec =
             DedupSpec::new(KeySource::JsonPointer("/id".into())).with_duplicates_to("dups");
@@ -214,13 +215,13 @@ fn dedup_entries_name_the_original_source_record() {
             .build()
             .unwrap();
         let mut d = TestDriver::new(topology).guarantee(g).source_partitions(4);
-        let p1 = repartition::partition_for(b"e-1", 4);
+        let p1 = partition_for(b"e-1", 4);
         // The first copy sits at offset 2 of a source partition other than p1, behind two
         // records routed elsewhere: on the repartition topic it is at offset 0 of p1.
         let source_p = (p1 + 1) % 4;
         let fillers: Vec<String> = (0..)
             .map(|i| format!("f-{i}"))
-            .filter(|id| repartition::partition_for(id.as_bytes(), 4) != p1)
+            .filter(|id| partition_for(id.as_bytes(), 4) != p1)
             .take(2)
             .collect();
         for id in &fillers {

@@ -2,19 +2,19 @@
 //! dropped, and the changelog replayed; including a rebalance in the middle of a restore
 //! and the expiry sweep's tombstones. Each case has its exact output.
 
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, SWEEP_BATCH};
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, TopologyBuilder};
+use onceflow::KeySource;
+use onceflow::{__testkit::SWEEP_BATCH, DedupSpec};
+use onceflow::{Format, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use std::time::Duration;
 
-use onceflow::config::Guarantee;
+use onceflow::Guarantee;
 
 /// Every test body runs once per guarantee: the driver commits with the runtime's protocol
 /// under each.
 const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2];
 
-fn driver_for(g: Guarantee, t: onceflow::topology::Topology) -> TestDriver {
+fn driver_for(g: Guarantee, t: onceflow::Topology) -> TestDriver {
     TestDriver::new(t).guarantee(g)
 }
 
@@ -108,7 +108,7 @@ fn put_tombstone_put_of_one_key_restore_in_log_order() {
             .map(|r| {
                 r.value.as_ref().map(|v| {
                     use prost::Message;
-                    onceflow::processor::dedup::DedupEntry::decode(v.as_slice())
+                    onceflow::__testkit::DedupEntry::decode(v.as_slice())
                         .unwrap()
                         .first_seen_ms
                 })

@@ -4,11 +4,11 @@
 
 mod sink_support;
 
-use onceflow::runtime::task::dlq_headers;
-use onceflow::sink::stage::{OUTCOME_HEADER, RESULT_HEADER};
-use onceflow::sink::{EffectSpec, ExternalSinkSpec, HttpSpec, OnStoreError, Secret, StoreSpec};
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::headers::dlq_headers;
+use onceflow::headers::{OUTCOME_HEADER, RESULT_HEADER};
+use onceflow::{EffectSpec, ExternalSinkSpec, HttpSpec, OnStoreError, Secret, StoreSpec};
+use onceflow::{Format, Topology, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use sink_support::*;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +35,7 @@ fn sled(dir: &tempfile::TempDir) -> StoreSpec {
     }
 }
 
-fn header<'a>(r: &'a onceflow::processor::OutRecord, name: &str) -> Option<&'a [u8]> {
+fn header<'a>(r: &'a onceflow::OutRecord, name: &str) -> Option<&'a [u8]> {
     r.headers
         .iter()
         .find(|(k, _)| k == name)
@@ -305,7 +305,7 @@ fn same_key_effects_keep_their_order_while_others_overlap() {
 fn redis_sink_runs_its_command_once_per_key() {
     let redis = OwnRedis::start();
     let spec = ExternalSinkSpec::new(
-        EffectSpec::Redis(onceflow::sink::RedisSpec {
+        EffectSpec::Redis(onceflow::RedisSpec {
             url: Secret::Inline(redis.url()),
             command: vec![
                 "INCRBY".into(),
@@ -359,7 +359,7 @@ fn file_sink_appends_one_json_line_per_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out.jsonl");
     let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::sink::FileSpec {
+        EffectSpec::File(onceflow::FileSpec {
             path: path.clone(),
             line: "{value}".into(),
         }),
@@ -383,7 +383,7 @@ fn a_file_sink_line_with_a_line_break_is_dead_lettered() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out.txt");
     let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::sink::FileSpec {
+        EffectSpec::File(onceflow::FileSpec {
             path: path.clone(),
             line: "{value./a}".into(),
         }),
@@ -429,7 +429,7 @@ fn a_lease_shorter_than_the_call_with_its_retries_fails_validation() {
 
 #[test]
 fn a_template_naming_a_field_the_protobuf_message_lacks_fails_validation() {
-    use onceflow::topology::ProtoFormat;
+    use onceflow::ProtoFormat;
     let desc = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/shop.desc");
     let build = |key: &str| {
         let spec = ExternalSinkSpec::new(
@@ -457,7 +457,7 @@ fn a_template_naming_a_field_the_protobuf_message_lacks_fails_validation() {
 
 fn file_sink_topology(topology: &str, dir: &tempfile::TempDir, out: &str) -> Topology {
     let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::sink::FileSpec {
+        EffectSpec::File(onceflow::FileSpec {
             path: dir.path().join(out),
             line: "{value}".into(),
         }),
@@ -508,7 +508,7 @@ fn preflight_rejects_unusable_http_secrets_without_showing_them() {
         ExternalSinkSpec::new(EffectSpec::Http(h), StoreSpec::None),
         Format::Json,
     );
-    let e = onceflow::sink::preflight(&t).unwrap_err().to_string();
+    let e = t.preflight().unwrap_err().to_string();
     assert!(e.contains("stage `hook`: field `url`"), "{e}");
     assert!(e.contains("REVIEW_BAD_URL"), "{e}");
     assert!(
@@ -526,7 +526,7 @@ fn preflight_rejects_unusable_http_secrets_without_showing_them() {
 fn an_unreachable_redis_sink_dead_letters_within_its_retry_window() {
     let url = "redis://:s3cr3t@127.0.0.1:1/";
     let mut spec = ExternalSinkSpec::new(
-        EffectSpec::Redis(onceflow::sink::RedisSpec {
+        EffectSpec::Redis(onceflow::RedisSpec {
             url: Secret::Inline(url.into()),
             command: vec!["SET".into(), "k:{value./id}".into(), "{value}".into()],
         }),
@@ -760,7 +760,7 @@ fn redis_xadd_runs_once_per_key_across_a_crash_and_a_replay() {
 /// A `redis` sink running `command` through `url`, idempotent per order id in `store`.
 fn redis_sink_with_store(url: &str, command: &[&str], store: StoreSpec) -> Topology {
     let spec = ExternalSinkSpec::new(
-        EffectSpec::Redis(onceflow::sink::RedisSpec {
+        EffectSpec::Redis(onceflow::RedisSpec {
             url: Secret::Inline(url.to_string()),
             command: command.iter().map(|s| s.to_string()).collect(),
         }),
@@ -896,7 +896,7 @@ fn redis_hset_with_a_lost_reply_is_retried() {
 /// A file sink with the default sled store (no path given).
 fn file_sink_default_store(out: &std::path::Path) -> Topology {
     let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::sink::FileSpec {
+        EffectSpec::File(onceflow::FileSpec {
             path: out.to_path_buf(),
             line: "{value}".into(),
         }),

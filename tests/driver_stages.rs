@@ -5,13 +5,13 @@
 //! to the dead-letter topic with the reason; nothing crashes and nothing else is written.
 
 use onceflow::dsl;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::route::RouteSpec;
-use onceflow::processor::stages::{DedupSpec, SinkSpec};
-use onceflow::processor::transform::MapSpec;
-use onceflow::runtime::task::dlq_headers;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, TopologyBuilder};
+use onceflow::headers::dlq_headers;
+use onceflow::KeySource;
+use onceflow::MapSpec;
+use onceflow::RouteSpec;
+use onceflow::{DedupSpec, SinkSpec};
+use onceflow::{Format, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use std::path::Path;
 
 fn file(yaml: &str) -> TestDriver {
@@ -491,7 +491,7 @@ fn builder_closures_do_what_expressions_do() {
             "dedup",
             DedupSpec::new(KeySource::JsonPointer("/id".into()))
                 .with_duplicates_to("dups")
-                .with_partitioning(onceflow::processor::stages::Partitioning::Source),
+                .with_partitioning(onceflow::Partitioning::Source),
         )
         .route(
             "split",

@@ -3,7 +3,7 @@
 //! input makes the parser panic.
 
 use onceflow::dsl;
-use onceflow::topology::DescribeFormat;
+use onceflow::DescribeFormat;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -307,7 +307,7 @@ fn must_not_panic(text: &str) {
             ] {
                 let _ = t.describe_as(f, "app");
             }
-            let _ = t.instantiate();
+            let _ = onceflow::__testkit::instantiate(&t);
         }
     }
 }
@@ -407,7 +407,7 @@ proptest! {
     /// give a value or an error for the record, never a crash.
     #[test]
     fn expressions_never_panic_at_run_time(expr in cel_expr()) {
-        use onceflow::testing::{TestDriver, TestRecord};
+        use onceflow::{TestDriver, TestRecord};
         let yaml = format!(
             "name: t\nsource: {{topic: in}}\nstages:\n  - map: {{set: {{r: {}}}}}\n  - sink: {{topic: out, key: {}}}\n",
             serde_json::to_string(&expr).unwrap(),

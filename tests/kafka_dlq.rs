@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use onceflow::runtime::task::dlq_headers;
+use onceflow::headers::dlq_headers;
 use onceflow_testkit::kafka;
 use std::time::Duration;
 

@@ -6,11 +6,11 @@
 mod common;
 
 use common::*;
-use onceflow::config::Config;
-use onceflow::processor::key::KeySource;
-use onceflow::runtime::{App, RunOptions, RunSummary};
-use onceflow::state::table::TableEngine;
-use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
+use onceflow::__testkit::TableEngine;
+use onceflow::Config;
+use onceflow::KeySource;
+use onceflow::{App, RunOptions, RunSummary};
+use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
 use onceflow_testkit::kafka::{self, ReadRecord};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -231,7 +231,7 @@ fn table_is_loaded_followed_and_restored() {
     // 3. State kept: the table's stored offsets are the topic's ends (the next restart
     // resumes there instead of reading the topic again).
     {
-        let backend = onceflow::state::SledBackend::open(&state.path().join(&app)).unwrap();
+        let backend = onceflow::__testkit::SledBackend::open(&state.path().join(&app)).unwrap();
         let table = backend.open_table("customers").unwrap();
         let offsets = table.offsets().unwrap();
         let c = kafka::read_topic(&bootstrap(), &customers, true, Duration::from_secs(30)).unwrap();

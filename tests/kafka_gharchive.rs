@@ -143,7 +143,7 @@ fn kill_at_failpoint_and_restart(failpoint: &str) -> usize {
 #[test]
 fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
     // Outputs durable, no changelog, no state, no offsets: the batch is processed again.
-    let twice = kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_FLUSH);
+    let twice = kill_at_failpoint_and_restart(onceflow::failpoints::AFTER_FLUSH);
     assert!(
         twice > 0,
         "the kill after the flush must leave a durable, uncommitted batch"
@@ -156,12 +156,12 @@ fn sigkill_after_outputs_flushed_repeats_only_the_batch_in_flight() {
 // lost.
 #[test]
 fn sigkill_after_changelog_repeats_only_the_commits_in_flight() {
-    kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_CHANGELOG);
+    kill_at_failpoint_and_restart(onceflow::failpoints::AFTER_CHANGELOG);
 }
 
 #[test]
 fn sigkill_after_state_repeats_only_the_commits_in_flight() {
-    kill_at_failpoint_and_restart(onceflow::runtime::commit::AFTER_STATE);
+    kill_at_failpoint_and_restart(onceflow::failpoints::AFTER_STATE);
 }
 
 #[test]

@@ -7,11 +7,12 @@
 
 mod sink_support;
 
-use onceflow::processor::{Record, SourceMeta};
-use onceflow::sink::effects::Effector;
-use onceflow::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-use onceflow::sink::{idempotency_scope, redis_prefix, EffectSpec, PostgresSpec, Secret};
-use onceflow::topology::{Format, TopologyBuilder};
+use onceflow::__testkit::Effector;
+use onceflow::__testkit::{idempotency_scope, redis_prefix};
+use onceflow::__testkit::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
+use onceflow::{EffectSpec, PostgresSpec, Secret};
+use onceflow::{Format, TopologyBuilder};
+use onceflow::{Record, SourceMeta};
 use sink_support::{postgres_url, redis_url};
 use std::time::Duration;
 

@@ -18,20 +18,20 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 /// The built-in defaults, also shipped as `config/onceflow.toml`.
-pub const DEFAULTS: &str = include_str!("../../config/onceflow.toml");
+pub(crate) const DEFAULTS: &str = include_str!("../../config/onceflow.toml");
 
 /// Prefix of environment variables that are config keys: `ONCEFLOW__A__B` is `a.b`.
-pub const ENV_PREFIX: &str = "ONCEFLOW__";
+pub(crate) const ENV_PREFIX: &str = "ONCEFLOW__";
 
 /// The broker address variable every script and test sets; read as `bootstrap.servers`
 /// (below `ONCEFLOW__BOOTSTRAP__SERVERS`).
-pub const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
+pub(crate) const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
 
 /// Keys that were renamed: (old, new).
 const RENAMED: &[(&str, &str)] = &[("metrics.address", "http.address")];
 
 /// Keys onceflow knows, besides `kafka.*`.
-pub const KEYS: &[&str] = &[
+pub(crate) const KEYS: &[&str] = &[
     "bootstrap.servers",
     "application.id",
     "state.dir",
@@ -425,7 +425,7 @@ impl Config {
 ///
 /// # Errors
 /// [`Error::Config`] when there is no `=`.
-pub fn parse_set(s: &str) -> Result<(String, String)> {
+pub(crate) fn parse_set(s: &str) -> Result<(String, String)> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.trim().to_string(), v.to_string())),
         _ => Err(Error::Config(format!("--set {s:?}: expected key=value"))),

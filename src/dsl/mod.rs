@@ -33,7 +33,7 @@
 //!
 //! The same document in TOML uses `[source]` and one `[[stages]]` table per stage
 //! (`[stages.filter]` ...). A file whose name ends in `.toml` is read as TOML, any other as
-//! YAML. Expressions are CEL (see [`crate::processor::expr`]).
+//! YAML. Expressions are CEL (`processor::expr`).
 //!
 //! Validation happens before anything connects, and every problem is reported, not only
 //! the first: unknown fields, wrong types, unknown stage kinds, missing fields, duplicate
@@ -42,8 +42,8 @@
 //! the stage (``stage `dedup` (dedup)``) or the top-level section.
 
 mod compile;
-pub mod node;
-pub mod sinks;
+pub(crate) mod node;
+pub(crate) mod sinks;
 mod stages;
 
 use crate::error::Error;

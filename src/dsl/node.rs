@@ -8,17 +8,17 @@
 use std::fmt;
 
 /// Deepest nesting of lists and maps accepted.
-pub const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
 /// Most nodes accepted in one document (aliases count their copies).
-pub const MAX_NODES: usize = 100_000;
+pub(crate) const MAX_NODES: usize = 100_000;
 
 /// A place in the file: 1-based line and column (columns count characters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub struct Pos {
+pub(crate) struct Pos {
     /// Line, from 1.
-    pub line: usize,
+    pub(crate) line: usize,
     /// Column, from 1.
-    pub col: usize,
+    pub(crate) col: usize,
 }
 
 impl fmt::Display for Pos {
@@ -29,17 +29,17 @@ impl fmt::Display for Pos {
 
 /// A value with its position.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Node {
+pub(crate) struct Node {
     /// Where the value starts.
-    pub pos: Pos,
+    pub(crate) pos: Pos,
     /// The value.
-    pub val: Val,
+    pub(crate) val: Val,
 }
 
 impl Node {
     /// The string value of field `key` when this node is a map that has it as a string
     /// (e.g. a stage's `name`, read first so later messages can use it).
-    pub fn str_field(&self, key: &str) -> Option<String> {
+    pub(crate) fn str_field(&self, key: &str) -> Option<String> {
         match &self.val {
             Val::Map(es) => {
                 es.iter()
@@ -56,7 +56,7 @@ impl Node {
 
 /// The value of a [`Node`].
 #[derive(Debug, Clone, PartialEq)]
-pub enum Val {
+pub(crate) enum Val {
     /// `null`, `~` or an empty YAML value.
     Null,
     /// A boolean.
@@ -75,7 +75,7 @@ pub enum Val {
 
 impl Val {
     /// The type's name for messages: `a string`, `a map`, ...
-    pub fn type_name(&self) -> &'static str {
+    pub(crate) fn type_name(&self) -> &'static str {
         match self {
             Val::Null => "null",
             Val::Bool(_) => "a bool",
@@ -90,11 +90,11 @@ impl Val {
 
 /// A load failure: where and what.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadError {
+pub(crate) struct LoadError {
     /// Where.
-    pub pos: Pos,
+    pub(crate) pos: Pos,
     /// What.
-    pub message: String,
+    pub(crate) message: String,
 }
 
 // ---------------------------------------------------------------- YAML
@@ -337,7 +337,7 @@ mod yaml {
 ///
 /// # Errors
 /// A syntax error, a duplicate key, a non-scalar key, too deep or too large a document.
-pub fn load_yaml(text: &str) -> Result<Node, LoadError> {
+pub(crate) fn load_yaml(text: &str) -> Result<Node, LoadError> {
     yaml::load(text)
 }
 
@@ -403,7 +403,7 @@ fn toml_nesting(text: &str) -> usize {
 ///
 /// # Errors
 /// A syntax error (the parser's message), or too deep a document.
-pub fn load_toml(text: &str) -> Result<Node, LoadError> {
+pub(crate) fn load_toml(text: &str) -> Result<Node, LoadError> {
     use toml::de::{DeTable, DeValue};
     use toml::Spanned;
     let lines = Lines::new(text);

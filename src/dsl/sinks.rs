@@ -41,7 +41,7 @@ use std::path::PathBuf;
 /// A value given inline or read from the environment.
 #[derive(Debug, Deserialize, Clone)]
 #[serde(untagged)]
-pub enum SecretDef {
+pub(crate) enum SecretDef {
     /// The value.
     Plain(String),
     /// `{ env: NAME }`.
@@ -63,120 +63,120 @@ impl SecretDef {
 /// `idempotency:` of an external sink.
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
-pub struct IdempotencyDef {
+pub(crate) struct IdempotencyDef {
     /// Key template.
-    pub key: Option<String>,
+    pub(crate) key: Option<String>,
     /// `sled`, `redis`, `postgres` or `none`.
-    pub store: Option<String>,
+    pub(crate) store: Option<String>,
     /// Redis store URL.
-    pub url: Option<SecretDef>,
+    pub(crate) url: Option<SecretDef>,
     /// Redis key prefix.
-    pub prefix: Option<String>,
+    pub(crate) prefix: Option<String>,
     /// Sled store directory (default `<state.dir>/idempotency/<application.id>`; a relative
     /// path is taken under `state.dir`).
-    pub path: Option<PathBuf>,
+    pub(crate) path: Option<PathBuf>,
     /// Postgres inbox table (default `onceflow_inbox`).
-    pub table: Option<String>,
+    pub(crate) table: Option<String>,
     /// Reservation lease.
-    pub lease: Option<String>,
+    pub(crate) lease: Option<String>,
     /// How long completed keys are kept.
-    pub ttl: Option<String>,
+    pub(crate) ttl: Option<String>,
     /// `wait` or `raise`.
-    pub in_flight: Option<String>,
+    pub(crate) in_flight: Option<String>,
     /// Bound of `wait`.
-    pub wait_timeout: Option<String>,
+    pub(crate) wait_timeout: Option<String>,
     /// Pause before a raised record is retried.
-    pub raise_backoff: Option<String>,
+    pub(crate) raise_backoff: Option<String>,
     /// How long a record is retried while its key is in flight elsewhere.
-    pub in_flight_give_up: Option<String>,
+    pub(crate) in_flight_give_up: Option<String>,
     /// `fail_closed` or `fail_open`.
-    pub on_store_error: Option<String>,
+    pub(crate) on_store_error: Option<String>,
     /// How long store operations are retried.
-    pub store_retry_for: Option<String>,
+    pub(crate) store_retry_for: Option<String>,
     /// Longest key in bytes.
-    pub max_key_bytes: Option<usize>,
+    pub(crate) max_key_bytes: Option<usize>,
 }
 
 /// `http:`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct HttpDef {
+pub(crate) struct HttpDef {
     /// Stage name (default `http`).
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// URL.
-    pub url: SecretDef,
+    pub(crate) url: SecretDef,
     /// POST or PUT.
-    pub method: Option<String>,
+    pub(crate) method: Option<String>,
     /// Headers.
     #[serde(default)]
-    pub headers: BTreeMap<String, SecretDef>,
+    pub(crate) headers: BTreeMap<String, SecretDef>,
     /// Body template.
-    pub body: Option<String>,
+    pub(crate) body: Option<String>,
     /// Call timeout.
-    pub timeout: Option<String>,
+    pub(crate) timeout: Option<String>,
     /// Retries.
-    pub retries: Option<u32>,
+    pub(crate) retries: Option<u32>,
     /// First backoff.
-    pub backoff: Option<String>,
+    pub(crate) backoff: Option<String>,
     /// Effects in flight per partition.
-    pub concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     /// Idempotency settings.
     #[serde(default)]
-    pub idempotency: IdempotencyDef,
+    pub(crate) idempotency: IdempotencyDef,
 }
 
 /// `postgres:`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PostgresDef {
+pub(crate) struct PostgresDef {
     /// Stage name (default `postgres`).
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// Connection URL.
-    pub url: SecretDef,
+    pub(crate) url: SecretDef,
     /// Statement with `$n` placeholders.
-    pub sql: String,
+    pub(crate) sql: String,
     /// Parameter templates.
     #[serde(default)]
-    pub params: Vec<String>,
+    pub(crate) params: Vec<String>,
     /// Effects in flight per partition.
-    pub concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     /// Idempotency settings.
     #[serde(default)]
-    pub idempotency: IdempotencyDef,
+    pub(crate) idempotency: IdempotencyDef,
 }
 
 /// `redis:`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RedisDef {
+pub(crate) struct RedisDef {
     /// Stage name (default `redis`).
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// Connection URL.
-    pub url: SecretDef,
+    pub(crate) url: SecretDef,
     /// Command and argument templates.
-    pub command: Vec<String>,
+    pub(crate) command: Vec<String>,
     /// Effects in flight per partition.
-    pub concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     /// Idempotency settings.
     #[serde(default)]
-    pub idempotency: IdempotencyDef,
+    pub(crate) idempotency: IdempotencyDef,
 }
 
 /// `file:`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct FileDef {
+pub(crate) struct FileDef {
     /// Stage name (default `file`).
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// File to append to.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// Line template.
-    pub line: Option<String>,
+    pub(crate) line: Option<String>,
     /// Effects in flight per partition.
-    pub concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     /// Idempotency settings.
     #[serde(default)]
-    pub idempotency: IdempotencyDef,
+    pub(crate) idempotency: IdempotencyDef,
 }
 
 fn dur(v: &Option<String>, field: &str, errs: &mut Vec<String>) -> Option<std::time::Duration> {
@@ -277,7 +277,7 @@ fn finish(
 }
 
 /// Compile an `http:` stage into its name and spec; problems are appended to `errs`.
-pub fn http(d: &HttpDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
+pub(crate) fn http(d: &HttpDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
     let mut h = HttpSpec::new(d.url.compile());
     if let Some(m) = &d.method {
         h.method = m.to_ascii_uppercase();
@@ -307,7 +307,7 @@ pub fn http(d: &HttpDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
 }
 
 /// Compile a `postgres:` stage.
-pub fn postgres(d: &PostgresDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
+pub(crate) fn postgres(d: &PostgresDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
     let e = EffectSpec::Postgres(PostgresSpec {
         url: d.url.compile(),
         sql: d.sql.clone(),
@@ -318,7 +318,7 @@ pub fn postgres(d: &PostgresDef, errs: &mut Vec<String>) -> (String, ExternalSin
 }
 
 /// Compile a `redis:` stage.
-pub fn redis(d: &RedisDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
+pub(crate) fn redis(d: &RedisDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
     let e = EffectSpec::Redis(RedisSpec {
         url: d.url.compile(),
         command: d.command.clone(),
@@ -328,7 +328,7 @@ pub fn redis(d: &RedisDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec)
 }
 
 /// Compile a `file:` stage.
-pub fn file(d: &FileDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
+pub(crate) fn file(d: &FileDef, errs: &mut Vec<String>) -> (String, ExternalSinkSpec) {
     let e = EffectSpec::File(FileSpec {
         path: d.path.clone(),
         line: d.line.clone().unwrap_or_else(|| "{value}".into()),

@@ -19,7 +19,7 @@ use std::time::Duration;
 const GROUP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A topic to create: name, partition count, topic configs (`cleanup.policy`, ...).
-pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
+pub(crate) type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
 
 /// Topic configs a changelog topic is created with.
 ///
@@ -35,18 +35,18 @@ pub type TopicSpec<'a> = (String, usize, Vec<(&'a str, String)>);
 /// from a local checkpoint older than that may miss one and keep a swept entry, which the
 /// decision judges by record time like any entry and the next sweep deletes again: nothing
 /// live is ever lost.
-pub const CHANGELOG_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
+pub(crate) const CHANGELOG_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
 
 /// One setting of an existing changelog topic that contradicts [`CHANGELOG_CONFIGS`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigMismatch {
+pub(crate) struct ConfigMismatch {
     /// The setting, e.g. `cleanup.policy`.
-    pub setting: String,
+    pub(crate) setting: String,
     /// The value found on the topic (with the settings that make it wrong, e.g.
     /// `compact,delete (retention.ms=3600000)`).
-    pub found: String,
+    pub(crate) found: String,
     /// The value onceflow needs.
-    pub expected: String,
+    pub(crate) expected: String,
 }
 
 impl std::fmt::Display for ConfigMismatch {
@@ -65,7 +65,7 @@ impl std::fmt::Display for ConfigMismatch {
 /// `cleanup.policy` must be `compact`; `compact,delete` is accepted only when neither time
 /// nor size can delete anything (`retention.ms=-1` and `retention.bytes=-1`). A missing
 /// `cleanup.policy` counts as the broker default, `delete`.
-pub fn changelog_mismatches(
+pub(crate) fn changelog_mismatches(
     configs: &std::collections::BTreeMap<String, String>,
 ) -> Vec<ConfigMismatch> {
     let get = |k: &str| configs.get(k).map(String::as_str);
@@ -184,7 +184,7 @@ impl Admin {
     /// topic already existing.
     /// Topics created here are waited for until the broker's metadata lists their
     /// partitions (a topic just created may answer `UnknownTopicOrPartition` for a moment).
-    pub fn ensure_topics(&self, topics: &[TopicSpec<'_>]) -> Result<Vec<String>> {
+    pub(crate) fn ensure_topics(&self, topics: &[TopicSpec<'_>]) -> Result<Vec<String>> {
         let mut created = Vec::new();
         retry("create topics", || {
             let left: Vec<TopicSpec<'_>> = topics
@@ -259,7 +259,7 @@ impl Admin {
     /// # Errors
     /// [`Error::Broker`] when the broker refuses DescribeConfigs (e.g. no such topic, not
     /// authorized); [`Error::Kafka`] when it cannot be reached.
-    pub fn topic_configs(
+    pub(crate) fn topic_configs(
         &self,
         topic: &str,
     ) -> Result<std::collections::BTreeMap<String, (String, bool)>> {
@@ -298,7 +298,11 @@ impl Admin {
     /// expected when the configuration cannot be read or the broker refuses the correction
     /// (e.g. not authorized): onceflow does not run on a changelog that may lose live
     /// entries.
-    pub fn ensure_changelog_config(&self, store: &str, topic: &str) -> Result<Vec<ConfigMismatch>> {
+    pub(crate) fn ensure_changelog_config(
+        &self,
+        store: &str,
+        topic: &str,
+    ) -> Result<Vec<ConfigMismatch>> {
         let current = self.topic_configs(topic)?;
         let values = current
             .iter()
@@ -385,7 +389,7 @@ impl Admin {
     /// [`Error::Kafka`] when the request fails, [`Error::Broker`] naming the partition the
     /// broker refused (e.g. an offset beyond its high watermark). Not retried: the next
     /// purge asks again.
-    pub fn delete_records(&self, topic: &str, offsets: &[(i32, i64)]) -> Result<()> {
+    pub(crate) fn delete_records(&self, topic: &str, offsets: &[(i32, i64)]) -> Result<()> {
         let mut tpl = rdkafka::TopicPartitionList::new();
         for (p, o) in offsets {
             tpl.add_partition_offset(topic, *p, rdkafka::Offset::Offset(*o))

@@ -45,7 +45,7 @@ impl<'a> BatchRecord<'a> {
     }
 
     /// The topic name, `None` when not UTF-8 (never for topics onceflow names).
-    pub fn topic(&self) -> Option<&'a str> {
+    pub(crate) fn topic(&self) -> Option<&'a str> {
         if self.msg.rkt.is_null() {
             return None;
         }
@@ -91,7 +91,7 @@ impl Drop for Batch {
 
 impl Batch {
     /// Records and errors taken.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
 
@@ -172,7 +172,7 @@ pub fn consume_batch(
 /// Destroys batches on a background thread: returning a record to librdkafka costs about as
 /// much as reading it, and the reader need not wait for it. Dropping the `Freer` waits for
 /// every batch handed to it to be destroyed, so drop it before the consumer it read from.
-pub struct Freer {
+pub(crate) struct Freer {
     tx: Option<std::sync::mpsc::Sender<Vec<Batch>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -182,7 +182,7 @@ impl Freer {
     ///
     /// # Panics
     /// When the OS refuses to start a thread.
-    pub fn spawn() -> Freer {
+    pub(crate) fn spawn() -> Freer {
         let (tx, rx) = std::sync::mpsc::channel::<Vec<Batch>>();
         let thread = std::thread::Builder::new()
             .name("onceflow-batch-free".into())
@@ -199,7 +199,7 @@ impl Freer {
     }
 
     /// Destroy `batches` in the background (here, when the thread is gone).
-    pub fn free(&self, batches: Vec<Batch>) {
+    pub(crate) fn free(&self, batches: Vec<Batch>) {
         if let Some(tx) = &self.tx {
             if let Err(back) = tx.send(batches) {
                 drop(back.0);

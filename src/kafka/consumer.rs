@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 /// A rebalance, for the run loop to carry out.
-pub enum RebalanceEvent {
+pub(crate) enum RebalanceEvent {
     /// Partitions were assigned; the run loop must assign them
     /// ([`apply_assign`]), pause them and set up their tasks.
     Assigned(TopicPartitionList),
@@ -34,31 +34,22 @@ pub enum RebalanceEvent {
     },
 }
 
-impl RebalanceEvent {
-    /// The partitions of the event.
-    pub fn partitions(&self) -> Vec<i32> {
-        let tpl = match self {
-            RebalanceEvent::Assigned(t) => t,
-            RebalanceEvent::Revoked { partitions, .. } => partitions,
-        };
-        tpl.elements().iter().map(|e| e.partition()).collect()
-    }
-}
+impl RebalanceEvent {}
 
 /// Consumer context sending rebalances to the run loop.
-pub struct SourceContext {
+pub(crate) struct SourceContext {
     events: mpsc::Sender<RebalanceEvent>,
     deferred: AtomicBool,
 }
 
 /// The consumer type of the runtime.
-pub type SourceConsumer = BaseConsumer<SourceContext>;
+pub(crate) type SourceConsumer = BaseConsumer<SourceContext>;
 
 impl SourceContext {
     /// Whether rebalances go to the run loop (true) or are carried out by the context at
     /// once (false: before the run loop starts and after it ends, so closing the consumer
     /// never waits for a loop that is gone).
-    pub fn defer_rebalances(&self, on: bool) {
+    pub(crate) fn defer_rebalances(&self, on: bool) {
         self.deferred.store(on, Ordering::SeqCst);
     }
 }
@@ -82,7 +73,7 @@ impl ClientContext for SourceContext {
 ///
 /// # Errors
 /// [`crate::Error::Kafka`] when librdkafka refuses it.
-pub fn apply_assign(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
+pub(crate) fn apply_assign(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
     match consumer.rebalance_protocol() {
         RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
         _ => consumer.assign(tpl),
@@ -95,7 +86,7 @@ pub fn apply_assign(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Resu
 ///
 /// # Errors
 /// [`crate::Error::Kafka`] when librdkafka refuses it.
-pub fn apply_revoke(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
+pub(crate) fn apply_revoke(consumer: &SourceConsumer, tpl: &TopicPartitionList) -> Result<()> {
     match consumer.rebalance_protocol() {
         RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
         _ => consumer.unassign(),
@@ -153,7 +144,7 @@ impl ConsumerContext for SourceContext {
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create(
+pub(crate) fn create(
     cfg: &Config,
     partition_eof: bool,
     events: mpsc::Sender<RebalanceEvent>,
@@ -193,7 +184,7 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
 /// Whether the source consumer of `cfg` is a static member of its group (KIP-345): it then
 /// does not leave the group when it stops, so a restart within `session.timeout.ms` gets
 /// its partitions back without a rebalance.
-pub fn is_static_member(cfg: &Config) -> bool {
+pub(crate) fn is_static_member(cfg: &Config) -> bool {
     source_config(cfg, false).get("group.instance.id").is_some()
 }
 
@@ -206,7 +197,7 @@ pub fn is_static_member(cfg: &Config) -> bool {
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
+pub(crate) fn create_restore_consumer(cfg: &Config) -> Result<BaseConsumer> {
     restore_consumer_config(cfg)
         .create()
         .map_err(crate::kafka::config_error)
@@ -242,7 +233,7 @@ fn restore_consumer_config(cfg: &Config) -> rdkafka::ClientConfig {
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
-pub fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
+pub(crate) fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
     let mut c = crate::kafka::client_config(
         cfg,
         &[

@@ -11,23 +11,23 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The reachability state (one per process: [`LINK`]).
-pub struct Link {
+pub(crate) struct Link {
     down: AtomicBool,
 }
 
 /// This process's link to the cluster.
-pub static LINK: Link = Link::new();
+pub(crate) static LINK: Link = Link::new();
 
 impl Link {
     /// Reachable until a client reports every broker down.
-    pub const fn new() -> Link {
+    pub(crate) const fn new() -> Link {
         Link {
             down: AtomicBool::new(false),
         }
     }
 
     /// As [`note_error`].
-    pub fn note_error(&self, error: &KafkaError) {
+    pub(crate) fn note_error(&self, error: &KafkaError) {
         if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)
             && !self.down.swap(true, Ordering::SeqCst)
         {
@@ -36,14 +36,14 @@ impl Link {
     }
 
     /// As [`note_up`].
-    pub fn note_up(&self) {
+    pub(crate) fn note_up(&self) {
         if self.down.swap(false, Ordering::SeqCst) {
             tracing::info!("a broker answers again: ready once the partitions are");
         }
     }
 
     /// As [`reachable`].
-    pub fn reachable(&self) -> bool {
+    pub(crate) fn reachable(&self) -> bool {
         !self.down.load(Ordering::SeqCst)
     }
 }
@@ -55,18 +55,18 @@ impl Default for Link {
 }
 
 /// Take note of a client error: `AllBrokersDown` marks the cluster unreachable.
-pub fn note_error(error: &KafkaError) {
+pub(crate) fn note_error(error: &KafkaError) {
     LINK.note_error(error);
 }
 
 /// A broker answered: the cluster is reachable again.
-pub fn note_up() {
+pub(crate) fn note_up() {
     LINK.note_up();
 }
 
 /// Whether a broker was reachable at last notice (true until a client reports every
 /// broker down).
-pub fn reachable() -> bool {
+pub(crate) fn reachable() -> bool {
     LINK.reachable()
 }
 

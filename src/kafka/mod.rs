@@ -4,12 +4,12 @@
 //! Every client takes `bootstrap.servers` from [`Config`] and the librdkafka properties
 //! passed through as `kafka.*` (both clients), `kafka.consumer.*` or `kafka.producer.*`.
 
-pub mod admin;
-pub mod batch;
-pub mod consumer;
-pub mod link;
-pub mod producer;
-pub mod retry;
+pub(crate) mod admin;
+pub(crate) mod batch;
+pub(crate) mod consumer;
+pub(crate) mod link;
+pub(crate) mod producer;
+pub(crate) mod retry;
 
 use crate::config::Config;
 use rdkafka::ClientConfig;
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 /// A librdkafka config with `bootstrap.servers`, then `defaults`, then the user's
 /// `kafka.*` properties, then `specific` (consumer- or producer-only) ones.
-pub fn client_config(
+pub(crate) fn client_config(
     cfg: &Config,
     defaults: &[(&str, &str)],
     specific: &BTreeMap<String, String>,
@@ -35,7 +35,7 @@ pub fn client_config(
 
 /// Turn a librdkafka "No such configuration property" failure into a config error naming
 /// the `kafka.*` key.
-pub fn config_error(e: rdkafka::error::KafkaError) -> crate::Error {
+pub(crate) fn config_error(e: rdkafka::error::KafkaError) -> crate::Error {
     match e {
         rdkafka::error::KafkaError::ClientCreation(msg) => crate::Error::Config(format!(
             "a kafka.* property was refused by librdkafka: {msg}"
@@ -51,7 +51,7 @@ pub fn config_error(e: rdkafka::error::KafkaError) -> crate::Error {
 ///
 /// # Errors
 /// A sentence saying what is wrong.
-pub fn check_topic_name(t: &str) -> Result<(), String> {
+pub(crate) fn check_topic_name(t: &str) -> Result<(), String> {
     if t.is_empty() {
         return Err("topic name must not be empty".into());
     }

@@ -19,7 +19,7 @@ const EPOCH_SLOTS: usize = 64;
 
 /// Records delivery failures, and what is not yet acknowledged per commit epoch; checked
 /// at each commit.
-pub struct DeliveryTracker {
+pub(crate) struct DeliveryTracker {
     failures: AtomicU64,
     /// Records sent and not yet acknowledged (delivered or failed), per slot.
     unacked: [AtomicI64; EPOCH_SLOTS + 1],
@@ -82,7 +82,7 @@ impl ProducerContext for DeliveryTracker {
 /// that still fails is a fatal error for the batch: [`OutputProducer::flush`] reports it
 /// and the runtime stops without applying state or committing offsets, so the batch is
 /// processed again on restart (at_least_once: never lost).
-pub struct OutputProducer {
+pub(crate) struct OutputProducer {
     producer: ThreadedProducer<DeliveryTracker>,
     /// The commit epoch outputs sent now count towards ([`OutputProducer::open_epoch`]).
     epoch: AtomicU64,
@@ -96,7 +96,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
-    pub fn new(
+    pub(crate) fn new(
         cfg: &Config,
         changelog_topics: std::collections::HashSet<String>,
     ) -> Result<OutputProducer> {
@@ -125,7 +125,7 @@ impl OutputProducer {
     /// # Errors
     /// [`Error::Kafka`] when librdkafka refuses the record for a reason other than a full
     /// queue (unknown topic, record too large).
-    pub fn send(&self, rec: &OutRecord) -> Result<()> {
+    pub(crate) fn send(&self, rec: &OutRecord) -> Result<()> {
         let headers = if rec.headers.is_empty() {
             None
         } else {
@@ -164,7 +164,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// As [`OutputProducer::send`].
-    pub fn send_changelog(
+    pub(crate) fn send_changelog(
         &self,
         topic: &str,
         partition: i32,
@@ -207,7 +207,7 @@ impl OutputProducer {
 
     /// Count the outputs sent from now on towards commit epoch `epoch` (see
     /// [`OutputProducer::epoch_acked`]).
-    pub fn open_epoch(&self, epoch: u64) {
+    pub(crate) fn open_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Relaxed);
     }
 
@@ -218,7 +218,7 @@ impl OutputProducer {
     /// # Errors
     /// [`Error::Broker`] naming the first failed delivery since the producer started;
     /// [`Error::Broker`] when `wait` timed out.
-    pub fn epoch_acked(&self, epoch: u64, wait: bool, timeout: Duration) -> Result<bool> {
+    pub(crate) fn epoch_acked(&self, epoch: u64, wait: bool, timeout: Duration) -> Result<bool> {
         let slot = (epoch % EPOCH_SLOTS as u64) as usize;
         self.slot_acked(slot, wait, timeout)
     }
@@ -227,7 +227,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// As [`OutputProducer::epoch_acked`].
-    pub fn changelog_acked(&self, wait: bool, timeout: Duration) -> Result<bool> {
+    pub(crate) fn changelog_acked(&self, wait: bool, timeout: Duration) -> Result<bool> {
         self.slot_acked(EPOCH_SLOTS, wait, timeout)
     }
 
@@ -269,23 +269,9 @@ impl OutputProducer {
         Ok(())
     }
 
-    /// Wait until every queued record is delivered or failed.
-    ///
-    /// # Errors
-    /// [`Error::Broker`] naming the first failed delivery since the producer started;
-    /// [`Error::Kafka`] when the flush times out.
-    pub fn flush(&self, timeout: Duration) -> Result<()> {
-        let deadline = std::time::Instant::now() + timeout;
-        self.wait_in_flight(deadline);
-        self.producer
-            .flush(deadline.saturating_duration_since(std::time::Instant::now()))
-            .map_err(Error::kafka("flush"))?;
-        self.check_failures()
-    }
-
     /// The offset after the highest delivered record of changelog `topic`'s `partition`
     /// (what a store checkpoints after a commit), `None` before the first delivery.
-    pub fn changelog_next_offset(&self, topic: &str, partition: i32) -> Option<i64> {
+    pub(crate) fn changelog_next_offset(&self, topic: &str, partition: i32) -> Option<i64> {
         self.producer
             .context()
             .changelog_offsets
@@ -297,7 +283,7 @@ impl OutputProducer {
     }
 
     /// Forget delivery failures (after an aborted transaction: its records are gone anyway).
-    pub fn reset_failures(&self) {
+    pub(crate) fn reset_failures(&self) {
         let ctx = self.producer.context();
         ctx.failures.store(0, Ordering::SeqCst);
         *ctx.first_failure.lock().expect("delivery tracker lock") = None;
@@ -312,7 +298,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Kafka`] when the coordinator cannot be reached in time.
-    pub fn init_transactions(&self) -> Result<()> {
+    pub(crate) fn init_transactions(&self) -> Result<()> {
         self.producer
             .init_transactions(Duration::from_secs(60))
             .map_err(Error::kafka("init transactions"))
@@ -322,7 +308,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Kafka`] (fatal when fenced).
-    pub fn begin_transaction(&self) -> Result<()> {
+    pub(crate) fn begin_transaction(&self) -> Result<()> {
         self.producer
             .begin_transaction()
             .map_err(Error::kafka("begin transaction"))
@@ -333,7 +319,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Kafka`]; abortable or fatal per the error.
-    pub fn send_offsets_to_transaction(
+    pub(crate) fn send_offsets_to_transaction(
         &self,
         offsets: &rdkafka::TopicPartitionList,
         cgm: &rdkafka::consumer::ConsumerGroupMetadata,
@@ -347,7 +333,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Kafka`]; abortable or fatal per the error.
-    pub fn commit_transaction(&self) -> Result<()> {
+    pub(crate) fn commit_transaction(&self) -> Result<()> {
         self.wait_in_flight(std::time::Instant::now() + Duration::from_secs(120));
         self.producer
             .commit_transaction(Duration::from_secs(120))
@@ -358,7 +344,7 @@ impl OutputProducer {
     ///
     /// # Errors
     /// [`Error::Kafka`] (fatal when fenced).
-    pub fn abort_transaction(&self) -> Result<()> {
+    pub(crate) fn abort_transaction(&self) -> Result<()> {
         self.producer
             .abort_transaction(Duration::from_secs(120))
             .map_err(Error::kafka("abort transaction"))
@@ -374,10 +360,5 @@ impl OutputProducer {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
         }
-    }
-
-    /// Records queued and not yet delivered.
-    pub fn in_flight(&self) -> i32 {
-        self.producer.in_flight_count()
     }
 }

@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 /// How long [`retry`] keeps trying a transient error: 120 s (a just-formatted broker on a
 /// busy 2-core machine took over a minute to elect its first group coordinator).
-pub const DEFAULT_BUDGET: Duration = Duration::from_secs(120);
+pub(crate) const DEFAULT_BUDGET: Duration = Duration::from_secs(120);
 
 /// Whether a broker or client error code is transient, i.e. the same request may succeed
 /// when sent again a little later.
-pub fn is_retriable_code(code: RDKafkaErrorCode) -> bool {
+pub(crate) fn is_retriable_code(code: RDKafkaErrorCode) -> bool {
     use RDKafkaErrorCode as C;
     matches!(
         code,
@@ -49,7 +49,7 @@ pub fn is_retriable_code(code: RDKafkaErrorCode) -> bool {
 }
 
 /// Whether `e` is a transient broker error (see [`is_retriable_code`]).
-pub fn is_retriable(e: &Error) -> bool {
+pub(crate) fn is_retriable(e: &Error) -> bool {
     match e {
         Error::Kafka { source, .. } => source.rdkafka_error_code().is_some_and(is_retriable_code),
         Error::BrokerCode { code, .. } => is_retriable_code(*code),
@@ -58,7 +58,7 @@ pub fn is_retriable(e: &Error) -> bool {
 }
 
 /// Run `f` until it succeeds, fails with an error that is not transient, or
-/// [`DEFAULT_BUDGET`] has passed; each transient failure is logged (at info level) with
+/// `DEFAULT_BUDGET` has passed; each transient failure is logged (at info level) with
 /// `what` and waited out with a doubling backoff from 100 ms to 2 s.
 ///
 /// # Errors
@@ -72,7 +72,11 @@ pub fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
 ///
 /// # Errors
 /// As [`retry`].
-pub fn retry_for<T>(what: &str, budget: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
+pub(crate) fn retry_for<T>(
+    what: &str,
+    budget: Duration,
+    mut f: impl FnMut() -> Result<T>,
+) -> Result<T> {
     let deadline = Instant::now() + budget;
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 1u32;

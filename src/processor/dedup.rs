@@ -39,7 +39,7 @@ pub struct DedupEntry {
 impl DedupEntry {
     /// The time the sweep counts this entry's expiry from, in ms: the later of its
     /// first-seen time and the stream time when it was written.
-    pub fn sweep_base_ms(&self) -> i64 {
+    pub(crate) fn sweep_base_ms(&self) -> i64 {
         self.written_stream_ms
             .map_or(self.first_seen_ms, |w| w.max(self.first_seen_ms))
     }
@@ -47,27 +47,27 @@ impl DedupEntry {
 
 /// What the dedup stage knows about the record being judged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Observation {
+pub(crate) struct Observation {
     /// The record's time in ms: its timestamp (event time) or the wall clock (processing time).
-    pub time_ms: i64,
+    pub(crate) time_ms: i64,
     /// Source partition.
-    pub partition: i32,
+    pub(crate) partition: i32,
     /// Source offset.
-    pub offset: i64,
+    pub(crate) offset: i64,
     /// Payload fingerprint, when fingerprints are on.
-    pub fingerprint: Option<u64>,
+    pub(crate) fingerprint: Option<u64>,
 }
 
 /// The dedup window and options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// Time to live of an entry, in ms (default 24 h).
-    pub ttl_ms: i64,
+    pub(crate) ttl_ms: i64,
 }
 
 /// The verdict on one record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// No live entry: the first occurrence; it goes on and its entry is written.
     First,
     /// An entry existed but had expired: treated as a first occurrence again.
@@ -80,22 +80,13 @@ pub enum Decision {
 
 impl Decision {
     /// Whether the record goes on downstream as a first occurrence.
-    pub fn passes(self) -> bool {
+    pub(crate) fn passes(self) -> bool {
         matches!(self, Decision::First | Decision::Renewed)
-    }
-
-    /// The `result` label of `onceflow_records_processed_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Decision::First | Decision::Renewed => "passed",
-            Decision::Duplicate => "duplicate",
-            Decision::Conflict => "conflict",
-        }
     }
 }
 
 /// Whether `entry` is expired for a record at `time_ms` under `policy`.
-pub fn is_expired(entry: &DedupEntry, time_ms: i64, policy: &Policy) -> bool {
+pub(crate) fn is_expired(entry: &DedupEntry, time_ms: i64, policy: &Policy) -> bool {
     time_ms.saturating_sub(entry.first_seen_ms) > policy.ttl_ms
 }
 
@@ -103,7 +94,7 @@ pub fn is_expired(entry: &DedupEntry, time_ms: i64, policy: &Policy) -> bool {
 ///
 /// Returns the decision and, when the record passes, the entry to write once its output is
 /// durable. Duplicates and conflicts return `None`: the stored entry stays as it was.
-pub fn decide(
+pub(crate) fn decide(
     prev: Option<&DedupEntry>,
     obs: &Observation,
     policy: &Policy,

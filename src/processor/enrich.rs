@@ -13,9 +13,11 @@
 //! table as loaded at that moment: the table follows its topic in the background, so an
 //! update changes later joins, never earlier ones (no re-join of past records).
 
-use super::codec::{view_mut, Format};
-use super::key::{json_type, KeySource};
+use super::codec::view_mut;
+use super::key::KeySource;
 use super::{Context, Processor, Record, StageError};
+use crate::codec::json_type;
+use crate::codec::Format;
 use crate::error::{Error, RecordError};
 use serde_json::Value;
 
@@ -104,7 +106,7 @@ impl EnrichSpec {
 }
 
 /// The enrich processor (one per task).
-pub struct Enrich {
+pub(crate) struct Enrich {
     name: String,
     spec: EnrichSpec,
     into: Vec<String>,
@@ -118,7 +120,7 @@ pub struct Enrich {
 
 impl Enrich {
     /// The stage `name` of topology `topology`.
-    pub fn new(topology: &str, name: &str, spec: EnrichSpec) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: EnrichSpec) -> Self {
         let c = |result: &'static str| {
             metrics::counter!(crate::metrics::ENRICH_LOOKUPS,
                 "topology" => topology.to_string(), "stage" => name.to_string(), "result" => result)

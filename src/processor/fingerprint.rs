@@ -78,7 +78,7 @@ impl FingerprintFields {
     }
 
     /// The pointers tokenized, ready to hash records.
-    pub fn compile(&self) -> Fingerprinter {
+    pub(crate) fn compile(&self) -> Fingerprinter {
         let toks = |v: &[String]| v.iter().map(|p| super::json_scan::tokens(p)).collect();
         Fingerprinter {
             cover: toks(&self.cover),
@@ -89,7 +89,7 @@ impl FingerprintFields {
 
 /// A compiled [`FingerprintFields`].
 #[derive(Debug, Clone)]
-pub struct Fingerprinter {
+pub(crate) struct Fingerprinter {
     cover: Vec<Vec<String>>,
     ignore: Vec<Vec<String>>,
 }
@@ -99,7 +99,7 @@ impl Fingerprinter {
     ///
     /// # Errors
     /// The bytes are not JSON (the `serde_json` message, with line and column).
-    pub fn of_bytes(&self, bytes: &[u8]) -> Result<u64, String> {
+    pub(crate) fn of_bytes(&self, bytes: &[u8]) -> Result<u64, String> {
         let mut de = serde_json::Deserializer::from_slice(bytes);
         let h = self.run(&mut de).map_err(|e| e.to_string())?;
         de.end().map_err(|e| e.to_string())?;
@@ -108,7 +108,7 @@ impl Fingerprinter {
 
     /// The fingerprint of a decoded value (a record view); equal to [`Self::of_bytes`] of
     /// its text.
-    pub fn of_value(&self, v: &serde_json::Value) -> u64 {
+    pub(crate) fn of_value(&self, v: &serde_json::Value) -> u64 {
         // A Value always deserializes: no error can come out of it.
         self.run(v).unwrap_or_default()
     }

@@ -28,7 +28,7 @@ pub enum Scalar {
 }
 
 /// Split an RFC 6901 pointer into unescaped tokens (`""` is the whole document).
-pub fn tokens(pointer: &str) -> Vec<String> {
+pub(crate) fn tokens(pointer: &str) -> Vec<String> {
     if pointer.is_empty() {
         return Vec::new();
     }
@@ -44,7 +44,10 @@ pub fn tokens(pointer: &str) -> Vec<String> {
 ///
 /// # Errors
 /// The `serde_json` syntax error, with its line and column, when `bytes` is not JSON.
-pub fn scan(bytes: &[u8], pointers: &[Vec<String>]) -> Result<Vec<Scalar>, serde_json::Error> {
+pub(crate) fn scan(
+    bytes: &[u8],
+    pointers: &[Vec<String>],
+) -> Result<Vec<Scalar>, serde_json::Error> {
     let mut found = vec![Scalar::Missing; pointers.len()];
     let paths: Vec<(usize, &[String])> = pointers
         .iter()

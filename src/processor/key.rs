@@ -1,6 +1,7 @@
 //! Where a dedup key comes from, and how it is taken from a record as raw bytes.
 
 use super::record::Record;
+use crate::codec::json_type;
 
 /// The source of a dedup (or idempotency) key.
 ///
@@ -26,7 +27,7 @@ pub enum KeySource {
 
 /// Why no key could be taken from a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyError {
+pub(crate) enum KeyError {
     /// The key is absent: no such field, header, or a null Kafka key.
     Missing(String),
     /// The field exists but is not a string or a number.
@@ -61,7 +62,7 @@ impl KeySource {
     }
 
     /// The JSON pointers this key reads.
-    pub fn json_pointers(&self, out: &mut Vec<String>) {
+    pub(crate) fn json_pointers(&self, out: &mut Vec<String>) {
         match self {
             KeySource::JsonPointer(p) if !out.contains(p) => {
                 out.push(p.clone());
@@ -72,7 +73,7 @@ impl KeySource {
     }
 
     /// Whether this key needs the decoded JSON value.
-    pub fn needs_json(&self) -> bool {
+    pub(crate) fn needs_json(&self) -> bool {
         match self {
             KeySource::JsonPointer(_) => true,
             KeySource::Composite(parts) => parts.iter().any(|p| p.needs_json()),
@@ -85,7 +86,7 @@ impl KeySource {
     /// # Errors
     /// [`KeyError::Missing`] when the field, header or Kafka key is absent or null;
     /// [`KeyError::WrongType`] when a JSON field is not a string or number.
-    pub fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+    pub(crate) fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
         out.clear();
         self.append(record, out)
     }
@@ -192,18 +193,6 @@ fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(
     }
     let _ = write!(out, "{n}");
     Ok(())
-}
-
-/// The JSON type name of a value, for error messages.
-pub fn json_type(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
 }
 
 #[cfg(test)]

@@ -5,18 +5,18 @@
 //! partition's state stores. Processors are created per task (per source partition), so
 //! they may keep scratch buffers without locks.
 
-pub mod codec;
-pub mod dedup;
-pub mod enrich;
-pub mod expr;
-pub mod fingerprint;
-pub mod json_scan;
-pub mod key;
-pub mod record;
-pub mod repartition;
-pub mod route;
-pub mod stages;
-pub mod transform;
+pub(crate) mod codec;
+pub(crate) mod dedup;
+pub(crate) mod enrich;
+pub(crate) mod expr;
+pub(crate) mod fingerprint;
+pub(crate) mod json_scan;
+pub(crate) mod key;
+pub(crate) mod record;
+pub(crate) mod repartition;
+pub(crate) mod route;
+pub(crate) mod stages;
+pub(crate) mod transform;
 
 pub use record::{OutRecord, Record, SourceMeta};
 
@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 
 /// Why a processor stopped on a record.
 #[derive(Debug)]
-pub enum StageError {
+pub(crate) enum StageError {
     /// Something about this record: it is dead-lettered and processing goes on.
     Record(RecordError),
     /// Something about the system (a store failed): processing of the batch stops.
@@ -88,10 +88,10 @@ impl Counts {
 }
 
 /// The state stores of one task, by store name.
-pub type Stores = BTreeMap<String, StagedStore>;
+pub(crate) type Stores = BTreeMap<String, StagedStore>;
 
 /// What a processor may touch while it handles a record.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     pub(crate) stores: &'a mut Stores,
     pub(crate) forwarded: &'a mut Vec<Record>,
     pub(crate) emitted: &'a mut Vec<OutRecord>,
@@ -99,20 +99,21 @@ pub struct Context<'a> {
     /// The instance's lookup tables (enrich stages read them).
     pub(crate) tables: &'a crate::state::table::Tables,
     /// Wall-clock time in ms (the test driver's mock clock under test).
-    pub wall_clock_ms: i64,
+    pub(crate) wall_clock_ms: i64,
     /// The partition's stream time: the highest record timestamp seen (ms).
-    pub stream_time_ms: i64,
+    #[allow(dead_code)] // no built-in stage reads it since issue 16 made it crate-private
+    pub(crate) stream_time_ms: i64,
     /// The largest record the producer accepts, in bytes (librdkafka's
     /// `message.max.bytes`, default [`DEFAULT_MAX_RECORD_BYTES`]); see [`Context::emit`].
     pub(crate) max_record_bytes: usize,
 }
 
 /// librdkafka's default `message.max.bytes`: the largest record a producer accepts.
-pub const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
+pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
 
 /// The size librdkafka counts against `message.max.bytes` for `record` (value, key and
 /// headers; each header counted with a few bytes of framing, so slightly over).
-pub fn record_bytes(record: &OutRecord) -> usize {
+pub(crate) fn record_bytes(record: &OutRecord) -> usize {
     let headers: usize = record
         .headers
         .iter()
@@ -123,7 +124,7 @@ pub fn record_bytes(record: &OutRecord) -> usize {
 
 impl Context<'_> {
     /// Send `record` on to the next stage.
-    pub fn forward(&mut self, record: Record) {
+    pub(crate) fn forward(&mut self, record: Record) {
         self.forwarded.push(record);
     }
 
@@ -134,7 +135,7 @@ impl Context<'_> {
     /// (`message.max.bytes`): the stage refuses its source record, which goes to the
     /// dead-letter topic (its marks withdrawn), instead of the send failing and stopping
     /// the instance on every restart.
-    pub fn emit(&mut self, record: OutRecord) -> Result<(), String> {
+    pub(crate) fn emit(&mut self, record: OutRecord) -> Result<(), String> {
         let size = record_bytes(&record);
         if size > self.max_record_bytes {
             return Err(format!(
@@ -152,7 +153,7 @@ impl Context<'_> {
     /// # Errors
     /// [`Error::Topology`] when no such store was declared (a topology bug, caught by
     /// `build()` for built-in stages).
-    pub fn store(&mut self, name: &str) -> Result<&mut StagedStore, Error> {
+    pub(crate) fn store(&mut self, name: &str) -> Result<&mut StagedStore, Error> {
         self.stores.get_mut(name).ok_or_else(|| Error::Topology {
             node: name.to_string(),
             reason: "no such state store in this task".into(),
@@ -160,13 +161,13 @@ impl Context<'_> {
     }
 
     /// Totals for the run summary.
-    pub fn counts(&mut self) -> &mut Counts {
+    pub(crate) fn counts(&mut self) -> &mut Counts {
         self.counts
     }
 }
 
 /// A stage of a topology: one required method, called once per record.
-pub trait Processor: Send {
+pub(crate) trait Processor: Send {
     /// Handle `record`: forward, emit, or drop it.
     ///
     /// # Errors

@@ -24,7 +24,7 @@ pub const SOURCE_OFFSET: &str = "onceflow.source.offset";
 
 /// Kafka's murmur2 hash (the Java client's `Utils.murmur2`, also librdkafka's
 /// `murmur2_random` partitioner).
-pub fn murmur2(data: &[u8]) -> i32 {
+pub(crate) fn murmur2(data: &[u8]) -> i32 {
     const SEED: u32 = 0x9747_b28c;
     const M: u32 = 0x5bd1_e995;
     const R: u32 = 24;
@@ -65,7 +65,7 @@ pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
 
 /// The source coordinates a repartitioned record carries (topic, partition, offset), or
 /// `None` when the headers are absent or not well formed.
-pub fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i64)> {
+pub(crate) fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i64)> {
     let (partition, offset) = source_position(headers)?;
     Some((
         header_text(headers, SOURCE_TOPIC)?.to_string(),
@@ -85,7 +85,7 @@ fn header_text<'h>(headers: &'h [(String, Option<Bytes>)], name: &str) -> Option
 
 /// The original source partition and offset a repartitioned record carries, or `None`
 /// when its headers do not name them (a record read from its source). Allocates nothing.
-pub fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)> {
+pub(crate) fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)> {
     if headers.is_empty() {
         return None;
     }
@@ -103,7 +103,7 @@ pub fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)
 /// # Errors
 /// The [`KeyError`] of a record without a usable key: such a record is not routed (the
 /// caller keeps it on its source partition, where the dedup stage dead-letters it).
-pub fn route(
+pub(crate) fn route(
     record: &Record,
     key: &KeySource,
     topic: &str,
@@ -119,7 +119,12 @@ pub fn route(
 /// timestamp and headers as read plus the source-coordinate headers (kept as they are when
 /// the record already carries them). [`route`] builds on it; a caller uses it directly for
 /// a record without a dedup key, which the dedup stage then dead-letters.
-pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>) -> OutRecord {
+pub(crate) fn unrouted(
+    record: &Record,
+    topic: &str,
+    partition: i32,
+    key: Option<Bytes>,
+) -> OutRecord {
     let mut headers = record.headers.clone();
     if source_of(&headers).is_none() {
         let h = |s: String| Some(Bytes::from(s.into_bytes()));
@@ -150,9 +155,9 @@ pub fn unrouted(record: &Record, topic: &str, partition: i32, key: Option<Bytes>
 /// the dedup stage on the repartition topic dead-letters it there, naming the original
 /// source record.
 #[derive(Debug, Clone)]
-pub struct Router {
+pub(crate) struct Router {
     key: KeySource,
-    format: super::codec::Format,
+    format: crate::codec::Format,
     topic: String,
     partitions: i32,
     pointers: std::sync::Arc<[String]>,
@@ -162,7 +167,12 @@ pub struct Router {
 impl Router {
     /// The router for a dedup stage keyed by `key`, reading `format` values, writing to
     /// `topic` with `partitions` partitions (≥ 1).
-    pub fn new(key: KeySource, format: super::codec::Format, topic: &str, partitions: i32) -> Self {
+    pub(crate) fn new(
+        key: KeySource,
+        format: crate::codec::Format,
+        topic: &str,
+        partitions: i32,
+    ) -> Self {
         let mut pointers = Vec::new();
         key.json_pointers(&mut pointers);
         let tokens = pointers
@@ -180,13 +190,13 @@ impl Router {
     }
 
     /// The repartition topic.
-    pub fn topic(&self) -> &str {
+    pub(crate) fn topic(&self) -> &str {
         &self.topic
     }
 
     /// The repartition record of `record` (see [`route`] and the type's docs).
-    pub fn route(&self, mut record: Record) -> OutRecord {
-        use super::codec::Format;
+    pub(crate) fn route(&self, mut record: Record) -> OutRecord {
+        use crate::codec::Format;
         if self.key.needs_json() {
             match (&self.format, record.value.as_deref()) {
                 (Format::Json, Some(v)) => {
@@ -268,7 +278,7 @@ mod tests {
         assert_eq!(source_of(&out2.headers), Some(("events".into(), 3, 17)));
         assert_eq!(out2.headers.len(), out.headers.len());
         // The router: keyed by the scanned key; a record without one keeps its Kafka key.
-        let router = Router::new(key.clone(), super::super::codec::Format::Json, "t", 4);
+        let router = Router::new(key.clone(), crate::codec::Format::Json, "t", 4);
         let mut raw = rec.clone();
         raw.json = None;
         let r = router.route(raw.clone());

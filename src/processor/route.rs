@@ -11,7 +11,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteBranch {
     /// The predicate.
-    pub when: Predicate,
+    pub(crate) when: Predicate,
     /// The destination topic.
     pub topic: String,
 }
@@ -72,7 +72,7 @@ impl RouteSpec {
 
 /// Writes each record to the topic its branch picks, and forwards it when a later stage
 /// exists (like a topic sink).
-pub struct Route {
+pub(crate) struct Route {
     name: String,
     spec: RouteSpec,
     proj: Option<Arc<[String]>>,
@@ -81,12 +81,18 @@ pub struct Route {
     forward: bool,
     metrics: StatelessMetrics,
     /// Source format and each topic's format (see [`super::codec::encode_for_sink`]).
-    codecs: Option<(super::codec::Format, Vec<(String, super::codec::Format)>)>,
+    codecs: Option<(crate::codec::Format, Vec<(String, crate::codec::Format)>)>,
 }
 
 impl Route {
     /// A route stage; `json`: the source is JSON; `forward`: not the last stage.
-    pub fn new(topology: &str, name: &str, spec: RouteSpec, json: bool, forward: bool) -> Self {
+    pub(crate) fn new(
+        topology: &str,
+        name: &str,
+        spec: RouteSpec,
+        json: bool,
+        forward: bool,
+    ) -> Self {
         let (proj, tree) = plan(json, spec.branches.iter().map(|b| &b.when));
         Route {
             name: name.to_string(),
@@ -102,10 +108,10 @@ impl Route {
     /// Write values in each topic's format, the source being in `source` format (see
     /// [`super::codec::encode_for_sink`]); a record whose view does not encode goes to the
     /// dead-letter topic.
-    pub fn with_codecs(
+    pub(crate) fn with_codecs(
         mut self,
-        source: super::codec::Format,
-        topics: Vec<(String, super::codec::Format)>,
+        source: crate::codec::Format,
+        topics: Vec<(String, crate::codec::Format)>,
     ) -> Self {
         self.codecs = Some((source, topics));
         self

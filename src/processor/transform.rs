@@ -5,8 +5,8 @@
 //! expression fails on it; neither ever panics on input.
 
 use super::expr::{ensure_json, plan, projection, Bindings, Computed, Predicate};
-use super::key::json_type;
 use super::{Context, Processor, Record, StageError};
+use crate::codec::json_type;
 use crate::error::RecordError;
 use serde_json::Value;
 use std::sync::Arc;
@@ -42,13 +42,13 @@ pub(crate) fn prepare(stage: &str, record: &mut Record, json: bool) -> Result<()
 
 /// Settings of a filter stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FilterSpec {
+pub(crate) struct FilterSpec {
     /// Records for which it is true go on; false ones are dropped (counted as `filtered`).
-    pub predicate: Predicate,
+    pub(crate) predicate: Predicate,
 }
 
 /// Keeps the records its predicate accepts.
-pub struct Filter {
+pub(crate) struct Filter {
     name: String,
     spec: FilterSpec,
     proj: Option<Arc<[String]>>,
@@ -59,7 +59,7 @@ pub struct Filter {
 
 impl Filter {
     /// A filter stage; `json` says the source value is JSON (decoded for the predicate).
-    pub fn new(topology: &str, name: &str, spec: FilterSpec, json: bool) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: FilterSpec, json: bool) -> Self {
         let (proj, tree) = plan(json, [&spec.predicate]);
         Filter {
             name: name.to_string(),
@@ -100,7 +100,7 @@ impl Processor for Filter {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MapSpec {
     /// Computed fields: pointer and function.
-    pub set: Vec<(String, Computed)>,
+    pub(crate) set: Vec<(String, Computed)>,
     /// Renames: from pointer, to pointer.
     pub rename: Vec<(String, String)>,
     /// Pointers of fields to remove.
@@ -152,7 +152,7 @@ impl MapSpec {
 ///
 /// # Errors
 /// A sentence saying what is wrong.
-pub fn check_field_pointer(p: &str) -> Result<(), String> {
+pub(crate) fn check_field_pointer(p: &str) -> Result<(), String> {
     if !p.starts_with('/') || p.len() < 2 {
         return Err(format!(
             "field path {p:?} must be a JSON pointer such as /name or /a/b"
@@ -210,7 +210,7 @@ fn put(root: &mut Value, p: &str, v: Value) -> Result<(), String> {
 }
 
 /// Sets, renames and drops fields of a JSON object value.
-pub struct MapFields {
+pub(crate) struct MapFields {
     name: String,
     spec: MapSpec,
     proj: Option<Arc<[String]>>,
@@ -219,7 +219,7 @@ pub struct MapFields {
 
 impl MapFields {
     /// A map stage (its source must be JSON; `build()` checks).
-    pub fn new(topology: &str, name: &str, spec: MapSpec) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: MapSpec) -> Self {
         MapFields {
             name: name.to_string(),
             proj: projection(spec.set.iter().filter_map(|(_, f)| f.as_expr())),

@@ -395,7 +395,7 @@ impl App {
             .topology
             .clone()
             .with_state_dir(&self.config.state_dir, &self.config.application_id);
-        crate::sink::preflight(&self.topology)?;
+        self.topology.preflight()?;
         let partitions = self.prepare_topics()?;
         let dir = self.config.state_dir.join(&self.config.application_id);
         // A corrupted database is set aside and its stores restore from the changelogs.

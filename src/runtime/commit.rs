@@ -138,7 +138,7 @@ pub fn commit_failpoints(g: Guarantee) -> &'static [&'static str] {
 /// The log a commit writes to: output and changelog topics, transactions, source offsets.
 ///
 /// Offsets are `(source partition, offset of the next record to read)`.
-pub trait CommitLog {
+pub(crate) trait CommitLog {
     /// Queue one output or dead-letter record (inside the open transaction, if any),
     /// counted towards the commit epoch last opened ([`CommitLog::open_epoch`]).
     ///
@@ -239,7 +239,7 @@ pub trait CommitLog {
 
 /// How a commit ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Nothing was processed since the last commit.
     Nothing,
     /// Outputs, changelog, state and offsets committed.
@@ -279,7 +279,7 @@ struct InFlight {
 
 /// The commit protocol of one instance: the guarantee, the open transaction, what was
 /// processed since the last commit, and (at_least_once) the commits in flight.
-pub struct Protocol {
+pub(crate) struct Protocol {
     guarantee: Guarantee,
     txn_open: bool,
     processed: usize,
@@ -313,7 +313,7 @@ fn ms_since(t: Instant) -> f64 {
 
 impl Protocol {
     /// The protocol for `guarantee`, counting commits under topology name `topology`.
-    pub fn new(guarantee: Guarantee, topology: &str) -> Protocol {
+    pub(crate) fn new(guarantee: Guarantee, topology: &str) -> Protocol {
         Protocol {
             guarantee,
             txn_open: false,
@@ -331,32 +331,33 @@ impl Protocol {
     /// under at_least_once the commits still in flight are not in them. Under
     /// at_least_once the offset commit itself is asynchronous: these offsets may reach the
     /// group coordinator a little later.
-    pub fn last_committed_offsets(&self) -> &[(i32, i64)] {
+    pub(crate) fn last_committed_offsets(&self) -> &[(i32, i64)] {
         &self.committed
     }
 
     /// The guarantee.
-    pub fn guarantee(&self) -> Guarantee {
+    pub(crate) fn guarantee(&self) -> Guarantee {
         self.guarantee
     }
 
     /// Source records processed since the last commit (at_least_once: since the last seal).
-    pub fn uncommitted(&self) -> usize {
+    pub(crate) fn uncommitted(&self) -> usize {
         self.processed
     }
 
     /// Commits made (at_least_once: completed).
-    pub fn commits(&self) -> u64 {
+    pub(crate) fn commits(&self) -> u64 {
         self.commits
     }
 
     /// at_least_once commits in flight (sealed, not all steps done).
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.pipeline.len()
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Whether a transaction is open.
-    pub fn transaction_open(&self) -> bool {
+    pub(crate) fn transaction_open(&self) -> bool {
         self.txn_open
     }
 
@@ -369,7 +370,11 @@ impl Protocol {
     ///
     /// # Errors
     /// A record refused by the log, or [`Error::Fenced`].
-    pub fn processed(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
+    pub(crate) fn processed(
+        &mut self,
+        log: &mut dyn CommitLog,
+        out: &mut Vec<OutRecord>,
+    ) -> Result<()> {
         self.processed += 1;
         self.send(log, out)
     }
@@ -378,7 +383,7 @@ impl Protocol {
     ///
     /// # Errors
     /// As [`Protocol::processed`].
-    pub fn send(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
+    pub(crate) fn send(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
         if out.is_empty() {
             return Ok(());
         }
@@ -412,7 +417,7 @@ impl Protocol {
     /// # Errors
     /// A store failure, an output that could not be delivered (at_least_once: nothing is
     /// committed, a restart replays), [`Error::Fenced`].
-    pub fn commit(
+    pub(crate) fn commit(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
@@ -502,7 +507,7 @@ impl Protocol {
     ///
     /// # Errors
     /// As [`Protocol::commit`].
-    pub fn advance(
+    pub(crate) fn advance(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
@@ -515,7 +520,7 @@ impl Protocol {
     ///
     /// # Errors
     /// As [`Protocol::commit`].
-    pub fn drain(
+    pub(crate) fn drain(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
@@ -698,7 +703,7 @@ impl Protocol {
     ///
     /// # Errors
     /// [`Error::Fenced`] or a broker error from the abort or the offset fetch.
-    pub fn abort(
+    pub(crate) fn abort(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
@@ -748,7 +753,7 @@ impl Protocol {
     ///
     /// # Errors
     /// As [`Protocol::abort`].
-    pub fn abort_lost(
+    pub(crate) fn abort_lost(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
@@ -765,7 +770,7 @@ impl Protocol {
     ///
     /// # Errors
     /// As [`CommitLog::abort_transaction`].
-    pub fn abort_transaction(&mut self, log: &mut dyn CommitLog) -> Result<()> {
+    pub(crate) fn abort_transaction(&mut self, log: &mut dyn CommitLog) -> Result<()> {
         if self.txn_open {
             self.txn_open = false;
             log.abort_transaction()?;
@@ -776,7 +781,7 @@ impl Protocol {
 
     /// Forget the open transaction, the commits in flight and the uncommitted records
     /// without telling the log (the test driver's crash: the process is gone).
-    pub fn forget(&mut self) {
+    pub(crate) fn forget(&mut self) {
         self.txn_open = false;
         self.processed = 0;
         self.out.clear();

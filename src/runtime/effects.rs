@@ -39,7 +39,7 @@ impl Task {
     ///
     /// # Errors
     /// A system failure of a stage (a store failure downstream).
-    pub fn flush_effects(&mut self, wall_ms: i64, out: &mut Vec<OutRecord>) -> Result<()> {
+    pub(crate) fn flush_effects(&mut self, wall_ms: i64, out: &mut Vec<OutRecord>) -> Result<()> {
         let mut i = 0;
         while i < self.nodes.len() {
             let mut forwarded = Vec::new();

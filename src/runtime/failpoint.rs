@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// Failpoint names, to validate `ONCEFLOW_FAILPOINTS`.
-pub const NAMES: &[&str] = super::commit::FAILPOINTS;
+pub(crate) const NAMES: &[&str] = super::commit::FAILPOINTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
@@ -40,7 +40,7 @@ static POINTS: OnceLock<HashMap<String, Point>> = OnceLock::new();
 ///
 /// # Errors
 /// A config error naming the bad entry (unknown name or action).
-pub fn init_from_env() -> crate::Result<()> {
+pub(crate) fn init_from_env() -> crate::Result<()> {
     let Ok(spec) = std::env::var("ONCEFLOW_FAILPOINTS") else {
         return Ok(());
     };
@@ -84,7 +84,7 @@ pub fn init_from_env() -> crate::Result<()> {
 
 /// Pass failpoint `name`: does nothing unless it is armed and this is its n-th hit.
 #[inline]
-pub fn hit(name: &str) {
+pub(crate) fn hit(name: &str) {
     if !ENABLED.load(Ordering::Relaxed) {
         return;
     }

@@ -32,23 +32,23 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 /// The id of the router task of source partition `p` is `ROUTER_BASE + p` (with a hop).
-pub const ROUTER_BASE: i32 = 1 << 20;
+pub(crate) const ROUTER_BASE: i32 = 1 << 20;
 
 /// How often, at most, consumed repartition records are purged (plus once at a graceful
 /// stop or revocation, after its synchronous commit).
-pub const PURGE_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const PURGE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The topics of an instance's tasks, and the mapping between task ids and (topic,
 /// partition).
 #[derive(Debug, Clone)]
-pub struct Topics {
+pub(crate) struct Topics {
     source: String,
     repartition: Option<String>,
 }
 
 impl Topics {
     /// The topics of a run: `source`, and the repartition topic when the topology has a hop.
-    pub fn new(source: &str, repartition: Option<String>) -> Topics {
+    pub(crate) fn new(source: &str, repartition: Option<String>) -> Topics {
         Topics {
             source: source.to_string(),
             repartition,
@@ -56,29 +56,30 @@ impl Topics {
     }
 
     /// The source topic.
-    pub fn source(&self) -> &str {
+    pub(crate) fn source(&self) -> &str {
         &self.source
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// The repartition topic, with a hop.
-    pub fn repartition(&self) -> Option<&str> {
+    pub(crate) fn repartition(&self) -> Option<&str> {
         self.repartition.as_deref()
     }
 
     /// The topics the consumer subscribes to.
-    pub fn subscription(&self) -> Vec<&str> {
+    pub(crate) fn subscription(&self) -> Vec<&str> {
         std::iter::once(self.source.as_str())
             .chain(self.repartition.as_deref())
             .collect()
     }
 
     /// Whether task `id` is a router (a source partition of a hop).
-    pub fn is_router(&self, id: i32) -> bool {
+    pub(crate) fn is_router(&self, id: i32) -> bool {
         self.repartition.is_some() && id >= ROUTER_BASE
     }
 
     /// The (topic, partition) task `id` reads.
-    pub fn tp(&self, id: i32) -> (&str, i32) {
+    pub(crate) fn tp(&self, id: i32) -> (&str, i32) {
         match &self.repartition {
             Some(_) if id >= ROUTER_BASE => (&self.source, id - ROUTER_BASE),
             Some(r) => (r, id),
@@ -87,7 +88,7 @@ impl Topics {
     }
 
     /// The task id of `partition` of `topic` (one of [`Topics::subscription`]).
-    pub fn id(&self, topic: &str, partition: i32) -> i32 {
+    pub(crate) fn id(&self, topic: &str, partition: i32) -> i32 {
         match &self.repartition {
             Some(r) if topic != r => ROUTER_BASE + partition,
             _ => partition,
@@ -97,7 +98,7 @@ impl Topics {
 
 /// Purges consumed repartition records in the background: DeleteRecords up to the given
 /// offsets. Errors are logged, never fatal (the next purge asks again).
-pub struct Purger {
+pub(crate) struct Purger {
     tx: Option<mpsc::Sender<Vec<(i32, i64)>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -107,7 +108,7 @@ impl Purger {
     ///
     /// # Errors
     /// The admin client cannot be created (a bad `kafka.*` property).
-    pub fn spawn(config: &Config, topic: &str) -> Result<Purger> {
+    pub(crate) fn spawn(config: &Config, topic: &str) -> Result<Purger> {
         let admin = Admin::new(config)?;
         let (tx, rx) = mpsc::channel::<Vec<(i32, i64)>>();
         let topic = topic.to_string();
@@ -140,7 +141,7 @@ impl Purger {
 
     /// Ask for the records before `offsets` (`(partition, offset)`, committed) to be
     /// deleted; returns at once.
-    pub fn purge(&self, offsets: Vec<(i32, i64)>) {
+    pub(crate) fn purge(&self, offsets: Vec<(i32, i64)>) {
         if offsets.is_empty() {
             return;
         }
@@ -150,7 +151,7 @@ impl Purger {
     }
 
     /// Finish the purges asked for, then stop.
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         self.tx = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();

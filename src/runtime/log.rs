@@ -15,26 +15,26 @@ use std::time::Duration;
 const ACK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
-pub struct KafkaLog<'a> {
+pub(crate) struct KafkaLog<'a> {
     /// Sends outputs, changelog records and transactions; replaced after a transaction of
     /// unknown outcome.
-    pub producer: &'a mut OutputProducer,
+    pub(crate) producer: &'a mut OutputProducer,
     /// To create a new producer.
-    pub config: &'a crate::config::Config,
+    pub(crate) config: &'a crate::config::Config,
     /// Commits offsets (at_least_once) and fetches committed ones.
-    pub consumer: &'a SourceConsumer,
+    pub(crate) consumer: &'a SourceConsumer,
     /// The topics the tasks read: a task id (the partitions of offsets) names a partition
     /// of the source or, with a repartition hop, of the repartition topic
     /// ([`crate::runtime::hop::Topics`]).
-    pub topics: &'a crate::runtime::hop::Topics,
+    pub(crate) topics: &'a crate::runtime::hop::Topics,
     /// Changelog topic of each store.
-    pub changelogs: &'a BTreeMap<String, String>,
+    pub(crate) changelogs: &'a BTreeMap<String, String>,
     /// The group metadata of the current assignment (exactly_once_v2, KIP-447).
-    pub group_meta: Option<&'a ConsumerGroupMetadata>,
+    pub(crate) group_meta: Option<&'a ConsumerGroupMetadata>,
     /// Sync for the last commit before partitions go, Async otherwise.
-    pub mode: CommitMode,
+    pub(crate) mode: CommitMode,
     /// For the message of [`Error::Fenced`].
-    pub transactional_id: &'a str,
+    pub(crate) transactional_id: &'a str,
 }
 
 impl KafkaLog<'_> {
@@ -80,7 +80,7 @@ fn unknown_unless_known(e: Error, commit: bool) -> Error {
 /// one (the producer unusable, e.g. `INVALID_TXN_STATE` from a coordinator that lost the
 /// transaction during a broker outage) leaves the open transaction's outcome unknown:
 /// [`Error::TransactionOutcomeUnknown`], so the producer is re-created.
-pub fn fenced_or(transactional_id: &str, e: Error) -> Error {
+pub(crate) fn fenced_or(transactional_id: &str, e: Error) -> Error {
     use rdkafka::types::RDKafkaErrorCode as C;
     if !e.is_fatal_transaction_error() || matches!(e, Error::Fenced(_)) {
         return e;

@@ -1,14 +1,14 @@
 //! The runtime: tasks, the commit protocol (`commit`), the Kafka run loop, shutdown.
 
-pub mod app;
-pub mod commit;
-pub mod failpoint;
-pub mod hop;
-pub mod log;
-pub mod status;
-pub mod table;
-pub mod task;
+pub(crate) mod app;
+pub(crate) mod commit;
+pub(crate) mod failpoint;
+pub(crate) mod hop;
+pub(crate) mod log;
+pub(crate) mod status;
+pub(crate) mod table;
+pub(crate) mod task;
 
 pub use app::{App, RunOptions, RunSummary};
-pub use status::Status;
+pub(crate) use status::Status;
 pub use task::Task;

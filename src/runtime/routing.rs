@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 /// The state of a run with a repartition hop.
 pub(super) struct Hop {
     /// Routes the source records (each router task holds a copy).
-    pub router: crate::processor::repartition::Router,
+    pub(crate) router: crate::processor::repartition::Router,
     /// The repartition topic, shared by every record read from it.
-    pub name: Arc<str>,
-    pub purger: Purger,
-    pub last_purge: Instant,
+    pub(crate) name: Arc<str>,
+    pub(crate) purger: Purger,
+    pub(crate) last_purge: Instant,
     /// at_least_once: the offsets of the last purge tick, purged at the next one (their
     /// asynchronous offset commit is done by then).
-    pub pending: Vec<(i32, i64)>,
+    pub(crate) pending: Vec<(i32, i64)>,
 }
 
 impl Engine {

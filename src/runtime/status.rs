@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 /// Default of how long the run loop may go without a turn before `/health` reports it
 /// stuck: 60 s (longer than any bounded wait inside one turn: a commit, a flush, a
 /// metadata request).
-pub const DEFAULT_STUCK_AFTER: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_STUCK_AFTER: Duration = Duration::from_secs(60);
 
 /// The phase of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// Connecting, preparing topics, joining the group.
     Starting = 0,
     /// The run loop turns.
@@ -31,39 +31,39 @@ pub enum Phase {
 
 /// One store partition being restored.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Restoring {
+pub(crate) struct Restoring {
     /// The store (dedup stage) name.
-    pub store: String,
+    pub(crate) store: String,
     /// The partition.
-    pub partition: i32,
+    pub(crate) partition: i32,
     /// Records done / total, rate, ETA.
-    pub progress: Progress,
+    pub(crate) progress: Progress,
 }
 
 /// The partitions as the run loop last published them.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Partitions {
+pub(crate) struct Partitions {
     /// Whether the group has given this instance an assignment yet (maybe empty).
-    pub assigned_once: bool,
+    pub(crate) assigned_once: bool,
     /// Assigned partitions that run the topology: of the source topic, or of the
     /// repartition topic with a repartition hop.
-    pub assigned: Vec<i32>,
+    pub(crate) assigned: Vec<i32>,
     /// With a repartition hop: the assigned source partitions whose records are routed to
     /// the repartition topic, as (source topic, partition).
-    pub routing: Vec<(String, i32)>,
+    pub(crate) routing: Vec<(String, i32)>,
     /// Assigned partitions (as in `assigned`) whose restore has not started (waiting for a
     /// previous owner's open transaction to end, or not planned yet).
-    pub waiting: Vec<i32>,
+    pub(crate) waiting: Vec<i32>,
     /// Routed source partitions (as in `routing`) not resumed yet (until the next plan).
-    pub routing_waiting: Vec<(String, i32)>,
+    pub(crate) routing_waiting: Vec<(String, i32)>,
     /// Store partitions being restored.
-    pub restoring: Vec<Restoring>,
+    pub(crate) restoring: Vec<Restoring>,
 }
 
 impl Partitions {
     /// Ready: an assignment was received and every assigned partition is restored and
     /// processing.
-    pub fn ready(&self) -> bool {
+    pub(crate) fn ready(&self) -> bool {
         self.assigned_once
             && self.waiting.is_empty()
             && self.routing_waiting.is_empty()
@@ -91,21 +91,21 @@ impl Default for Status {
 
 /// What `/health` answers.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Health {
+pub(crate) struct Health {
     /// 200 when true, 503 otherwise.
-    pub healthy: bool,
+    pub(crate) healthy: bool,
     /// The phase.
-    pub phase: Phase,
+    pub(crate) phase: Phase,
     /// Milliseconds since the run loop's last turn (`None` before the first).
-    pub since_last_turn_ms: Option<u64>,
+    pub(crate) since_last_turn_ms: Option<u64>,
     /// The fatal error, if the run failed.
-    pub failure: Option<String>,
+    pub(crate) failure: Option<String>,
 }
 
 impl Status {
     /// A status in phase [`Phase::Starting`]; the loop counts as stuck once it has not
     /// turned for `stuck_after`.
-    pub fn new(stuck_after: Duration) -> Status {
+    pub(crate) fn new(stuck_after: Duration) -> Status {
         Status {
             started: Instant::now(),
             stuck_after,
@@ -117,7 +117,7 @@ impl Status {
     }
 
     /// The run loop turned (one relaxed atomic store).
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         let ms = self.started.elapsed().as_millis() as u64;
         self.last_turn_ms.store(ms, Ordering::Relaxed);
         if self.phase() == Phase::Starting {
@@ -126,7 +126,7 @@ impl Status {
     }
 
     /// The run ended: gracefully (`None`) or with a fatal error.
-    pub fn finish(&self, failure: Option<String>) {
+    pub(crate) fn finish(&self, failure: Option<String>) {
         let phase = if failure.is_some() {
             Phase::Failed
         } else {
@@ -139,14 +139,14 @@ impl Status {
     }
 
     /// Replace the partitions snapshot.
-    pub fn publish(&self, partitions: Partitions) {
+    pub(crate) fn publish(&self, partitions: Partitions) {
         if let Ok(mut p) = self.partitions.lock() {
             *p = partitions;
         }
     }
 
     /// The current phase.
-    pub fn phase(&self) -> Phase {
+    pub(crate) fn phase(&self) -> Phase {
         match self.phase.load(Ordering::Relaxed) {
             0 => Phase::Starting,
             1 => Phase::Running,
@@ -156,7 +156,7 @@ impl Status {
     }
 
     /// The last published partitions.
-    pub fn partitions(&self) -> Partitions {
+    pub(crate) fn partitions(&self) -> Partitions {
         self.partitions
             .lock()
             .map(|p| p.clone())
@@ -165,7 +165,7 @@ impl Status {
 
     /// Healthy while starting or while the run loop turns; not when it has not turned for
     /// the stuck limit, nor once the run stopped or failed.
-    pub fn health(&self) -> Health {
+    pub(crate) fn health(&self) -> Health {
         let phase = self.phase();
         let last = self.last_turn_ms.load(Ordering::Relaxed);
         let since = (last != u64::MAX)

@@ -41,7 +41,7 @@ struct Loaded {
 
 /// The loaded tables of an instance and the thread that keeps them following their topics.
 /// Dropping it stops the thread.
-pub struct TableSet {
+pub(crate) struct TableSet {
     handles: Tables,
     stop: Arc<AtomicBool>,
     follower: Option<std::thread::JoinHandle<()>>,
@@ -56,7 +56,7 @@ impl TableSet {
     /// consumer cannot be created or assigned, or watermarks cannot be read;
     /// [`Error::State`] when a table write fails. Returns `Ok` early, partly loaded, when
     /// `shutdown` is set during the load.
-    pub fn start(
+    pub(crate) fn start(
         config: &Config,
         topology: &Topology,
         backend: &SledBackend,
@@ -157,7 +157,7 @@ impl TableSet {
     }
 
     /// The tables by name, for [`crate::runtime::Task::with_tables`].
-    pub fn handles(&self) -> Tables {
+    pub(crate) fn handles(&self) -> Tables {
         self.handles.clone()
     }
 }

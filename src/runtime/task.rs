@@ -65,7 +65,7 @@ pub struct Task {
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
 /// tombstone) and changelog offset.
-pub type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
+pub(crate) type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
 
 impl Task {
     /// Create the task for `partition` of the topology's source, opening its stores.
@@ -130,7 +130,7 @@ impl Task {
     /// hop: it runs no stage and has no store; each record becomes one repartition record
     /// ([`Router::route`](crate::processor::repartition::Router::route)), sent and committed
     /// like any output, and the stages run on the repartition topic's partitions.
-    pub fn router(
+    pub(crate) fn router(
         topology: &Topology,
         partition: i32,
         router: crate::processor::repartition::Router,
@@ -165,8 +165,9 @@ impl Task {
         }
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Whether this is a router task ([`Task::router`]).
-    pub fn is_router(&self) -> bool {
+    pub(crate) fn is_router(&self) -> bool {
         self.router.is_some()
     }
 
@@ -185,18 +186,20 @@ impl Task {
         self
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// The source partition.
-    pub fn partition(&self) -> i32 {
+    pub(crate) fn partition(&self) -> i32 {
         self.partition
     }
 
     /// Offset of the next record to process: what the next commit stores for this partition.
-    pub fn position(&self) -> Option<i64> {
+    pub(crate) fn position(&self) -> Option<i64> {
         self.position
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Highest record time seen (ms), `i64::MIN` before the first record.
-    pub fn stream_time(&self) -> i64 {
+    pub(crate) fn stream_time(&self) -> i64 {
         self.stream_time
     }
 
@@ -206,7 +209,7 @@ impl Task {
     }
 
     /// The task's span (`task{topology, partition, stores}`).
-    pub fn span(&self) -> &tracing::Span {
+    pub(crate) fn span(&self) -> &tracing::Span {
         &self.span
     }
 
@@ -217,8 +220,9 @@ impl Task {
         }
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// The task's stores.
-    pub fn stores(&self) -> &Stores {
+    pub(crate) fn stores(&self) -> &Stores {
         &self.stores
     }
 
@@ -352,7 +356,7 @@ impl Task {
     ///
     /// # Errors
     /// A store failure.
-    pub fn punctuate(&mut self, wall_ms: i64) -> Result<()> {
+    pub(crate) fn punctuate(&mut self, wall_ms: i64) -> Result<()> {
         if self.is_restoring() {
             return Ok(());
         }
@@ -376,7 +380,7 @@ impl Task {
 
     /// Visit every staged write, store by store, in first-write order: the changelog
     /// records of this commit.
-    pub fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+    pub(crate) fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
         for (name, s) in &self.stores {
             for (k, v) in s.pending() {
                 f(name, k, v);
@@ -405,7 +409,7 @@ impl Task {
     /// Seal every store's staged writes as the batch of at_least_once commit `epoch`, which
     /// is now in flight: they stay readable and can no longer be withdrawn; the next
     /// records stage into fresh batches. [`Task::commit_sealed`] applies them.
-    pub fn seal(&mut self, epoch: u64) {
+    pub(crate) fn seal(&mut self, epoch: u64) {
         for s in self.stores.values_mut() {
             s.seal(epoch);
         }
@@ -416,7 +420,11 @@ impl Task {
 
     /// Visit every write sealed for commit `epoch`, store by store, in first-write order:
     /// that commit's changelog records.
-    pub fn for_each_sealed_write(&self, epoch: u64, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+    pub(crate) fn for_each_sealed_write(
+        &self,
+        epoch: u64,
+        mut f: impl FnMut(&str, &[u8], Option<&[u8]>),
+    ) {
         for (name, s) in &self.stores {
             for (k, v) in s.sealed(epoch) {
                 f(name, k, v);
@@ -430,7 +438,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::State`] when a store write fails.
-    pub fn commit_sealed(
+    pub(crate) fn commit_sealed(
         &mut self,
         epoch: u64,
         changelog_offset: impl Fn(&str) -> Option<i64>,
@@ -478,7 +486,7 @@ impl Task {
     ///
     /// # Errors
     /// A store failure.
-    pub fn apply_restore(
+    pub(crate) fn apply_restore(
         &mut self,
         store: &str,
         records: Vec<ChangelogRecord>,
@@ -507,7 +515,7 @@ impl Task {
 
     /// As [`Task::restore_record`] for each of `records` (key, value, offset; in log
     /// order), finding the store once. Returns how many were taken.
-    pub fn restore_records(&mut self, store: &str, records: &[RestoreRecord<'_>]) -> u64 {
+    pub(crate) fn restore_records(&mut self, store: &str, records: &[RestoreRecord<'_>]) -> u64 {
         let Some(r) = self.restorers.iter().find(|r| r.store() == store) else {
             return 0;
         };
@@ -566,13 +574,13 @@ impl Task {
     }
 
     /// The restores in progress.
-    pub fn restorers(&self) -> &[Restorer] {
+    pub(crate) fn restorers(&self) -> &[Restorer] {
         &self.restorers
     }
 
     /// Drop every store's staged writes and forget the position: the caller rewinds the
     /// partition to its committed offset.
-    pub fn abort(&mut self, committed: Option<i64>) {
+    pub(crate) fn abort(&mut self, committed: Option<i64>) {
         for s in self.stores.values_mut() {
             s.abort();
         }
@@ -589,7 +597,7 @@ impl Task {
     ///
     /// # Errors
     /// A store's background write error.
-    pub fn sync_stores_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
+    pub(crate) fn sync_stores_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
         let mut all = true;
         for s in self.stores.values_mut() {
             all &= s.sync_until(deadline)?;
@@ -597,8 +605,9 @@ impl Task {
         Ok(all)
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Number of staged (uncommitted) store writes.
-    pub fn pending_writes(&self) -> usize {
+    pub(crate) fn pending_writes(&self) -> usize {
         self.stores.values().map(|s| s.pending_len()).sum()
     }
 
@@ -606,7 +615,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::Topology`] for an unknown store; [`Error::State`] when the read fails.
-    pub fn store_get(&self, store: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn store_get(&self, store: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.stores
             .get(store)
             .ok_or_else(|| Error::Topology {
@@ -625,7 +634,7 @@ fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64)
 /// headers as read, plus the `onceflow.dlq.*` headers naming source and reason. A record
 /// read from a repartition topic is named by its original source (its
 /// `onceflow.source.*` headers), not by its repartition coordinates.
-pub fn dead_letter(
+pub(crate) fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
     key: Option<Bytes>,

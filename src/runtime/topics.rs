@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 /// Segments of 50 MiB or 10 minutes (Kafka Streams' values): the broker frees disk only by
 /// whole segments below the log start, and the default 1 GiB segment would keep a
 /// consumed gigabyte on disk.
-pub const REPARTITION_CONFIGS: &[(&str, &str)] = &[
+pub(super) const REPARTITION_CONFIGS: &[(&str, &str)] = &[
     ("cleanup.policy", "delete"),
     ("retention.ms", "-1"),
     ("retention.bytes", "-1"),
@@ -94,7 +94,7 @@ impl App {
     /// repartition` (not run yet); [`Error::Broker`] when the source topic is missing, a
     /// changelog or the repartition topic has another partition count than the source, a
     /// changelog has a configuration that cannot be corrected, or topics cannot be created.
-    pub fn prepare_topics(&self) -> Result<usize> {
+    pub(crate) fn prepare_topics(&self) -> Result<usize> {
         // Never let copies on different partitions pass silently: a later stage that
         // needs the hop is refused before anything is created.
         if let Some((_, name, d)) = self.topology.repartitioned().iter().find(|(i, ..)| *i > 0) {

@@ -175,11 +175,6 @@ impl Effector {
         })
     }
 
-    /// Whether this is a PostgreSQL effect (which can carry its inbox row).
-    pub fn is_postgres(&self) -> bool {
-        matches!(self.kind, Kind::Postgres { .. })
-    }
-
     /// Run the effect once (with its own retries), sending `key` where the target takes one
     /// (HTTP `Idempotency-Key`). Returns the result to store.
     ///
@@ -281,7 +276,7 @@ impl Effector {
     /// # Errors
     /// As [`Effector::run`]; [`EffectError::unknown`] when the record cannot be read back
     /// within the retry window after a lost reply.
-    pub async fn run_redis_in_transaction(
+    pub(crate) async fn run_redis_in_transaction(
         &self,
         prep: &Prepared,
         mark: &TransactionMark,
@@ -495,7 +490,7 @@ const REDIS_RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// RPUSH, LPUSHX, RPUSHX, APPEND, PUBLISH, LPOP, RPOP, SPOP, LMOVE, EVAL, ...) counts as not
 /// idempotent, and so does `ZADD ... INCR`. EXPIRE and PEXPIRE are on the list although a
 /// repeat restarts the relative expiry.
-pub fn redis_command_is_idempotent(args: &[Vec<u8>]) -> bool {
+pub(crate) fn redis_command_is_idempotent(args: &[Vec<u8>]) -> bool {
     let Some(name) = args.first() else {
         return false;
     };

@@ -31,18 +31,19 @@
 //! at once per partition, keeping the order of records with the same key, and the task waits
 //! for all of them before each commit ([`crate::processor::Processor::flush`]).
 
-pub mod effects;
-pub mod protocol;
-pub mod stage;
-pub mod store;
-pub mod template;
+pub(crate) mod effects;
+pub(crate) mod protocol;
+pub(crate) mod stage;
+pub(crate) mod store;
+pub(crate) mod template;
 
+use crate::codec::Format;
 use crate::processor::key::KeySource;
-use crate::topology::{Format, Stage, StageKind};
-pub use protocol::{EffectError, EffectOutcome, InFlight, OnStoreError, ReservationPolicy};
+pub use protocol::OnStoreError;
+pub use protocol::{InFlight, ReservationPolicy};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-pub use template::Template;
+pub(crate) use template::Template;
 
 /// A setting that may be a secret: given inline, or read from an environment variable when
 /// the sink connects. `describe` and errors print only `env:NAME` or `<inline>`, never the
@@ -181,11 +182,11 @@ pub enum StoreSpec {
     /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
-    /// one instance only. Bound to a state dir before it runs ([`bind_state_dir`]: `App::run`
+    /// one instance only. Bound to a state dir before it runs ([`ExternalSinkSpec::bind_state_dir`]: `App::run`
     /// and `TestDriver::state_dir` do it), so that it is covered by the state dir's lock and
     /// two instances with different state dirs never share it.
     Sled {
-        /// Database directory: `None` (the default) is [`sled_home`]`(state.dir,
+        /// Database directory: `None` (the default) is `sled_home``(state.dir,
         /// application.id)`; a relative path is taken under `state.dir`; an absolute path is
         /// used as it is (outside the state dir, the lock does not cover it).
         path: Option<PathBuf>,
@@ -221,7 +222,7 @@ impl StoreSpec {
 
 /// How the idempotency key is made.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyRule {
+pub(crate) enum KeyRule {
     /// A template over the record.
     Template(Template),
     /// The key of the dedup stage upstream (the default when there is one).
@@ -236,7 +237,7 @@ pub struct ExternalSinkSpec {
     /// Key template; `None` = the default (dedup key upstream, else topic-partition-offset).
     pub key: Option<String>,
     /// Filled by `build()`: the key rule in force.
-    pub resolved_key: Option<KeyRule>,
+    pub(crate) resolved_key: Option<KeyRule>,
     /// Longest key accepted, in bytes (default 1024).
     pub max_key_bytes: usize,
     /// The idempotency store.
@@ -269,7 +270,7 @@ impl ExternalSinkSpec {
     }
 
     /// The JSON pointers its templates read.
-    pub fn json_pointers(&self, out: &mut Vec<String>) {
+    pub(crate) fn json_pointers(&self, out: &mut Vec<String>) {
         let mut push = |t: &str| {
             if let Ok(t) = Template::parse(t) {
                 t.json_pointers(out);
@@ -329,114 +330,116 @@ impl ExternalSinkSpec {
     }
 }
 
-/// Validate external sink stage `idx` of `stages` and resolve its key rule; called by
-/// `TopologyBuilder::build`. Returns the problems found, each naming the field.
-pub fn validate(stages: &mut [Stage], idx: usize, format: Option<&Format>) -> Vec<String> {
-    let upstream_dedup = stages[..idx].iter().rev().find_map(|s| match &s.kind {
-        StageKind::Dedup(d) => Some(d.key.clone()),
-        _ => None,
-    });
-    let StageKind::External(spec) = &mut stages[idx].kind else {
-        return Vec::new();
-    };
-    let mut errs = Vec::new();
-    let check = |field: &str, t: &str, errs: &mut Vec<String>| match Template::parse(t) {
-        Ok(t) => {
-            if let Some(f) = format {
-                if let Err(e) = t.check_format(f) {
-                    errs.push(format!("field `{field}`: {e}"));
+impl ExternalSinkSpec {
+    /// Validate this sink and resolve its key rule, given what the topology knows: the key of
+    /// the nearest dedup stage upstream (the default idempotency key) and the source's format
+    /// (which the templates must fit); called by `TopologyBuilder::build`. Returns the problems
+    /// found, each naming the field.
+    pub fn validate(
+        &mut self,
+        upstream_dedup: Option<KeySource>,
+        format: Option<&Format>,
+    ) -> Vec<String> {
+        let spec = self;
+        let mut errs = Vec::new();
+        let check = |field: &str, t: &str, errs: &mut Vec<String>| match Template::parse(t) {
+            Ok(t) => {
+                if let Some(f) = format {
+                    if let Err(e) = t.check_format(f) {
+                        errs.push(format!("field `{field}`: {e}"));
+                    }
                 }
+                Some(t)
             }
-            Some(t)
-        }
-        Err(e) => {
-            errs.push(format!("field `{field}`: {e}"));
-            None
-        }
-    };
-    spec.resolved_key = match (&spec.key, upstream_dedup) {
-        (Some(k), _) => {
-            let t = check("key", k, &mut errs);
-            if let Some(t) = &t {
-                if t.parts().is_empty() {
-                    errs.push("field `key`: the template is empty".into());
+            Err(e) => {
+                errs.push(format!("field `{field}`: {e}"));
+                None
+            }
+        };
+        spec.resolved_key = match (&spec.key, upstream_dedup) {
+            (Some(k), _) => {
+                let t = check("key", k, &mut errs);
+                if let Some(t) = &t {
+                    if t.parts().is_empty() {
+                        errs.push("field `key`: the template is empty".into());
+                    }
                 }
+                t.map(KeyRule::Template)
             }
-            t.map(KeyRule::Template)
+            (None, Some(d)) => Some(KeyRule::Dedup(d)),
+            (None, None) => Template::parse("{topic}-{partition}-{offset}")
+                .ok()
+                .map(KeyRule::Template),
+        };
+        if spec.max_key_bytes == 0 {
+            errs.push("field `max_key_bytes`: must be positive".into());
         }
-        (None, Some(d)) => Some(KeyRule::Dedup(d)),
-        (None, None) => Template::parse("{topic}-{partition}-{offset}")
-            .ok()
-            .map(KeyRule::Template),
-    };
-    if spec.max_key_bytes == 0 {
-        errs.push("field `max_key_bytes`: must be positive".into());
-    }
-    if spec.concurrency == 0 {
-        errs.push("field `concurrency`: must be positive".into());
-    }
-    if spec.policy.lease.is_zero() {
-        errs.push("field `idempotency.lease`: must be positive".into());
-    }
-    if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
-        (&spec.effect, &spec.store)
-    {
-        // A lease that ends while its holder is still calling lets a twin call too.
-        let worst = http_worst_case(h);
-        if spec.policy.lease <= worst {
-            errs.push(format!(
+        if spec.concurrency == 0 {
+            errs.push("field `concurrency`: must be positive".into());
+        }
+        if spec.policy.lease.is_zero() {
+            errs.push("field `idempotency.lease`: must be positive".into());
+        }
+        if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
+            (&spec.effect, &spec.store)
+        {
+            // A lease that ends while its holder is still calling lets a twin call too.
+            let worst = http_worst_case(h);
+            if spec.policy.lease <= worst {
+                errs.push(format!(
                 "field `idempotency.lease`: {:?} is not longer than the longest the call can take with its retries ({:?} = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries",
                 spec.policy.lease, worst
             ));
-        }
-    }
-    match &spec.effect {
-        EffectSpec::Http(h) => {
-            check("body", &h.body, &mut errs);
-            if !matches!(h.method.as_str(), "POST" | "PUT") {
-                errs.push(format!("field `method`: {:?}; use POST or PUT", h.method));
             }
-            if let Secret::Inline(u) = &h.url {
-                if !(u.starts_with("http://") || u.starts_with("https://")) {
-                    errs.push("field `url`: must start with http:// or https://".into());
+        }
+        match &spec.effect {
+            EffectSpec::Http(h) => {
+                check("body", &h.body, &mut errs);
+                if !matches!(h.method.as_str(), "POST" | "PUT") {
+                    errs.push(format!("field `method`: {:?}; use POST or PUT", h.method));
+                }
+                if let Secret::Inline(u) = &h.url {
+                    if !(u.starts_with("http://") || u.starts_with("https://")) {
+                        errs.push("field `url`: must start with http:// or https://".into());
+                    }
                 }
             }
-        }
-        EffectSpec::Postgres(p) => {
-            for (i, t) in p.params.iter().enumerate() {
-                check(&format!("params[{i}]"), t, &mut errs);
+            EffectSpec::Postgres(p) => {
+                for (i, t) in p.params.iter().enumerate() {
+                    check(&format!("params[{i}]"), t, &mut errs);
+                }
+                if p.sql.trim().is_empty() {
+                    errs.push("field `sql`: must not be empty".into());
+                }
             }
-            if p.sql.trim().is_empty() {
-                errs.push("field `sql`: must not be empty".into());
+            EffectSpec::Redis(r) => {
+                if r.command.is_empty() {
+                    errs.push("field `command`: must name a command, e.g. [SET, \"k:{value./id}\", \"{value}\"]".into());
+                }
+                for (i, t) in r.command.iter().enumerate() {
+                    check(&format!("command[{i}]"), t, &mut errs);
+                }
+            }
+            EffectSpec::File(f) => {
+                check("line", &f.line, &mut errs);
             }
         }
-        EffectSpec::Redis(r) => {
-            if r.command.is_empty() {
-                errs.push("field `command`: must name a command, e.g. [SET, \"k:{value./id}\", \"{value}\"]".into());
+        if let StoreSpec::Postgres { table } = &spec.store {
+            if !matches!(spec.effect, EffectSpec::Postgres(_)) {
+                errs.push("field `idempotency.store`: postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled".into());
             }
-            for (i, t) in r.command.iter().enumerate() {
-                check(&format!("command[{i}]"), t, &mut errs);
+            if table.is_empty()
+                || !table
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            {
+                errs.push(format!(
+                    "field `idempotency.table`: {table:?}; use ASCII letters, digits, '_' and '.'"
+                ));
             }
         }
-        EffectSpec::File(f) => {
-            check("line", &f.line, &mut errs);
-        }
+        errs
     }
-    if let StoreSpec::Postgres { table } = &spec.store {
-        if !matches!(spec.effect, EffectSpec::Postgres(_)) {
-            errs.push("field `idempotency.store`: postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled".into());
-        }
-        if table.is_empty()
-            || !table
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
-        {
-            errs.push(format!(
-                "field `idempotency.table`: {table:?}; use ASCII letters, digits, '_' and '.'"
-            ));
-        }
-    }
-    errs
 }
 
 /// The namespace of sink `sink`'s idempotency keys in topology `topology`:
@@ -477,32 +480,32 @@ pub fn redis_prefix(scope: &str) -> String {
 /// with state dir `state_dir`: `<state.dir>/idempotency/<application.id>`, next to the
 /// dedup stores' database `<state.dir>/<application.id>`. One sled database for all the
 /// application's sinks, one tree per topology and sink.
-pub fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
+pub(crate) fn sled_home(state_dir: &Path, application_id: &str) -> PathBuf {
     state_dir.join("idempotency").join(application_id)
 }
 
-/// Bind the sled idempotency stores of `stages` to a state dir: a default path becomes
-/// [`sled_home`], a relative one is joined to `state_dir`, and both are made absolute
-/// (a relative `state_dir` is taken from the working directory now, as the dedup stores'
-/// database is). A bound path is absolute, so binding twice changes nothing; the sink
-/// refuses an unbound (default or relative) path rather than guess a directory.
-pub fn bind_state_dir(stages: &mut [Stage], state_dir: &Path, application_id: &str) {
-    let state_dir = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
-    for st in stages {
-        if let StageKind::External(spec) = &mut st.kind {
-            if let StoreSpec::Sled { path } = &mut spec.store {
-                *path = Some(match path.take() {
-                    None => sled_home(&state_dir, application_id),
-                    Some(p) if p.is_relative() => state_dir.join(p),
-                    Some(p) => p,
-                });
-            }
+impl ExternalSinkSpec {
+    /// Bind this sink's sled idempotency store to a state dir: a default path becomes
+    /// `sled_home`, a relative one is joined to `state_dir`, and both are made absolute
+    /// (a relative `state_dir` is taken from the working directory now, as the dedup stores'
+    /// database is). A bound path is absolute, so binding twice changes nothing; the sink
+    /// refuses an unbound (default or relative) path rather than guess a directory. Other
+    /// stores are left as they are.
+    pub fn bind_state_dir(&mut self, state_dir: &Path, application_id: &str) {
+        if let StoreSpec::Sled { path } = &mut self.store {
+            let state_dir =
+                std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+            *path = Some(match path.take() {
+                None => sled_home(&state_dir, application_id),
+                Some(p) if p.is_relative() => state_dir.join(p),
+                Some(p) => p,
+            });
         }
     }
 }
 
 /// The longest an HTTP effect can take: every try timing out, plus the backoffs between.
-pub fn http_worst_case(h: &HttpSpec) -> Duration {
+pub(crate) fn http_worst_case(h: &HttpSpec) -> Duration {
     let mut total = h.timeout * (h.retries + 1);
     let mut pause = h.backoff;
     for _ in 0..h.retries {
@@ -512,23 +515,23 @@ pub fn http_worst_case(h: &HttpSpec) -> Duration {
     total
 }
 
-/// Start-up check of a topology's external sinks: every secret given as `{ env: VAR }` is
-/// set, and an HTTP sink's URL and header values are usable. Called before processing starts, so a missing variable stops start-up instead of
-/// dead-lettering every record.
+/// Start-up check of external sinks, each given with its stage name: every secret given as
+/// `{ env: VAR }` is set, and an HTTP sink's URL and header values are usable. Called
+/// before processing starts (through `Topology::preflight`), so a missing variable stops
+/// start-up instead of dead-lettering every record.
 ///
 /// # Errors
 /// [`crate::error::Error::Config`] naming the stage, the field and the variable (never a
 /// value).
-pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::error::Error> {
+pub(crate) fn preflight<'a>(
+    sinks: impl IntoIterator<Item = (&'a str, &'a ExternalSinkSpec)>,
+) -> Result<(), crate::error::Error> {
     let mut errs = Vec::new();
-    for st in topology.stages() {
-        let StageKind::External(spec) = &st.kind else {
-            continue;
-        };
+    for (name, spec) in sinks {
         let mut http_errs: Vec<String> = Vec::new();
         let mut check = |field: &str, s: &Secret| {
             if let Err(e) = s.resolve() {
-                errs.push(format!("stage `{}`: field `{field}`: {e}", st.name));
+                errs.push(format!("stage `{}`: field `{field}`: {e}", name));
             }
         };
         match &spec.effect {
@@ -539,10 +542,10 @@ pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::erro
                     |field: &str, s: &Secret, ok: &dyn Fn(&str) -> bool, what: &str| match s
                         .resolve()
                     {
-                        Err(e) => Some(format!("stage `{}`: field `{field}`: {e}", st.name)),
+                        Err(e) => Some(format!("stage `{}`: field `{field}`: {e}", name)),
                         Ok(v) if !ok(&v) => Some(format!(
                             "stage `{}`: field `{field}`: the value of {} is not {what}",
-                            st.name,
+                            name,
                             s.describe()
                         )),
                         Ok(_) => None,
@@ -586,7 +589,7 @@ pub fn preflight(topology: &crate::topology::Topology) -> Result<(), crate::erro
 
 /// The shared runtime on which every external effect runs (two worker threads, started on
 /// first use).
-pub fn runtime() -> &'static tokio::runtime::Runtime {
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()

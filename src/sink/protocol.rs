@@ -145,7 +145,7 @@ impl EffectOutcome {
     }
 
     /// The effect's result (run now or stored).
-    pub fn result(&self) -> &[u8] {
+    pub(crate) fn result(&self) -> &[u8] {
         match self {
             EffectOutcome::Done(r)
             | EffectOutcome::SkippedDuplicate(r)
@@ -186,7 +186,7 @@ where
 /// A sentence for the dead-letter topic: the effect failed or its outcome is unknown, the
 /// store stayed unreachable (fail_closed), or the key stayed in flight elsewhere past
 /// `in_flight_give_up`.
-pub async fn run_once<F, Fut>(
+pub(crate) async fn run_once<F, Fut>(
     store: &dyn IdempotencyStore,
     key: &[u8],
     policy: &ReservationPolicy,

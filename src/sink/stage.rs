@@ -182,7 +182,7 @@ struct Pending {
 }
 
 /// The external sink processor of one task.
-pub struct ExternalSink {
+pub(crate) struct ExternalSink {
     shared: Arc<Shared>,
     in_flight: VecDeque<Pending>,
     failed: Vec<(Record, RecordError)>,
@@ -194,7 +194,7 @@ impl ExternalSink {
     /// A processor for sink `name`; `forward` passes finished records to a next stage.
     /// Connections open on first use; a setting that cannot be resolved (an unset
     /// environment variable) fails every record with its reason.
-    pub fn new(topology: &str, name: &str, spec: &ExternalSinkSpec, forward: bool) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, spec: &ExternalSinkSpec, forward: bool) -> Self {
         let c = |r: &'static str| metrics::counter!(crate::metrics::SINK_EFFECTS, "topology" => topology.to_string(), "sink" => name.to_string(), "result" => r);
         let effector = Effector::new(name, &spec.effect, spec.policy.store_retry_for);
         if let Err(e) = &effector {

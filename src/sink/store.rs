@@ -5,7 +5,7 @@
 //! its lease expires) or *completed* (with the stored result, until its TTL expires). A key
 //! with no entry, or with an expired lease, is free. Keys are raw bytes, stored as given.
 //!
-//! - [`MemoryIdempotencyStore`]: one process, for tests (it can be told to fail, to test the policies);
+//! - `MemoryIdempotencyStore` (under `cfg(test)`): one process, for tests (it can be told to fail, to test the policies);
 //! - [`SledIdempotencyStore`]: one instance, local disk (a sled tree per sink);
 //! - [`RedisIdempotencyStore`]: shared by instances (`SET key NX PX lease`, then the completed record).
 //!
@@ -17,8 +17,11 @@
 
 use futures::future::BoxFuture;
 use std::collections::HashMap;
+#[cfg(test)]
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+#[cfg(test)]
+use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What a reservation attempt found.
@@ -47,7 +50,7 @@ pub trait IdempotencyStore: Send + Sync {
     /// Reserve `key` for `token` with a lease of `lease`, unless it is in flight or completed.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn reserve<'a>(
         &'a self,
         key: &'a [u8],
@@ -59,7 +62,7 @@ pub trait IdempotencyStore: Send + Sync {
     /// succeeded; it overwrites whatever is there (a completed effect is completed).
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn complete<'a>(
         &'a self,
         key: &'a [u8],
@@ -70,13 +73,13 @@ pub trait IdempotencyStore: Send + Sync {
     /// Drop the reservation of `key` if `token` still holds it (the effect failed).
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// The state of `key` now: `None` when free, else `InFlight` or `Completed`.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached.
+    /// `StoreError` when the store cannot be reached.
     fn lookup<'a>(
         &'a self,
         key: &'a [u8],
@@ -136,7 +139,7 @@ fn decode(v: &[u8], now: u64) -> Option<(Reservation, Option<u64>)> {
 /// The map under a local store (memory, sled): the few operations the reservation steps
 /// are made of. The steps themselves are written once, in the [`IdempotencyStore`]
 /// implementation for every `LocalMap`, over the entry encoding above.
-pub trait LocalMap: Send + Sync {
+pub(crate) trait LocalMap: Send + Sync {
     /// Called once at the start of every store operation (the memory store counts
     /// operations and fails injected ones here).
     ///
@@ -251,26 +254,29 @@ impl<M: LocalMap> IdempotencyStore for M {
 }
 
 /// The memory store's entries: idempotency key → encoded entry.
+#[cfg(test)]
 type Entries = HashMap<Vec<u8>, Vec<u8>>;
 
 /// In-process store for tests: a map behind a mutex, with real time for leases. It can be
 /// set to fail the next `n` operations, to exercise `on_store_error`.
+#[cfg(test)]
 #[derive(Default, Clone)]
-pub struct MemoryIdempotencyStore {
+pub(crate) struct MemoryIdempotencyStore {
     map: Arc<Mutex<Entries>>,
     fail_next: Arc<AtomicUsize>,
     /// Operations served (reserve, complete, release, lookup), failed or not.
-    pub ops: Arc<AtomicUsize>,
+    pub(crate) ops: Arc<AtomicUsize>,
 }
 
+#[cfg(test)]
 impl MemoryIdempotencyStore {
     /// An empty store.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Fail the next `n` operations with a [`StoreError`].
-    pub fn fail_next(&self, n: usize) {
+    pub(crate) fn fail_next(&self, n: usize) {
         self.fail_next.store(n, Ordering::SeqCst);
     }
 
@@ -292,6 +298,7 @@ impl MemoryIdempotencyStore {
     }
 }
 
+#[cfg(test)]
 impl LocalMap for MemoryIdempotencyStore {
     fn begin(&self) -> Result<(), StoreError> {
         self.check()
@@ -426,13 +433,13 @@ pub(crate) const RELEASE_LUA: &str =
 /// nonce), so after a lost reply the sink can read whether *this* attempt ran. Once the
 /// reply is in, the reservation protocol overwrites it with the command's real result.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransactionMark {
+pub(crate) struct TransactionMark {
     /// The Redis key of the idempotency record: the store's prefix + the idempotency key.
-    pub key: Vec<u8>,
+    pub(crate) key: Vec<u8>,
     /// The record: `C` (completed) + `transaction <nonce>`.
-    pub value: Vec<u8>,
+    pub(crate) value: Vec<u8>,
     /// Its time to live, in milliseconds (the completed TTL).
-    pub ttl_ms: u64,
+    pub(crate) ttl_ms: u64,
 }
 
 impl RedisIdempotencyStore {
@@ -478,7 +485,7 @@ impl RedisIdempotencyStore {
 
     /// A fresh [`TransactionMark`] for `key` in a store with key prefix `prefix`, kept for
     /// `ttl` (the completed TTL).
-    pub fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
+    pub(crate) fn transaction_mark(prefix: &[u8], key: &[u8], ttl: Duration) -> TransactionMark {
         let mut k = prefix.to_vec();
         k.extend_from_slice(key);
         TransactionMark {

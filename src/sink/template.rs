@@ -16,15 +16,15 @@
 //! Output is raw bytes: nothing is decoded or escaped, so any byte (`:`, `/`, non-UTF-8) is
 //! kept as given.
 
+use crate::codec::Format;
 use crate::processor::json_scan::Scalar;
 use crate::processor::key::KeySource;
 use crate::processor::Record;
-use crate::topology::Format;
 use std::io::Write as _;
 
 /// One part of a parsed template.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Part {
+pub(crate) enum Part {
     /// Literal bytes.
     Lit(Vec<u8>),
     /// `{key}`.
@@ -47,7 +47,7 @@ pub enum Part {
 
 /// A parsed template; see the module docs for the syntax.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Template {
+pub(crate) struct Template {
     text: String,
     parts: Vec<Part>,
 }
@@ -58,7 +58,7 @@ impl Template {
     /// # Errors
     /// A sentence naming the unknown placeholder, an unclosed `{`, a stray `}`, or a JSON
     /// pointer that does not start with `/`.
-    pub fn parse(text: &str) -> Result<Template, String> {
+    pub(crate) fn parse(text: &str) -> Result<Template, String> {
         let mut parts = Vec::new();
         let mut lit = Vec::new();
         let b = text.as_bytes();
@@ -108,17 +108,17 @@ impl Template {
     }
 
     /// The template as written.
-    pub fn text(&self) -> &str {
+    pub(crate) fn text(&self) -> &str {
         &self.text
     }
 
     /// Its parts.
-    pub fn parts(&self) -> &[Part] {
+    pub(crate) fn parts(&self) -> &[Part] {
         &self.parts
     }
 
     /// The JSON pointers it reads (appended to `out`, without repeats).
-    pub fn json_pointers(&self, out: &mut Vec<String>) {
+    pub(crate) fn json_pointers(&self, out: &mut Vec<String>) {
         for p in &self.parts {
             if let Part::Field(f) = p {
                 if !out.contains(f) {
@@ -133,7 +133,7 @@ impl Template {
     ///
     /// # Errors
     /// A sentence naming the field and the format (and, for protobuf, the missing field).
-    pub fn check_format(&self, format: &Format) -> Result<(), String> {
+    pub(crate) fn check_format(&self, format: &Format) -> Result<(), String> {
         for p in &self.parts {
             let Part::Field(f) = p else { continue };
             match format {
@@ -172,7 +172,7 @@ impl Template {
     ///
     /// # Errors
     /// A sentence naming the missing or unusable part.
-    pub fn render_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
+    pub(crate) fn render_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
         for p in &self.parts {
             match p {
                 Part::Lit(l) => out.extend_from_slice(l),
@@ -216,7 +216,7 @@ impl Template {
     ///
     /// # Errors
     /// As [`Template::render_into`].
-    pub fn render(&self, record: &Record) -> Result<Vec<u8>, String> {
+    pub(crate) fn render(&self, record: &Record) -> Result<Vec<u8>, String> {
         let mut out = Vec::new();
         self.render_into(record, &mut out)?;
         Ok(out)

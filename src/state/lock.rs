@@ -4,7 +4,7 @@ use super::*;
 
 /// An exclusive lock on a state dir (`<state.dir>/onceflow.lock`, flock), held for the life
 /// of the value, so two processes on one state dir fail fast instead of sharing stores.
-pub struct StateDirLock {
+pub(crate) struct StateDirLock {
     pub(super) _file: std::fs::File,
 }
 
@@ -14,7 +14,7 @@ impl StateDirLock {
     /// # Errors
     /// [`crate::Error::State`] naming the dir and the pid holding it, when another process
     /// has it; [`crate::Error::Io`] when the dir or lock file cannot be created.
-    pub fn acquire(dir: &std::path::Path) -> Result<StateDirLock> {
+    pub(crate) fn acquire(dir: &std::path::Path) -> Result<StateDirLock> {
         use std::io::{Read, Seek, Write};
         use std::os::unix::io::AsRawFd;
         let io = |e: std::io::Error| crate::Error::Io {

@@ -9,7 +9,7 @@ type Shared = Arc<Mutex<(BTreeMap<Vec<u8>, Vec<u8>>, Option<i64>)>>;
 
 /// A [`KeyValueStore`] over a `BTreeMap`. Clones of one backend share their stores, so a
 /// store reopened after a simulated restart sees what was committed before.
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     name: String,
     data: Shared,
 }
@@ -69,7 +69,7 @@ impl KeyValueStore for MemoryStore {
     }
 }
 
-/// Opens [`MemoryStore`]s; stores live as long as the backend (and its clones).
+/// Opens `MemoryStore`s; stores live as long as the backend (and its clones).
 #[derive(Clone, Default)]
 pub struct MemoryBackend {
     stores: Arc<Mutex<HashMap<(String, i32), Shared>>>,
@@ -77,7 +77,7 @@ pub struct MemoryBackend {
 
 impl MemoryBackend {
     /// Forget every store, as if the state dir were deleted.
-    pub fn wipe(&self) {
+    pub(crate) fn wipe(&self) {
         self.stores.lock().expect("memory backend lock").clear();
     }
 }

@@ -16,17 +16,17 @@ mod behind;
 mod lock;
 mod memory;
 mod resident;
-pub mod restore;
+pub(crate) mod restore;
 mod sled;
 mod staged;
-pub mod table;
+pub(crate) mod table;
 mod writer;
 
-pub use self::lock::StateDirLock;
-pub use self::memory::{MemoryBackend, MemoryStore};
-pub use self::sled::{SledBackend, SledStore, SledTable};
-pub use self::staged::{StagedStore, Withdrawn};
-pub use self::writer::{Writer, WriterHold};
+pub(crate) use self::lock::StateDirLock;
+pub use self::memory::MemoryBackend;
+pub use self::sled::SledBackend;
+pub(crate) use self::staged::{StagedStore, Withdrawn};
+pub(crate) use self::writer::{Writer, WriterHold};
 use self::{behind::*, resident::*, writer::*};
 
 use crate::error::Result;
@@ -38,15 +38,16 @@ use std::sync::{Arc, Condvar, Mutex};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WriteBatch {
     /// Puts (`Some`) and deletes (`None`) in order; a later op on a key wins.
-    pub ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    pub(crate) ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     /// The changelog offset these writes reached, stored in the same batch (restore resumes
     /// from it). `None` leaves the stored offset as it was.
-    pub changelog_offset: Option<i64>,
+    pub(crate) changelog_offset: Option<i64>,
 }
 
 impl WriteBatch {
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Whether the batch has nothing to write.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.ops.is_empty() && self.changelog_offset.is_none()
     }
 }
@@ -152,12 +153,12 @@ const WRITE_CHUNK: usize = usize::MAX;
 /// Committed entries a write-behind store keeps readable in memory (per store partition)
 /// once they are persisted; beyond it the oldest persisted batches leave memory and are
 /// read from the engine again. About 200 bytes an entry for dedup entries.
-pub const RESIDENT_ENTRIES: usize = 262_144;
+pub(crate) const RESIDENT_ENTRIES: usize = 262_144;
 
 /// Committed ops a write-behind store lets wait for the engine (per store partition);
 /// beyond it [`StagedStore::commit`] waits for the writer, so the engine's write rate
 /// bounds a sustained run while bursts up to this size run at memory speed.
-pub const UNPERSISTED_OPS: usize = 262_144;
+pub(crate) const UNPERSISTED_OPS: usize = 262_144;
 
 #[cfg(test)]
 mod tests {

@@ -21,7 +21,7 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 }
 
 /// A [`KeyValueStore`] on one sled tree.
-pub struct SledStore {
+pub(crate) struct SledStore {
     name: String,
     tree: ::sled::Tree,
 }
@@ -283,7 +283,7 @@ impl SledBackend {
     /// # Errors
     /// As [`SledBackend::open`] for failures that are not corruption (a lock held, no
     /// space, no permission); [`Error::Io`] when the corrupted database cannot be renamed.
-    pub fn open_checked(dir: &Path) -> Result<SledBackend> {
+    pub(crate) fn open_checked(dir: &Path) -> Result<SledBackend> {
         let why = match Self::open_and_check(dir) {
             Ok(b) => return Ok(b),
             Err(Damage::Other(e)) => return Err(e),
@@ -374,7 +374,7 @@ impl SledBackend {
     /// # Errors
     /// [`Error::State`] when a tree cannot be read; [`Error::Io`] when the seal cannot be
     /// written.
-    pub fn seal(&self) -> Result<()> {
+    pub(crate) fn seal(&self) -> Result<()> {
         self.db
             .flush()
             .map_err(|e| Error::state(self.path.display().to_string(), e))?;
@@ -403,14 +403,15 @@ impl SledBackend {
             .open()
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// Path of the database directory.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
     /// The partitions of `store` that have a tree in this database, ascending. Read-only:
     /// for inspection tools, which must not create trees.
-    pub fn stored_partitions(&self, store: &str) -> Vec<i32> {
+    pub(crate) fn stored_partitions(&self, store: &str) -> Vec<i32> {
         let prefix = format!("{store}-");
         let mut out: Vec<i32> = self
             .db

@@ -74,13 +74,13 @@ pub(super) struct Owned {
 
 /// A staged write taken back by [`StagedStore::withdraw`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Withdrawn {
+pub(crate) struct Withdrawn {
     /// Source offset of the record the write stood for.
-    pub owner: i64,
+    pub(crate) owner: i64,
     /// The key.
-    pub key: Bytes,
+    pub(crate) key: Bytes,
     /// The value that was staged (`None`: a delete).
-    pub written: Option<Bytes>,
+    pub(crate) written: Option<Bytes>,
 }
 
 /// A store with the writes of the open commit kept pending in memory.
@@ -99,7 +99,7 @@ pub struct Withdrawn {
 /// changelog (its stored offset is older). Memory: at most [`UNPERSISTED_OPS`] ops wait
 /// for the engine (then commit waits), and persisted entries stay resident up to
 /// [`RESIDENT_ENTRIES`].
-pub struct StagedStore {
+pub(crate) struct StagedStore {
     pub(super) inner: Arc<dyn KeyValueStore>,
     pub(super) pending: Staged,
     pub(super) behind: Option<Behind>,
@@ -142,7 +142,7 @@ impl Arena {
 impl StagedStore {
     /// Wrap an engine; committed batches are written behind by `writer` if given, else
     /// synchronously.
-    pub fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn KeyValueStore>, writer: Option<Arc<Writer>>) -> Self {
         let behind = writer.map(|w| Behind::new(w, inner.as_ref()));
         StagedStore {
             inner,
@@ -156,7 +156,7 @@ impl StagedStore {
     }
 
     /// Name of the underlying store.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         self.inner.name()
     }
 
@@ -188,7 +188,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
-    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         Ok(self.lookup(key)?.map(|b| b.to_vec()))
     }
 
@@ -196,7 +196,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
-    pub fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
+    pub(crate) fn lookup(&self, key: &[u8]) -> Result<Option<Bytes>> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
@@ -217,12 +217,12 @@ impl StagedStore {
     }
 
     /// Stage a put (`Some`) or delete (`None`) of `key`.
-    pub fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+    pub(crate) fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
         self.stage_copy(&key, value.as_deref());
     }
 
     /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
-    pub fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
         let value = value.map(|v| self.arena.copy(v));
         if let Some(v) = self.pending.get_mut(key) {
             *v = value;
@@ -232,8 +232,9 @@ impl StagedStore {
         self.pending.insert_new(key, value);
     }
 
+    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
     /// As [`StagedStore::stage`], with shared buffers.
-    pub fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
+    pub(crate) fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
         match self.pending.get_mut(&key) {
             Some(v) => *v = value,
             None => self.pending.insert_new(key, value),
@@ -243,7 +244,7 @@ impl StagedStore {
     /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
     /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
     /// it back if that record ends in the dead-letter topic.
-    pub fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
         let written = value.map(|v| self.arena.copy(v));
         let (key, before) = match self.pending.index.get(key) {
             Some(&i) => {
@@ -271,7 +272,7 @@ impl StagedStore {
     /// no changelog record and no engine write for it. A write that a later one replaced
     /// (the key written again since) stays replaced, and the later write, if withdrawn in
     /// turn, goes back to what the key held before both. Returns the writes taken back.
-    pub fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
+    pub(crate) fn withdraw(&mut self, owner: i64) -> Vec<Withdrawn> {
         let mut out = Vec::new();
         if !self.owned.iter().any(|o| o.owner == owner) {
             return out;
@@ -313,30 +314,31 @@ impl StagedStore {
     /// Forget which source records the staged writes stand for: they can no longer be
     /// withdrawn (the task calls it after each record when no stage can fail a record
     /// later, at the commit).
-    pub fn settle(&mut self) {
+    pub(crate) fn settle(&mut self) {
         self.owned.clear();
     }
 
     /// Whether a write of `key` is staged (in the open commit).
-    pub fn is_staged(&self, key: &[u8]) -> bool {
+    pub(crate) fn is_staged(&self, key: &[u8]) -> bool {
         self.pending.get(key).is_some()
     }
 
+    #[cfg_attr(not(test), allow(dead_code))] // used by tests and by `Task::pending_writes` (unused)
     /// Number of staged keys.
-    pub fn pending_len(&self) -> usize {
+    pub(crate) fn pending_len(&self) -> usize {
         self.pending.len()
     }
 
     /// Number of keys in the committed state, when the store knows it without a scan (a
     /// write-behind store whose engine was empty when opened, or keeps the count with its
     /// data as sled does).
-    pub fn known_len(&self) -> Option<u64> {
+    pub(crate) fn known_len(&self) -> Option<u64> {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
 
     /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
     /// removing them.
-    pub fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+    pub(crate) fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.pending.ops.iter().map(|(k, v)| (&k[..], v.as_deref()))
     }
 
@@ -347,7 +349,10 @@ impl StagedStore {
     ///
     /// # Errors
     /// An engine read failure, or the first error `f` returns.
-    pub fn for_each_committed(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<()>) -> Result<()> {
+    pub(crate) fn for_each_committed(
+        &self,
+        mut f: impl FnMut(&[u8], &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let shadowed = |k: &[u8]| self.behind.as_ref().is_some_and(|b| b.resident.contains(k));
         let mut after: Option<Vec<u8>> = None;
         loop {
@@ -377,7 +382,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// The engine's write error.
-    pub fn sync(&mut self) -> Result<()> {
+    pub(crate) fn sync(&mut self) -> Result<()> {
         match &self.behind {
             None => Ok(()),
             Some(b) => b.sync(self.inner.name()),
@@ -391,7 +396,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// The engine's write error.
-    pub fn sync_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
+    pub(crate) fn sync_until(&mut self, deadline: std::time::Instant) -> Result<bool> {
         match &self.behind {
             None => Ok(true),
             Some(b) => b.sync_until(self.inner.name(), Some(deadline)),
@@ -404,7 +409,7 @@ impl StagedStore {
     /// As [`KeyValueStore::write`] (for this batch or, written behind, an earlier one); the
     /// staged writes are dropped either way, since the runtime stops or rewinds on any
     /// failure.
-    pub fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         let cap = self.pending.len().clamp(4096, 1 << 20);
         let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
         self.owned.clear();
@@ -425,7 +430,7 @@ impl StagedStore {
     /// `runtime::commit`): they stay readable, can no longer be withdrawn, and are written
     /// by [`StagedStore::commit_sealed`] once their changelog records are durable; new
     /// writes are staged in a fresh batch meanwhile. Nothing staged: nothing sealed.
-    pub fn seal(&mut self, epoch: u64) {
+    pub(crate) fn seal(&mut self, epoch: u64) {
         self.owned.clear();
         if self.pending.ops.is_empty() {
             return;
@@ -437,7 +442,7 @@ impl StagedStore {
 
     /// The writes sealed for commit `epoch` (none unless it is the oldest sealed batch), in
     /// first-write order.
-    pub fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+    pub(crate) fn sealed(&self, epoch: u64) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.sealed
             .front()
             .filter(|(e, _)| *e == epoch)
@@ -450,7 +455,11 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`StagedStore::commit`].
-    pub fn commit_sealed(&mut self, epoch: u64, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn commit_sealed(
+        &mut self,
+        epoch: u64,
+        changelog_offset: Option<i64>,
+    ) -> Result<()> {
         let ops = match self.sealed.front() {
             Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
             _ => None,
@@ -468,18 +477,20 @@ impl StagedStore {
         }
     }
 
+    #[cfg(test)]
     /// Number of sealed batches (commits in flight holding writes of this store).
-    pub fn sealed_len(&self) -> usize {
+    pub(crate) fn sealed_len(&self) -> usize {
         self.sealed.len()
     }
 
+    #[cfg(test)]
     /// Write a restored batch (changelog records in log order, with the position reached):
     /// committed at once, and persisted by the writer when there is one, else written now.
     /// Nothing must be staged meanwhile.
     ///
     /// # Errors
     /// The engine's write error (for this batch or, written behind, an earlier one).
-    pub fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
+    pub(crate) fn write_restored(&mut self, batch: WriteBatch) -> Result<()> {
         for (k, v) in &batch.ops {
             self.push_restored(k, v.as_deref());
         }
@@ -488,7 +499,7 @@ impl StagedStore {
 
     /// Add one changelog record (in log order) to the restored batch being built; copied.
     /// Nothing must be staged meanwhile.
-    pub fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
+    pub(crate) fn push_restored(&mut self, key: &[u8], value: Option<&[u8]>) {
         if self.restored.capacity() == 0 {
             self.restored.reserve(4096);
         }
@@ -498,7 +509,7 @@ impl StagedStore {
     }
 
     /// Number of records added by [`StagedStore::push_restored`] since the last flush.
-    pub fn restored_len(&self) -> usize {
+    pub(crate) fn restored_len(&self) -> usize {
         self.restored.len()
     }
 
@@ -507,7 +518,7 @@ impl StagedStore {
     ///
     /// # Errors
     /// As [`StagedStore::write_restored`].
-    pub fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
+    pub(crate) fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         // The next step is likely as big as this one: no regrowing while it is read.
         let cap = self.restored.len();
         let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));
@@ -518,7 +529,7 @@ impl StagedStore {
     }
 
     /// Make room in memory for `n` more committed keys (a restore about to write them).
-    pub fn reserve(&mut self, n: usize) {
+    pub(crate) fn reserve(&mut self, n: usize) {
         if let Some(b) = &mut self.behind {
             let n = n.min(b.resident_max);
             b.resident.reserve(n);
@@ -529,7 +540,7 @@ impl StagedStore {
     }
 
     /// Drop the staged and sealed writes (the commit failed or was aborted).
-    pub fn abort(&mut self) {
+    pub(crate) fn abort(&mut self) {
         self.pending.clear();
         self.owned.clear();
         self.sealed.clear();
@@ -538,7 +549,7 @@ impl StagedStore {
     /// Forget what is held in memory of the committed state and look at the engine again;
     /// call after [`StagedStore::sync`] when the engine was changed directly (a restore
     /// plan that cleared it).
-    pub fn reload(&mut self) {
+    pub(crate) fn reload(&mut self) {
         if let Some(b) = &mut self.behind {
             b.reload(self.inner.as_ref());
         }
@@ -546,7 +557,7 @@ impl StagedStore {
 
     /// The engine under the staging layer (restore and scans use it directly; call
     /// [`StagedStore::sync`] first to see every committed batch).
-    pub fn engine(&self) -> &dyn KeyValueStore {
+    pub(crate) fn engine(&self) -> &dyn KeyValueStore {
         self.inner.as_ref()
     }
 }

@@ -12,8 +12,8 @@
 //! no key is skipped; one whose value does not decode deletes the key's row (the newest
 //! value for that key is unusable, so no stale row is served) and is counted and logged.
 
+use crate::codec::Format;
 use crate::error::Result;
-use crate::processor::codec::Format;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 

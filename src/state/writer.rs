@@ -128,7 +128,7 @@ impl Writer {
     ///
     /// # Panics
     /// When the OS refuses to start a thread.
-    pub fn spawn() -> Arc<Writer> {
+    pub(crate) fn spawn() -> Arc<Writer> {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let gate = Arc::new(Gate::default());
         let g = gate.clone();
@@ -156,8 +156,9 @@ impl Writer {
         }
     }
 
+    #[cfg(test)]
     /// Whether any [`WriterHold`] is alive.
-    pub fn is_held(&self) -> bool {
+    pub(crate) fn is_held(&self) -> bool {
         self.gate.lock().holds > 0
     }
 

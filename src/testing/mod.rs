@@ -2,9 +2,7 @@
 //! clock, look into its stores, and simulate crashes and restarts.
 //!
 //! ```
-//! use onceflow::testing::{TestDriver, TestRecord};
-//! use onceflow::topology::{TopologyBuilder, Format};
-//! use onceflow::processor::{key::KeySource, stages::DedupSpec};
+//! use onceflow::prelude::*;
 //! let t = TopologyBuilder::new("t").source("in", Format::Json)
 //!     .dedup("dedup", DedupSpec::new(KeySource::JsonPointer("/id".into())))
 //!     .sink("out", "out").build().unwrap();
@@ -82,7 +80,7 @@ impl TestRecord {
 /// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
 /// outputs become visible when committed (by default after every piped record).
 ///
-/// The driver commits with the runtime's own commit protocol ([`crate::runtime::commit`])
+/// The driver commits with the runtime's own commit protocol (`runtime/commit.rs`; its failpoints are [`crate::failpoints`])
 /// over an in-memory log, under at_least_once (default) or exactly_once_v2
 /// ([`TestDriver::guarantee`]), and can die at any failpoint of a commit
 /// ([`TestDriver::crash_at`]) and come back ([`TestDriver::restart`]).
@@ -369,7 +367,7 @@ impl TestDriver {
         Ok(())
     }
 
-    /// Commit with the runtime's commit protocol ([`crate::runtime::commit`]): external
+    /// Commit with the runtime's commit protocol (`runtime/commit.rs`): external
     /// effects finish, outputs become durable (visible), the sweep runs, staged writes go to
     /// the in-memory changelog, state is applied with its changelog offset, offsets are
     /// recorded (under exactly_once_v2 in one transaction). If a failpoint armed with

@@ -14,28 +14,28 @@ use std::process::ExitCode;
 
 /// The topology and config arguments every tool takes, as `onceflow run` does.
 #[derive(Debug, clap::Args)]
-pub struct Target {
+pub(crate) struct Target {
     /// The topology file (YAML, or TOML when named *.toml).
-    pub topology: PathBuf,
+    pub(crate) topology: PathBuf,
     /// A config file (TOML); may be given several times, later files win.
     #[arg(long = "config", value_name = "FILE")]
-    pub configs: Vec<PathBuf>,
+    pub(crate) configs: Vec<PathBuf>,
     /// Set one config key, e.g. --set application.id=orders; wins over files and environment.
     #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
 }
 
 /// `onceflow state ...`.
 #[derive(Debug, clap::Args)]
-pub struct StateArgs {
+pub(crate) struct StateArgs {
     /// What to do.
     #[command(subcommand)]
-    pub command: StateCommand,
+    pub(crate) command: StateCommand,
 }
 
 /// The `state` subcommands.
 #[derive(Debug, clap::Subcommand)]
-pub enum StateCommand {
+pub(crate) enum StateCommand {
     /// Is this key seen? First-seen time, the source record that created it, when it
     /// expires, and which partition holds it. Exit 0 when seen, 1 when not.
     Get {
@@ -95,7 +95,7 @@ pub enum StateCommand {
 
 /// `onceflow reset ...`.
 #[derive(Debug, clap::Args)]
-pub struct ResetArgs {
+pub(crate) struct ResetArgs {
     #[command(flatten)]
     target: Target,
     /// List what would be deleted, delete nothing.
@@ -123,7 +123,7 @@ fn fail(e: Error) -> ExitCode {
 }
 
 /// Run `onceflow state ...`; returns the exit code (see the module docs).
-pub fn state_main(args: StateArgs) -> ExitCode {
+pub(crate) fn state_main(args: StateArgs) -> ExitCode {
     match state_cmd(args) {
         Ok(code) => code,
         Err(e) => fail(e),
@@ -131,7 +131,7 @@ pub fn state_main(args: StateArgs) -> ExitCode {
 }
 
 /// Run `onceflow reset ...`; returns the exit code (see the module docs).
-pub fn reset_main(args: ResetArgs) -> ExitCode {
+pub(crate) fn reset_main(args: ResetArgs) -> ExitCode {
     match reset_cmd(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),

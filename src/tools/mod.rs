@@ -18,7 +18,7 @@
 //! and its local checkpoint would skip them), and a reset under a running instance would be
 //! undone by its next commit.
 
-pub mod cli;
+pub(crate) mod cli;
 mod reset;
 mod seed;
 
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 /// Where `state get` and `state dump` read a store partition from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum ReadFrom {
+pub(crate) enum ReadFrom {
     /// The local tree when present, brought up to date from the changelog; else the
     /// changelog alone (the default).
     #[default]
@@ -54,36 +54,36 @@ pub enum ReadFrom {
 
 /// A dedup store of the topology: its name and its settings that the tools report.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreInfo {
+pub(crate) struct StoreInfo {
     /// Store name (the dedup stage's name).
-    pub name: String,
+    pub(crate) name: String,
     /// Its changelog topic.
-    pub changelog: String,
+    pub(crate) changelog: String,
     /// TTL in ms.
-    pub ttl_ms: i64,
+    pub(crate) ttl_ms: i64,
     /// Grace after the TTL before the sweep deletes an entry, in ms.
-    pub grace_ms: i64,
+    pub(crate) grace_ms: i64,
 }
 
 /// One live dedup entry, as the tools found it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FoundEntry {
+pub(crate) struct FoundEntry {
     /// Store partition (= source partition) holding it.
-    pub partition: i32,
+    pub(crate) partition: i32,
     /// The raw key.
-    pub key: Vec<u8>,
+    pub(crate) key: Vec<u8>,
     /// The decoded entry.
-    pub entry: DedupEntry,
+    pub(crate) entry: DedupEntry,
     /// Offset of the changelog record it was read from, `None` when read from the local tree.
-    pub changelog_offset: Option<i64>,
+    pub(crate) changelog_offset: Option<i64>,
 }
 
 /// Source offset of entries written by `state seed`: no source record created them.
-pub const SEEDED_OFFSET: i64 = -1;
+pub(crate) const SEEDED_OFFSET: i64 = -1;
 
 /// A key as text: `(text, "utf8")` when it is valid UTF-8, else `(base64, "base64")`.
 /// Never lossy: the two encodings are told apart by the second field.
-pub fn show_key(key: &[u8]) -> (String, &'static str) {
+pub(crate) fn show_key(key: &[u8]) -> (String, &'static str) {
     match std::str::from_utf8(key) {
         Ok(s) => (s.to_string(), "utf8"),
         Err(_) => (
@@ -95,7 +95,7 @@ pub fn show_key(key: &[u8]) -> (String, &'static str) {
 
 /// A time in ms since the epoch as RFC 3339 UTC with milliseconds; a time outside
 /// 1970..=9999 (which RFC 3339 formatting cannot show) as `<ms> ms since the epoch`.
-pub fn format_ms(ms: i64) -> String {
+pub(crate) fn format_ms(ms: i64) -> String {
     const MAX: i64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
     if !(0..=MAX).contains(&ms) {
         return format!("{ms} ms since the epoch");
@@ -113,7 +113,7 @@ impl FoundEntry {
     /// `expires_at_ms` / `expires_at` (first seen + TTL: a record with a later time passes
     /// again), `swept_after` (stream time past which the sweep deletes it: + grace),
     /// `fingerprint` (hex or null), `changelog_offset` (null when read from the local tree).
-    pub fn to_json(&self, store: &StoreInfo, source_topic: &str) -> serde_json::Value {
+    pub(crate) fn to_json(&self, store: &StoreInfo, source_topic: &str) -> serde_json::Value {
         let (key, enc) = show_key(&self.key);
         let e = &self.entry;
         let seeded = e.source_offset == SEEDED_OFFSET;
@@ -144,39 +144,39 @@ impl FoundEntry {
 
 /// A member of the application's consumer group, as DescribeGroups reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Member {
+pub(crate) struct Member {
     /// Member id given by the coordinator.
-    pub id: String,
+    pub(crate) id: String,
     /// `client.id` of the member.
-    pub client_id: String,
+    pub(crate) client_id: String,
     /// Host it connects from.
-    pub host: String,
+    pub(crate) host: String,
 }
 
 /// What `onceflow reset` deletes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResetPlan {
+pub(crate) struct ResetPlan {
     /// The consumer group (`application.id`).
-    pub group: String,
+    pub(crate) group: String,
     /// Its committed offsets on the source topic, (partition, offset); empty when none.
-    pub committed: Vec<(i32, i64)>,
+    pub(crate) committed: Vec<(i32, i64)>,
     /// Internal topics that exist: changelogs, repartition topics.
-    pub topics: Vec<String>,
+    pub(crate) topics: Vec<String>,
     /// The local state directory, when it exists on this machine.
-    pub local_state: Option<PathBuf>,
+    pub(crate) local_state: Option<PathBuf>,
 }
 
 /// What `state seed` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeedReport {
+pub(crate) struct SeedReport {
     /// The changelog written.
-    pub topic: String,
+    pub(crate) topic: String,
     /// Partitions written to.
-    pub partitions: Vec<i32>,
+    pub(crate) partitions: Vec<i32>,
     /// Entries written (keys × partitions, minus those kept).
-    pub written: u64,
+    pub(crate) written: u64,
     /// (key, partition) pairs left alone because an entry existed already.
-    pub kept: u64,
+    pub(crate) kept: u64,
 }
 
 /// How long a tool waits for a changelog read to reach its end, or for a broker that
@@ -190,7 +190,7 @@ fn with_retries<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
 }
 
 /// The state tools of one topology under one config.
-pub struct StateTools {
+pub(crate) struct StateTools {
     config: Config,
     topology: Topology,
 }
@@ -203,7 +203,7 @@ struct Local {
 
 impl StateTools {
     /// Bind the tools to `topology` and `config` (the same files and `--set`s as `run`).
-    pub fn new(config: Config, topology: Topology) -> StateTools {
+    pub(crate) fn new(config: Config, topology: Topology) -> StateTools {
         StateTools { config, topology }
     }
 
@@ -212,7 +212,7 @@ impl StateTools {
     /// # Errors
     /// [`Error::Topology`] when no such dedup stage exists, or when `stage` is `None` and
     /// the topology has none or several.
-    pub fn store(&self, stage: Option<&str>) -> Result<StoreInfo> {
+    pub(crate) fn store(&self, stage: Option<&str>) -> Result<StoreInfo> {
         let dedups: Vec<_> = self
             .topology
             .stages()
@@ -267,12 +267,12 @@ impl StateTools {
     }
 
     /// The topology's source topic (the topic the entries' source coordinates refer to).
-    pub fn source_topic(&self) -> &str {
+    pub(crate) fn source_topic(&self) -> &str {
         &self.topology.source().topic
     }
 
     /// `<state.dir>/<application.id>`: the local sled database.
-    pub fn local_dir(&self) -> PathBuf {
+    pub(crate) fn local_dir(&self) -> PathBuf {
         self.config.state_dir.join(&self.config.application_id)
     }
 
@@ -323,7 +323,7 @@ impl StateTools {
     /// (an open transaction that never ends), a local store that cannot be opened (locked
     /// by a running instance, under [`ReadFrom::Local`]), or a stored value that is not a
     /// dedup entry (named by store, partition and key).
-    pub fn visit(
+    pub(crate) fn visit(
         &self,
         store: &StoreInfo,
         key: Option<&[u8]>,
@@ -437,7 +437,7 @@ impl StateTools {
     ///
     /// # Errors
     /// As [`StateTools::visit`].
-    pub fn get(
+    pub(crate) fn get(
         &self,
         store: &StoreInfo,
         key: &[u8],
@@ -453,7 +453,7 @@ impl StateTools {
 }
 
 /// The wall clock in ms since the epoch.
-pub fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)

@@ -9,7 +9,7 @@ impl StateTools {
     ///
     /// # Errors
     /// The broker unreachable, or the group cannot be described within 60 s.
-    pub fn active_members(&self) -> Result<Vec<Member>> {
+    pub(crate) fn active_members(&self) -> Result<Vec<Member>> {
         let client: BaseConsumer =
             crate::kafka::client_config(&self.config, &[], &Default::default())
                 .create()
@@ -54,7 +54,7 @@ impl StateTools {
     ///
     /// # Errors
     /// The broker unreachable.
-    pub fn reset_plan(&self) -> Result<ResetPlan> {
+    pub(crate) fn reset_plan(&self) -> Result<ResetPlan> {
         let admin = Admin::new(&self.config)?;
         let mut topics = Vec::new();
         for st in self.topology.stages() {
@@ -123,7 +123,7 @@ impl StateTools {
     /// # Errors
     /// Active members, a running instance on this machine (state dir locked), the broker
     /// refusing a deletion.
-    pub fn reset(&self, plan: &ResetPlan) -> Result<()> {
+    pub(crate) fn reset(&self, plan: &ResetPlan) -> Result<()> {
         self.refuse_if_active("reset the application")?;
         // The local lock first: a local instance that is still starting must not be
         // running against half-deleted topics.

@@ -16,7 +16,7 @@ impl StateTools {
     /// # Errors
     /// The group has active members (refused: a running instance would not see the
     /// entries), a partition out of range, the broker unreachable, a delivery that failed.
-    pub fn seed(
+    pub(crate) fn seed(
         &self,
         store: &StoreInfo,
         keys: &[Vec<u8>],

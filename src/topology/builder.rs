@@ -6,8 +6,7 @@ use super::*;
 /// Builds a [`Topology`] stage by stage.
 ///
 /// ```
-/// use onceflow::topology::{TopologyBuilder, Format};
-/// use onceflow::processor::{key::KeySource, stages::DedupSpec};
+/// use onceflow::prelude::*;
 /// let t = TopologyBuilder::new("dedup-demo")
 ///     .source("events", Format::Json)
 ///     .dedup("dedup", DedupSpec::new(KeySource::JsonPointer("/id".into())))
@@ -90,7 +89,7 @@ impl TopologyBuilder {
     // ---- External sinks (issue 6: effects outside Kafka with keyed idempotency) ----
 
     /// Add an external sink stage: an HTTP call, a PostgreSQL statement, a Redis command or
-    /// a file line per record, made once per idempotency key (see [`crate::sink`]). Its key
+    /// a file line per record, made once per idempotency key (see [`ExternalSinkSpec`](crate::ExternalSinkSpec)). Its key
     /// template and settings are checked by [`TopologyBuilder::build`].
     pub fn external_sink(
         mut self,
@@ -107,7 +106,7 @@ impl TopologyBuilder {
     // ---- end of external sinks ----
 
     /// Add a stage of any kind (what topology files compile to).
-    pub fn stage(mut self, name: impl Into<String>, kind: StageKind) -> Self {
+    pub(crate) fn stage(mut self, name: impl Into<String>, kind: StageKind) -> Self {
         self.stages.push(Stage {
             name: name.into(),
             kind,
@@ -150,7 +149,14 @@ impl TopologyBuilder {
         // gives them).
         let fmt = self.source.as_ref().map(|s| s.format.clone());
         for i in 0..self.stages.len() {
-            for r in crate::sink::validate(&mut self.stages, i, fmt.as_ref()) {
+            let upstream_dedup = self.stages[..i].iter().rev().find_map(|s| match &s.kind {
+                StageKind::Dedup(d) => Some(d.key.clone()),
+                _ => None,
+            });
+            let StageKind::External(spec) = &mut self.stages[i].kind else {
+                continue;
+            };
+            for r in spec.validate(upstream_dedup, fmt.as_ref()) {
                 let (field, reason) = split_field(&r);
                 errors.push(BuildError {
                     stage: Some(i),
@@ -413,7 +419,7 @@ impl BuildError {
 
 impl TopologyBuilder {
     /// Declare a lookup table materialized from a compacted topic (see
-    /// [`crate::state::table`]); enrich stages refer to it by name.
+    /// `state::table`); enrich stages refer to it by name.
     pub fn table(mut self, spec: TableSpec) -> Self {
         self.tables.push(spec);
         self

@@ -18,21 +18,21 @@ use crate::processor::transform::{Filter, FilterSpec, MapFields, MapSpec};
 use crate::processor::Processor;
 use crate::processor::Record;
 
-pub use crate::processor::codec::{Format, ProtoFormat};
+pub(crate) use crate::codec::{Format, ProtoFormat};
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
+pub(crate) struct Source {
     /// Topic name.
-    pub topic: String,
+    pub(crate) topic: String,
     /// Value format.
-    pub format: Format,
+    pub(crate) format: Format,
 }
 
 /// What a stage does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StageKind {
+pub(crate) enum StageKind {
     /// Drop repeated records by key within a TTL.
     Dedup(DedupSpec),
     /// Write records to one or more topics.
@@ -51,7 +51,7 @@ pub enum StageKind {
 
 impl StageKind {
     /// The kind as written in topology files (`dedup`, `sink`, ...).
-    pub fn kind_name(&self) -> &'static str {
+    pub(crate) fn kind_name(&self) -> &'static str {
         match self {
             StageKind::Dedup(_) => "dedup",
             StageKind::Sink(_) => "sink",
@@ -64,7 +64,7 @@ impl StageKind {
     }
 
     /// Topics this stage writes (sinks, routes, a dedup's duplicate topic), in order.
-    pub fn output_topics(&self) -> Vec<String> {
+    pub(crate) fn output_topics(&self) -> Vec<String> {
         match self {
             StageKind::Sink(k) => k.topics.clone(),
             StageKind::Route(r) => r.topics(),
@@ -79,11 +79,11 @@ impl StageKind {
 
 /// A named stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stage {
+pub(crate) struct Stage {
     /// Unique name; also the name of the stage's state store, if it has one.
-    pub name: String,
+    pub(crate) name: String,
     /// What it does.
-    pub kind: StageKind,
+    pub(crate) kind: StageKind,
 }
 
 /// A validated topology, ready to run.
@@ -98,11 +98,33 @@ pub struct Topology {
 
 impl Topology {
     /// This topology with its external sinks' local stores bound to an instance's state
-    /// dir (see [`crate::sink::bind_state_dir`]); `App::run` calls it with `state.dir` and
-    /// `application.id`.
-    pub fn with_state_dir(mut self, state_dir: &std::path::Path, application_id: &str) -> Topology {
-        crate::sink::bind_state_dir(&mut self.stages, state_dir, application_id);
+    /// dir (see [`crate::sink::ExternalSinkSpec::bind_state_dir`]); `App::run` calls it with
+    /// `state.dir` and `application.id`.
+    pub(crate) fn with_state_dir(
+        mut self,
+        state_dir: &std::path::Path,
+        application_id: &str,
+    ) -> Topology {
+        for st in &mut self.stages {
+            if let StageKind::External(spec) = &mut st.kind {
+                spec.bind_state_dir(state_dir, application_id);
+            }
+        }
         self
+    }
+
+    /// Start-up check of the external sinks (`sink::preflight`): every secret
+    /// given as `{ env: VAR }` is set, and an HTTP sink's URL and header values are usable.
+    /// `App::run` calls it before processing starts.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::error::Error::Config) naming the stage, the field and the
+    /// variable (never a value).
+    pub fn preflight(&self) -> crate::error::Result<()> {
+        crate::sink::preflight(self.stages.iter().filter_map(|st| match &st.kind {
+            StageKind::External(spec) => Some((st.name.as_str(), &**spec)),
+            _ => None,
+        }))
     }
 
     /// The topology's name (a metric label).
@@ -111,12 +133,12 @@ impl Topology {
     }
 
     /// Its source.
-    pub fn source(&self) -> &Source {
+    pub(crate) fn source(&self) -> &Source {
         &self.source
     }
 
     /// Its stages in order.
-    pub fn stages(&self) -> &[Stage] {
+    pub(crate) fn stages(&self) -> &[Stage] {
         &self.stages
     }
 
@@ -132,7 +154,7 @@ impl Topology {
     /// The dedup stages with `partitioning: repartition` in effect (stated or by default),
     /// with their index in the stage list: each reads its input back from
     /// `<application.id>-<stage>-repartition`.
-    pub fn repartitioned(&self) -> Vec<(usize, &str, &DedupSpec)> {
+    pub(crate) fn repartitioned(&self) -> Vec<(usize, &str, &DedupSpec)> {
         self.stages
             .iter()
             .enumerate()
@@ -149,7 +171,7 @@ impl Topology {
     }
 
     /// The JSON pointers the stages read, for decoding without a tree.
-    pub fn json_pointers(&self) -> Vec<String> {
+    pub(crate) fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();
         for s in &self.stages {
             match &s.kind {
@@ -172,7 +194,7 @@ impl Topology {
 
     /// Topics the stages write (sinks, routes, duplicate topics), in order, without
     /// repeats; the runtime creates the missing ones before the run.
-    pub fn sink_topics(&self) -> Vec<String> {
+    pub(crate) fn sink_topics(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         for s in &self.stages {
             for t in s.kind.output_topics() {
@@ -185,7 +207,7 @@ impl Topology {
     }
 
     /// New processor instances for one task (one source partition), in stage order.
-    pub fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
+    pub(crate) fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
         let last = self.stages.len().saturating_sub(1);
         let json = self.source.format == Format::Json;
         let t = self.name.as_str();
@@ -243,13 +265,13 @@ impl Topology {
 
 impl Topology {
     /// The lookup tables, in declaration order.
-    pub fn tables(&self) -> &[TableSpec] {
+    pub(crate) fn tables(&self) -> &[TableSpec] {
         &self.tables
     }
 
     /// The codec of `topic`'s values: as set with [`TopologyBuilder::topic_format`], else the
     /// source's format (so a pipeline writes what it reads unless told otherwise).
-    pub fn topic_format(&self, topic: &str) -> Format {
+    pub(crate) fn topic_format(&self, topic: &str) -> Format {
         self.topic_formats
             .get(topic)
             .cloned()

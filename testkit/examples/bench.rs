@@ -49,12 +49,12 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::kafka::admin::Admin;
-use onceflow::processor::stages::{repartition_topic, Partitioning};
-use onceflow::processor::{Counts, Record, SourceMeta};
-use onceflow::runtime::{App, RunOptions, RunSummary, Task};
-use onceflow::state::{MemoryBackend, SledBackend, StateBackend};
-use onceflow::topology::Topology;
+use onceflow::__testkit::Admin;
+use onceflow::{__testkit::repartition_topic, Partitioning};
+use onceflow::{Counts, Record, SourceMeta};
+use onceflow::{App, RunOptions, RunSummary, __testkit::Task};
+use onceflow::__testkit::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::Topology;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -176,7 +176,7 @@ fn passthrough(
 // ------------------------------------------------------------------------ (b) onceflow
 
 /// The config of the dedup topology's run (fresh application.id and state dir).
-fn onceflow_run_config(bootstrap: &str, app_id: &str, state_dir: &str) -> Res<onceflow::config::Config> {
+fn onceflow_run_config(bootstrap: &str, app_id: &str, state_dir: &str) -> Res<onceflow::Config> {
     onceflow_config(
         bootstrap,
         &[

@@ -30,13 +30,13 @@
 mod support;
 
 use bytes::Bytes;
-use onceflow::kafka::admin::Admin;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::{OutRecord, Record, SourceMeta};
-use onceflow::runtime::{App, RunOptions, RunSummary, Task};
-use onceflow::state::table::{apply_records, TableEngine, TableRecord, Tables};
-use onceflow::state::{MemoryBackend, SledBackend};
-use onceflow::topology::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
+use onceflow::__testkit::Admin;
+use onceflow::__testkit::{apply_records, TableEngine, TableRecord, Tables};
+use onceflow::__testkit::{MemoryBackend, SledBackend};
+use onceflow::KeySource;
+use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
+use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
+use onceflow::{OutRecord, Record, SourceMeta};
 use onceflow_testkit::kafka;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -209,7 +209,7 @@ fn run(s: &Settings, customers: usize, created: &mut Created) -> Res<()> {
     let records = records_for_tasks(&data, "orders");
     let pass = passthrough_topology("orders", "out")?;
     let enrich = enrich_topology("orders", "customers", "out")?;
-    let mem: Arc<dyn TableEngine> = Arc::new(onceflow::state::table::MemoryTable::new("customers"));
+    let mem: Arc<dyn TableEngine> = Arc::new(onceflow::__testkit::MemoryTable::new("customers"));
     load_table(mem.as_ref(), customers)?;
     let dir = tempfile::tempdir()?;
     let sled = SledBackend::open(dir.path())?;

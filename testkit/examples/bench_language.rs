@@ -8,8 +8,8 @@
 //!   ONCEFLOW_BENCH_ROUNDS=1 cargo run --release -p onceflow-testkit --example bench_language
 
 use onceflow::dsl;
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::{Format, Topology, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use onceflow_testkit::gharchive;
 use std::time::Instant;
 

@@ -13,7 +13,7 @@
 //!      changelog partitions from the beginning, one `poll` per record, counting records
 //!      until its position has reached the end offsets captured at start; records/s from
 //!      before the capture to the end;
-//!    - (a') the same with batch reads (`onceflow::kafka::batch::consume_batch`, 10,000 a
+//!    - (a') the same with batch reads (`onceflow::__testkit::consume_batch`, 10,000 a
 //!      call), the reader onceflow's restore uses. The baseline (A) of every ratio is the
 //!      faster of (a) and (a') in that round;
 //!    - (b) onceflow restore: `App::run` in-process with application.id `A`, a fresh empty
@@ -58,13 +58,13 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::kafka::admin::Admin;
-use onceflow::kafka::batch::consume_batch;
-use onceflow::processor::dedup::DedupEntry;
-use onceflow::runtime::Task;
-use onceflow::runtime::{App, RunOptions, RunSummary};
-use onceflow::state::restore::{changelog_topic, ChangelogRecord, Restorer};
-use onceflow::state::{SledBackend, StateBackend};
+use onceflow::__testkit::consume_batch;
+use onceflow::__testkit::Admin;
+use onceflow::__testkit::DedupEntry;
+use onceflow::__testkit::Task;
+use onceflow::__testkit::{changelog_topic, ChangelogRecord, Restorer};
+use onceflow::__testkit::{SledBackend, StateBackend};
+use onceflow::{App, RunOptions, RunSummary};
 use onceflow_testkit::kafka::TestProducer;
 use prost::Message as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};

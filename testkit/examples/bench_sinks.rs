@@ -16,9 +16,9 @@
 #[path = "../../tests/sink_support/mod.rs"]
 mod sink_support;
 
-use onceflow::sink::{EffectSpec, ExternalSinkSpec, HttpSpec, PostgresSpec, Secret, StoreSpec};
-use onceflow::testing::{TestDriver, TestRecord};
-use onceflow::topology::{Format, TopologyBuilder};
+use onceflow::{EffectSpec, ExternalSinkSpec, HttpSpec, PostgresSpec, Secret, StoreSpec};
+use onceflow::{Format, TopologyBuilder};
+use onceflow::{TestDriver, TestRecord};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

@@ -11,8 +11,8 @@
 //! ```
 //! The broker address comes from ONCEFLOW_BOOTSTRAP_SERVERS (default 127.0.0.1:9092).
 
-use onceflow::config::Config;
-use onceflow::kafka::admin::Admin;
+use onceflow::__testkit::Admin;
+use onceflow::Config;
 use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -51,7 +51,7 @@ fn load(bootstrap: &str, dlq: &str) -> onceflow::Result<()> {
 /// Delete the demo topics and the consumer group, so the next load starts from nothing.
 fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
     let a = admin(bootstrap)?;
-    let changelog = onceflow::state::restore::changelog_topic(group, "dedup");
+    let changelog = onceflow::__testkit::changelog_topic(group, "dedup");
     let topics = [EVENTS, UNIQUE, dlq, changelog.as_str()];
     a.delete_topics(&topics)?;
     kafka::delete_group(bootstrap, group)?;
@@ -101,7 +101,7 @@ fn check(bootstrap: &str) -> onceflow::Result<bool> {
 
 fn main() -> ExitCode {
     // Retries of transient broker errors (a just-started broker) show on stderr.
-    onceflow::logging::init(onceflow::config::LogFormat::Text);
+    onceflow::__testkit::init_logging(onceflow::LogFormat::Text);
     let bootstrap = kafka::bootstrap_servers();
     let dlq = std::env::var("GHARCHIVE_DLQ").unwrap_or_else(|_| "gharchive-dedup.dlq".into());
     let res = match std::env::args().nth(1).as_deref() {

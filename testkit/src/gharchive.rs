@@ -3,7 +3,7 @@
 //! duplicates that real delivery faults make.
 
 use crate::kafka::TestProducer;
-use onceflow::error::{Error, Result};
+use onceflow::{Error, Result};
 use rand::{Rng, SeedableRng};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};

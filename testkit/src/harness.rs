@@ -38,10 +38,10 @@
 //! and its directory; a run that fails keeps them all and names them in its report.
 
 use crate::{gharchive, kafka};
-use onceflow::config::Config;
-use onceflow::kafka::admin::Admin;
-use onceflow::runtime::commit;
-use onceflow::state::restore::changelog_topic;
+use onceflow::__testkit::changelog_topic;
+use onceflow::__testkit::Admin;
+use onceflow::failpoints;
+use onceflow::Config;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -60,11 +60,11 @@ pub const PARTITIONS: usize = 4;
 
 /// The failpoints a run may kill an instance at.
 pub const FAILPOINTS: &[&str] = &[
-    commit::EOS_AFTER_PRODUCE,
-    commit::EOS_AFTER_CHANGELOG,
-    commit::EOS_BEFORE_COMMIT,
-    commit::EOS_AFTER_COMMIT,
-    commit::RESTORE_DURING,
+    failpoints::EOS_AFTER_PRODUCE,
+    failpoints::EOS_AFTER_CHANGELOG,
+    failpoints::EOS_BEFORE_COMMIT,
+    failpoints::EOS_AFTER_COMMIT,
+    failpoints::RESTORE_DURING,
 ];
 
 /// Name of the dedup stage (and store) of the harness topology.
@@ -396,7 +396,10 @@ enum KillPlan {
 static HARNESSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Failpoints of the opt-in kind `zombie`.
-const ZOMBIE_POINTS: &[&str] = &[commit::EOS_AFTER_CHANGELOG, commit::EOS_BEFORE_COMMIT];
+const ZOMBIE_POINTS: &[&str] = &[
+    failpoints::EOS_AFTER_CHANGELOG,
+    failpoints::EOS_BEFORE_COMMIT,
+];
 
 /// Sets its flag when dropped.
 struct SetOnDrop(Arc<AtomicBool>);
@@ -589,7 +592,7 @@ impl<'a> Run<'a> {
             output: format!("{tag}-out"),
             dlq: format!("{tag}-dlq"),
             changelog: changelog_topic(&app, STORE),
-            repartition: onceflow::processor::stages::repartition_topic(&app, STORE),
+            repartition: onceflow::__testkit::repartition_topic(&app, STORE),
             app,
             topology: dir.join("topology.yaml"),
             dir,
@@ -810,7 +813,7 @@ impl<'a> Run<'a> {
                     .find(|f| *f == kind)
                     .expect("a failpoint");
                 let n = self.rng.random_range(1..=4u32);
-                if name == commit::RESTORE_DURING {
+                if name == failpoints::RESTORE_DURING {
                     KillPlan::RestoreDuring(self.moment(), n)
                 } else {
                     KillPlan::Failpoint(name, n)
@@ -873,7 +876,7 @@ impl<'a> Run<'a> {
             KillPlan::RestoreDuring(after, n) => {
                 self.report.kill = format!(
                     "{}=kill@{n}+wipe(after moment@{:.2}s)",
-                    commit::RESTORE_DURING,
+                    failpoints::RESTORE_DURING,
                     after.as_secs_f64()
                 );
                 // Something to restore: every changelog partition has records.
@@ -892,13 +895,13 @@ impl<'a> Run<'a> {
                 // takes a whole changelog partition).
                 self.start(
                     victim,
-                    Some(&format!("{}=kill@{n}", commit::RESTORE_DURING)),
+                    Some(&format!("{}=kill@{n}", failpoints::RESTORE_DURING)),
                     &[
                         ("kafka.consumer.max.partition.fetch.bytes", "4096".into()),
                         ("kafka.consumer.queued.max.messages.kbytes", "1".into()),
                     ],
                 )?;
-                self.report.fired = self.await_failpoint(victim, commit::RESTORE_DURING)?;
+                self.report.fired = self.await_failpoint(victim, failpoints::RESTORE_DURING)?;
             }
         }
         killed.store(true, Ordering::SeqCst);

@@ -5,7 +5,7 @@
 //! so any Kafka-compatible broker can stand in for the one `scripts/kafka` starts.
 
 use bytes::Bytes;
-use onceflow::error::{Error, Result};
+use onceflow::{Error, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
@@ -75,7 +75,7 @@ pub fn read_topic(
         )
         .create()
         .map_err(Error::kafka("create reader"))?;
-    let md = onceflow::kafka::retry::retry("metadata", || {
+    let md = onceflow::__testkit::retry("metadata", || {
         consumer
             .fetch_metadata(Some(topic), Duration::from_secs(10))
             .map_err(Error::kafka("metadata"))
@@ -92,7 +92,7 @@ pub fn read_topic(
     let mut tpl = TopicPartitionList::new();
     let mut ends = std::collections::BTreeMap::new();
     for p in &parts {
-        let (lo, hi) = onceflow::kafka::retry::retry("watermarks", || {
+        let (lo, hi) = onceflow::__testkit::retry("watermarks", || {
             consumer
                 .fetch_watermarks(topic, *p, Duration::from_secs(10))
                 .map_err(Error::kafka("watermarks"))
@@ -260,12 +260,12 @@ impl TestProducer {
 /// [`Error::BrokerCode`] when the broker refuses (e.g. the group still has members), after
 /// the retries of transient errors.
 pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
-    let cfg = onceflow::config::Config::load_with_env(
+    let cfg = onceflow::Config::load_with_env(
         &[],
         &[("bootstrap.servers".into(), bootstrap.into())],
         std::iter::empty(),
     )?;
-    onceflow::kafka::admin::Admin::new(&cfg)?.delete_group(group)
+    onceflow::__testkit::Admin::new(&cfg)?.delete_group(group)
 }
 
 /// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is
@@ -289,7 +289,7 @@ pub fn committed_offsets(
     for p in 0..partitions {
         tpl.add_partition(topic, p as i32);
     }
-    let c = onceflow::kafka::retry::retry("committed offsets", || {
+    let c = onceflow::__testkit::retry("committed offsets", || {
         consumer
             .committed_offsets(tpl.clone(), Duration::from_secs(10))
             .map_err(Error::kafka("committed offsets"))

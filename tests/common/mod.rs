@@ -1,8 +1,8 @@
 //! Shared helpers of the integration tests: unique names, topics, the onceflow binary.
 #![allow(dead_code)]
 
-use onceflow::config::Config;
-use onceflow::kafka::admin::Admin;
+use onceflow::__testkit::Admin;
+use onceflow::Config;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

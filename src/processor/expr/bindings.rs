@@ -4,16 +4,17 @@ use super::*;
 
 /// A record's variables for expressions, converted once per record however many
 /// expressions a stage evaluates.
-pub struct Bindings<'r> {
+pub(crate) struct Bindings<'r> {
     record: &'r Record,
     fields: Option<Arc<[String]>>,
     ctx: OnceLock<Result<Context<'static, 'static>, String>>,
 }
 
 impl<'r> Bindings<'r> {
+    #[cfg(test)]
     /// Bindings of `record`; its decoded JSON ([`Record::json`]) is `value` when present,
     /// else the raw value bytes.
-    pub fn new(record: &'r Record) -> Self {
+    pub(crate) fn new(record: &'r Record) -> Self {
         Bindings {
             record,
             fields: None,
@@ -25,7 +26,7 @@ impl<'r> Bindings<'r> {
     /// [`projection`]): every expression evaluated with them must read no other. With
     /// `fields`, a record whose tree is not decoded yet has its value bytes read as JSON,
     /// decoding only those fields (pass `None` for a non-JSON source).
-    pub fn projected(record: &'r Record, fields: Option<Arc<[String]>>) -> Self {
+    pub(crate) fn projected(record: &'r Record, fields: Option<Arc<[String]>>) -> Self {
         Bindings {
             record,
             fields,
@@ -34,7 +35,7 @@ impl<'r> Bindings<'r> {
     }
 
     /// The record.
-    pub fn record(&self) -> &Record {
+    pub(crate) fn record(&self) -> &Record {
         self.record
     }
 
@@ -170,7 +171,7 @@ fn raw_to_cel(b: Option<&[u8]>) -> Value {
 
 /// Convert a JSON value to CEL: objects to maps with string keys, integers to `int` (or
 /// `uint` past `i64`), other numbers to `double`.
-pub fn json_to_cel(v: &serde_json::Value) -> Value {
+pub(crate) fn json_to_cel(v: &serde_json::Value) -> Value {
     use serde_json::Value as J;
     match v {
         J::Null => Value::Null,
@@ -205,7 +206,7 @@ pub(super) fn type_name(v: &Value) -> String {
 /// # Errors
 /// For values JSON cannot hold: bytes, durations, timestamps, functions, a float that is
 /// NaN or infinite.
-pub fn cel_to_json(v: &Value) -> Result<serde_json::Value, String> {
+pub(crate) fn cel_to_json(v: &Value) -> Result<serde_json::Value, String> {
     use serde_json::Value as J;
     Ok(match v {
         Value::Null => J::Null,

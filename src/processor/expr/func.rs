@@ -5,11 +5,11 @@ use super::*;
 
 /// A record function of the builder API: a closure over the record (its decoded JSON is in
 /// [`Record::json`] for a JSON source) giving a `T` or a reason the record is refused.
-pub type RecordFn<T> = Arc<dyn Fn(&Record) -> Result<T, String> + Send + Sync>;
+pub(crate) type RecordFn<T> = Arc<dyn Fn(&Record) -> Result<T, String> + Send + Sync>;
 
 /// What a stage computes from a record: a CEL expression (topology files) or a closure
 /// (builder API).
-pub enum Func<T> {
+pub(crate) enum Func<T> {
     /// A parsed CEL expression.
     Expr(Expr),
     /// A Rust closure.
@@ -47,7 +47,7 @@ impl<T> Eq for Func<T> {}
 
 impl<T: FromCel> Func<T> {
     /// A closure as a function.
-    pub fn native(f: impl Fn(&Record) -> Result<T, String> + Send + Sync + 'static) -> Self {
+    pub(crate) fn native(f: impl Fn(&Record) -> Result<T, String> + Send + Sync + 'static) -> Self {
         Func::Native(Arc::new(f))
     }
 
@@ -55,12 +55,12 @@ impl<T: FromCel> Func<T> {
     ///
     /// # Errors
     /// As [`Expr::parse`].
-    pub fn expr(source: &str) -> Result<Self, String> {
+    pub(crate) fn expr(source: &str) -> Result<Self, String> {
         Expr::parse(source).map(Func::Expr)
     }
 
     /// The expression, if this is one.
-    pub fn as_expr(&self) -> Option<&Expr> {
+    pub(crate) fn as_expr(&self) -> Option<&Expr> {
         match self {
             Func::Expr(e) => Some(e),
             Func::Native(_) => None,
@@ -68,7 +68,7 @@ impl<T: FromCel> Func<T> {
     }
 
     /// For descriptions: the expression text, or `<closure>`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Func::Expr(e) => e.source().to_string(),
             Func::Native(_) => "<closure>".into(),
@@ -79,7 +79,7 @@ impl<T: FromCel> Func<T> {
     ///
     /// # Errors
     /// The expression failed, the result has the wrong type, or the closure refused.
-    pub fn eval(&self, b: &Bindings<'_>) -> Result<T, String> {
+    pub(crate) fn eval(&self, b: &Bindings<'_>) -> Result<T, String> {
         match self {
             Func::Expr(e) => {
                 let v = e.eval(b)?;
@@ -91,7 +91,7 @@ impl<T: FromCel> Func<T> {
 }
 
 /// Conversion of a CEL result to what a stage needs.
-pub trait FromCel: Sized {
+pub(crate) trait FromCel: Sized {
     /// Convert, or say why not.
     ///
     /// # Errors
@@ -137,18 +137,18 @@ impl FromCel for Option<Bytes> {
 }
 
 /// A predicate: keeps or routes a record.
-pub type Predicate = Func<bool>;
+pub(crate) type Predicate = Func<bool>;
 /// A computed JSON field.
-pub type Computed = Func<serde_json::Value>;
+pub(crate) type Computed = Func<serde_json::Value>;
 /// A computed key or header value.
-pub type BytesFn = Func<Option<Bytes>>;
+pub(crate) type BytesFn = Func<Option<Bytes>>;
 
 /// Make sure `record.json` holds the decoded value when the source is JSON (a stage after
 /// the source that needs the whole tree decodes it once).
 ///
 /// # Errors
 /// The value is not valid JSON.
-pub fn ensure_json(record: &mut Record) -> Result<(), String> {
+pub(crate) fn ensure_json(record: &mut Record) -> Result<(), String> {
     if record.json.is_none() {
         if let Some(v) = &record.value {
             record.json = Some(

@@ -25,7 +25,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 /// The names an expression may use, in the order the docs list them.
-pub const VARIABLES: [&str; 7] = [
+pub(crate) const VARIABLES: [&str; 7] = [
     "value",
     "key",
     "headers",
@@ -36,11 +36,11 @@ pub const VARIABLES: [&str; 7] = [
 ];
 
 /// Longest expression accepted, in bytes.
-pub const MAX_EXPR_LEN: usize = 4096;
+pub(crate) const MAX_EXPR_LEN: usize = 4096;
 /// Deepest bracket nesting accepted in an expression.
-pub const MAX_EXPR_NESTING: usize = 32;
+pub(crate) const MAX_EXPR_NESTING: usize = 32;
 /// Most operator characters accepted in an expression (each may add a parser level).
-pub const MAX_EXPR_OPERATORS: usize = 256;
+pub(crate) const MAX_EXPR_OPERATORS: usize = 256;
 
 fn env() -> Arc<Env> {
     static ENV: OnceLock<Arc<Env>> = OnceLock::new();
@@ -49,7 +49,7 @@ fn env() -> Arc<Env> {
 
 /// A parsed CEL expression and its source text.
 #[derive(Clone)]
-pub struct Expr {
+pub(crate) struct Expr {
     source: String,
     program: Arc<Program>,
     /// The top-level fields of `value` it reads (`value.a`, `value["a"]`), or `None` when
@@ -137,7 +137,7 @@ fn value_fields(e: &cel::common::ast::IdedExpr, out: &mut Vec<String>, whole: &m
 /// (`None` for a non-JSON source or when one needs the whole value), and whether the stage
 /// must decode the whole JSON tree first (closures read [`Record::json`]; a whole-value
 /// expression needs it).
-pub fn plan<'a, T: FromCel + 'a>(
+pub(crate) fn plan<'a, T: FromCel + 'a>(
     json: bool,
     funcs: impl IntoIterator<Item = &'a Func<T>>,
 ) -> (Option<Arc<[String]>>, bool) {
@@ -153,7 +153,7 @@ pub fn plan<'a, T: FromCel + 'a>(
 
 /// What of `value` a set of expressions reads: the union of their top-level fields, or
 /// `None` when any needs the whole value.
-pub fn projection<'a>(exprs: impl IntoIterator<Item = &'a Expr>) -> Option<Arc<[String]>> {
+pub(crate) fn projection<'a>(exprs: impl IntoIterator<Item = &'a Expr>) -> Option<Arc<[String]>> {
     let mut out: Vec<String> = Vec::new();
     for e in exprs {
         for f in e.value_fields.as_ref()? {
@@ -172,7 +172,7 @@ impl Expr {
     /// The parser's message (with the position inside the expression) when `source` is not
     /// a CEL expression, or names a variable other than those of [`VARIABLES`] (and the
     /// names bound by macros such as `exists(x, ...)`).
-    pub fn parse(source: &str) -> Result<Expr, String> {
+    pub(crate) fn parse(source: &str) -> Result<Expr, String> {
         if source.trim().is_empty() {
             return Err("expression is empty".into());
         }
@@ -267,7 +267,7 @@ impl Expr {
     }
 
     /// The source text.
-    pub fn source(&self) -> &str {
+    pub(crate) fn source(&self) -> &str {
         &self.source
     }
 
@@ -275,7 +275,7 @@ impl Expr {
     ///
     /// # Errors
     /// The CEL runtime error as a sentence naming the expression.
-    pub fn eval(&self, b: &Bindings<'_>) -> Result<Value, String> {
+    pub(crate) fn eval(&self, b: &Bindings<'_>) -> Result<Value, String> {
         let ctx = b.context()?;
         // Defence in depth: an interpreter panic on some odd value refuses the record
         // instead of taking the process down.
@@ -364,8 +364,8 @@ impl Eq for Expr {}
 
 mod bindings;
 mod func;
-pub use bindings::*;
-pub use func::*;
+pub(crate) use bindings::*;
+pub(crate) use func::*;
 
 #[cfg(test)]
 mod tests {

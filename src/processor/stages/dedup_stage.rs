@@ -205,7 +205,7 @@ impl StageMetrics {
 /// The stateful dedup stage: looks the key up in its store, applies [`decide`], stages the
 /// new entry (applied by the runtime only once the output is durable, and withdrawn if the
 /// record is dead-lettered further down), forwards firsts.
-pub struct Dedup {
+pub(crate) struct Dedup {
     name: String,
     store: String,
     spec: DedupSpec,
@@ -318,7 +318,7 @@ fn decode_entry(
 
 impl Dedup {
     /// A dedup stage `name` keeping its entries in store `store`.
-    pub fn new(topology: &str, name: &str, store: &str, spec: DedupSpec) -> Self {
+    pub(crate) fn new(topology: &str, name: &str, store: &str, spec: DedupSpec) -> Self {
         let fingerprinter = spec
             .fingerprint_fields
             .as_ref()
@@ -361,7 +361,7 @@ impl Dedup {
     /// external sink further down, known only when the sink is flushed) the first twin is
     /// judged again and passes in its place. Default off: without an external sink after
     /// the stage a record fails while it is processed, before any twin arrives.
-    pub fn holding_twins(mut self, on: bool) -> Self {
+    pub(crate) fn holding_twins(mut self, on: bool) -> Self {
         self.hold_twins = on;
         self
     }

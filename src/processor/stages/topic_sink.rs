@@ -9,10 +9,10 @@ pub struct SinkSpec {
     pub topics: Vec<String>,
     /// The output key; default: the record's key unchanged. A `null` result writes a null
     /// key.
-    pub key: Option<BytesFn>,
+    pub(crate) key: Option<BytesFn>,
     /// Headers to set, in order: each replaces the record's headers of that name; a `null`
     /// result removes them.
-    pub headers: Vec<(String, BytesFn)>,
+    pub(crate) headers: Vec<(String, BytesFn)>,
 }
 
 impl SinkSpec {
@@ -57,7 +57,7 @@ type Headers = Vec<(String, Option<bytes::Bytes>)>;
 /// headers possibly computed), and forwards it when a later stage exists. A key or header
 /// that cannot be computed sends the record to the dead-letter topic, and nothing is
 /// written for it.
-pub struct TopicSink {
+pub(crate) struct TopicSink {
     name: String,
     spec: SinkSpec,
     proj: Option<std::sync::Arc<[String]>>,
@@ -65,17 +65,14 @@ pub struct TopicSink {
     json: bool,
     forward: bool,
     /// Source format and each topic's format (see [`crate::processor::codec::encode_for_sink`]).
-    codecs: Option<(
-        crate::processor::codec::Format,
-        Vec<crate::processor::codec::Format>,
-    )>,
+    codecs: Option<(crate::codec::Format, Vec<crate::codec::Format>)>,
 }
 
 impl TopicSink {
     /// A sink stage; `json`: the source is JSON (decoded for key and header expressions);
     /// `forward` is false for the last stage, which then moves the record out instead of
     /// copying it.
-    pub fn new(name: &str, spec: &SinkSpec, json: bool, forward: bool) -> Self {
+    pub(crate) fn new(name: &str, spec: &SinkSpec, json: bool, forward: bool) -> Self {
         let (proj, tree) = plan(
             json,
             spec.key.iter().chain(spec.headers.iter().map(|(_, f)| f)),
@@ -94,10 +91,10 @@ impl TopicSink {
     /// being in `source` format (see [`crate::processor::codec::encode_for_sink`]); without this the
     /// value bytes pass as they are. A record whose view does not encode goes to the
     /// dead-letter topic, and nothing is written for it.
-    pub fn with_codecs(
+    pub(crate) fn with_codecs(
         mut self,
-        source: crate::processor::codec::Format,
-        sinks: Vec<crate::processor::codec::Format>,
+        source: crate::codec::Format,
+        sinks: Vec<crate::codec::Format>,
     ) -> Self {
         self.codecs = Some((source, sinks));
         self

@@ -8,11 +8,11 @@
 #![allow(dead_code)]
 
 use bytes::Bytes;
-use onceflow::config::Config;
-use onceflow::kafka::admin::Admin;
-use onceflow::processor::key::KeySource;
-use onceflow::processor::stages::{DedupSpec, Partitioning, TimeSource};
-use onceflow::topology::{Format, Topology, TopologyBuilder};
+use onceflow::__testkit::Admin;
+use onceflow::Config;
+use onceflow::KeySource;
+use onceflow::{DedupSpec, Partitioning, TimeSource};
+use onceflow::{Format, Topology, TopologyBuilder};
 use onceflow_testkit::kafka;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
