@@ -8,11 +8,13 @@
 //! cluster).
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The reachability state (one per process: [`LINK`]).
 pub(crate) struct Link {
     down: AtomicBool,
+    /// How many times every broker went unreachable since the process started.
+    outages: AtomicU64,
 }
 
 /// This process's link to the cluster.
@@ -23,6 +25,7 @@ impl Link {
     pub(crate) const fn new() -> Link {
         Link {
             down: AtomicBool::new(false),
+            outages: AtomicU64::new(0),
         }
     }
 
@@ -31,6 +34,7 @@ impl Link {
         if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)
             && !self.down.swap(true, Ordering::SeqCst)
         {
+            self.outages.fetch_add(1, Ordering::SeqCst);
             tracing::warn!("every broker is unreachable: not ready until one answers");
         }
     }
@@ -45,6 +49,11 @@ impl Link {
     /// As [`reachable`].
     pub(crate) fn reachable(&self) -> bool {
         !self.down.load(Ordering::SeqCst)
+    }
+
+    /// As [`outages`].
+    pub(crate) fn outages(&self) -> u64 {
+        self.outages.load(Ordering::SeqCst)
     }
 }
 
@@ -68,6 +77,13 @@ pub(crate) fn note_up() {
 /// broker down).
 pub(crate) fn reachable() -> bool {
     LINK.reachable()
+}
+
+/// How many times every broker went unreachable since the process started: a change
+/// between two readings means an outage began in between (the producer compares the
+/// readings at a transaction's begin and at its fencing).
+pub(crate) fn outages() -> u64 {
+    LINK.outages()
 }
 
 #[cfg(test)]

@@ -86,6 +86,8 @@ pub(crate) struct OutputProducer {
     producer: ThreadedProducer<DeliveryTracker>,
     /// The commit epoch outputs sent now count towards ([`OutputProducer::open_epoch`]).
     epoch: AtomicU64,
+    /// [`crate::kafka::link::outages`] when the open transaction began.
+    txn_outages: AtomicU64,
 }
 
 impl OutputProducer {
@@ -117,6 +119,7 @@ impl OutputProducer {
         Ok(OutputProducer {
             producer,
             epoch: AtomicU64::new(0),
+            txn_outages: AtomicU64::new(0),
         })
     }
 
@@ -309,9 +312,18 @@ impl OutputProducer {
     /// # Errors
     /// [`Error::Kafka`] (fatal when fenced).
     pub(crate) fn begin_transaction(&self) -> Result<()> {
+        self.txn_outages
+            .store(crate::kafka::link::outages(), Ordering::SeqCst);
         self.producer
             .begin_transaction()
             .map_err(Error::kafka("begin transaction"))
+    }
+
+    /// Whether every broker went unreachable while the open transaction ran (a broker
+    /// outage): a fencing after one is most likely the coordinator's abort of the timed-out
+    /// transaction, which bumps the producer epoch, not another instance.
+    pub(crate) fn outage_in_transaction(&self) -> bool {
+        crate::kafka::link::outages() != self.txn_outages.load(Ordering::SeqCst)
     }
 
     /// Add the consumed offsets to the transaction with the consumer's group metadata, so

@@ -40,7 +40,7 @@ pub(crate) struct KafkaLog<'a> {
 impl KafkaLog<'_> {
     /// A fatal transactional error becomes [`Error::Fenced`]; others pass through.
     fn fenced_or(&self, e: Error) -> Error {
-        fenced_or(self.transactional_id, e)
+        fenced_or(self.transactional_id, e, self.producer.outage_in_transaction())
     }
 
     fn offsets(&self, offsets: &[(i32, i64)]) -> Result<TopicPartitionList> {
@@ -80,7 +80,15 @@ fn unknown_unless_known(e: Error, commit: bool) -> Error {
 /// one (the producer unusable, e.g. `INVALID_TXN_STATE` from a coordinator that lost the
 /// transaction during a broker outage) leaves the open transaction's outcome unknown:
 /// [`Error::TransactionOutcomeUnknown`], so the producer is re-created.
-pub(crate) fn fenced_or(transactional_id: &str, e: Error) -> Error {
+///
+/// A fencing (`PRODUCER_FENCED`, `_FENCED`, `INVALID_PRODUCER_EPOCH`) while every broker
+/// had gone away during the transaction (`outage_in_transaction`) is taken as the
+/// coordinator's abort of the transaction on its timeout, which bumps the producer epoch
+/// (brokers without KIP-890 answer it as a fencing): also an unknown outcome, so the
+/// producer is re-created instead of the instance stopping after a long broker outage. A
+/// zombie (a process paused past its session timeout, the broker up all along) saw no
+/// outage and still stops.
+pub(crate) fn fenced_or(transactional_id: &str, e: Error, outage_in_transaction: bool) -> Error {
     use rdkafka::types::RDKafkaErrorCode as C;
     if !e.is_fatal_transaction_error() || matches!(e, Error::Fenced(_)) {
         return e;
@@ -98,7 +106,15 @@ pub(crate) fn fenced_or(transactional_id: &str, e: Error) -> Error {
                 | C::TransactionalIdAuthorizationFailed
         )
     );
-    if taken {
+    let epoch_bumped = matches!(
+        code,
+        Some(C::Fenced | C::ProducerFenced | C::InvalidProducerEpoch)
+    );
+    if taken && epoch_bumped && outage_in_transaction {
+        Error::TransactionOutcomeUnknown(format!(
+            "fenced after every broker had gone away during the transaction (the coordinator aborted it on its timeout): {e}"
+        ))
+    } else if taken {
         Error::Fenced(format!(
             "transactional.id {transactional_id} was taken over by another instance ({e}); this instance stops"
         ))
@@ -242,4 +258,28 @@ fn rebalancing(code: rdkafka::types::RDKafkaErrorCode) -> bool {
         code,
         C::IllegalGeneration | C::RebalanceInProgress | C::UnknownMemberId
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::error::KafkaError;
+    use rdkafka::types::RDKafkaErrorCode as C;
+
+    fn fatal(code: C) -> Error {
+        Error::Kafka {
+            op: "commit transaction",
+            source: KafkaError::MessageProduction(code),
+        }
+    }
+
+    #[test]
+    fn a_fencing_after_a_broker_outage_is_an_unknown_outcome_and_without_one_a_takeover() {
+        let e = fenced_or("app-a", fatal(C::Fenced), true);
+        assert!(matches!(e, Error::TransactionOutcomeUnknown(_)), "{e}");
+        let e = fenced_or("app-a", fatal(C::Fenced), false);
+        assert!(matches!(e, Error::Fenced(_)), "{e}");
+        let e = fenced_or("app-a", fatal(C::TransactionalIdAuthorizationFailed), true);
+        assert!(matches!(e, Error::Fenced(_)), "not authorized stays fatal: {e}");
+    }
 }
