@@ -44,16 +44,7 @@ impl Task {
         while i < self.nodes.len() {
             let mut forwarded = Vec::new();
             let failed = {
-                let mut ctx = Context {
-                    stores: &mut self.stores,
-                    forwarded: &mut forwarded,
-                    emitted: out,
-                    counts: &mut self.counts,
-                    tables: &self.tables,
-                    wall_clock_ms: wall_ms,
-                    stream_time_ms: self.stream_time,
-                    max_record_bytes: self.max_record_bytes,
-                };
+                let mut ctx = task_context!(self, &mut forwarded, out, wall_ms);
                 self.nodes[i].1.flush(&mut ctx)?
             };
             let mut work: VecDeque<Work> = failed
@@ -94,16 +85,7 @@ impl Task {
                     let keep = rec.clone();
                     let mut next = Vec::new();
                     let r = {
-                        let mut ctx = Context {
-                            stores: &mut self.stores,
-                            forwarded: &mut next,
-                            emitted: out,
-                            counts: &mut self.counts,
-                            tables: &self.tables,
-                            wall_clock_ms: wall_ms,
-                            stream_time_ms: self.stream_time,
-                    max_record_bytes: self.max_record_bytes,
-                        };
+                        let mut ctx = task_context!(self, &mut next, out, wall_ms);
                         self.nodes[j].1.process(rec, &mut ctx)
                     };
                     match r {
@@ -148,16 +130,7 @@ impl Task {
                         for k in 0..self.nodes.len() {
                             let mut revived = Vec::new();
                             let failed = {
-                                let mut ctx = Context {
-                                    stores: &mut self.stores,
-                                    forwarded: &mut revived,
-                                    emitted: out,
-                                    counts: &mut self.counts,
-                                    tables: &self.tables,
-                                    wall_clock_ms: wall_ms,
-                                    stream_time_ms: self.stream_time,
-                    max_record_bytes: self.max_record_bytes,
-                                };
+                                let mut ctx = task_context!(self, &mut revived, out, wall_ms);
                                 self.nodes[k].1.on_withdrawn(store, w, &mut ctx)?
                             };
                             then.extend(failed.into_iter().map(|(r, e)| Work::Fail(k + 1, r, e)));

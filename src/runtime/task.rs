@@ -13,6 +13,23 @@ use crate::topology::{Format, Topology};
 use bytes::Bytes;
 
 // External effects in flight: `Task::flush_effects` (kept in its own file).
+/// The [`Context`] of a stage call on `$task` (a `Task`), borrowing its stores, counts and
+/// tables field by field (so its nodes can be borrowed mutably next to it).
+macro_rules! task_context {
+    ($task:ident, $forwarded:expr, $emitted:expr, $wall_ms:expr) => {
+        Context {
+            stores: &mut $task.stores,
+            forwarded: $forwarded,
+            emitted: $emitted,
+            counts: &mut $task.counts,
+            tables: &$task.tables,
+            wall_clock_ms: $wall_ms,
+            stream_time_ms: $task.stream_time,
+            max_record_bytes: $task.max_record_bytes,
+        }
+    };
+}
+
 #[path = "effects.rs"]
 mod effects;
 
@@ -300,16 +317,7 @@ impl Task {
         'stages: for (i, (_, node)) in self.nodes.iter_mut().enumerate() {
             self.next.clear();
             for rec in self.cur.drain(..) {
-                let mut ctx = Context {
-                    stores: &mut self.stores,
-                    forwarded: &mut self.next,
-                    emitted: out,
-                    counts: &mut self.counts,
-                    tables: &self.tables,
-                    wall_clock_ms: wall_ms,
-                    stream_time_ms: self.stream_time,
-                    max_record_bytes: self.max_record_bytes,
-                };
+                let mut ctx = task_context!(self, &mut self.next, out, wall_ms);
                 match node.process(rec, &mut ctx) {
                     Ok(()) => {}
                     Err(StageError::Record(e)) => {
@@ -363,16 +371,7 @@ impl Task {
         let mut out = Vec::new();
         let mut sink = Vec::new();
         for (_, node) in self.nodes.iter_mut() {
-            let mut ctx = Context {
-                stores: &mut self.stores,
-                forwarded: &mut sink,
-                emitted: &mut out,
-                counts: &mut self.counts,
-                tables: &self.tables,
-                wall_clock_ms: wall_ms,
-                stream_time_ms: self.stream_time,
-                    max_record_bytes: self.max_record_bytes,
-            };
+            let mut ctx = task_context!(self, &mut sink, &mut out, wall_ms);
             node.punctuate(&mut ctx)?;
         }
         Ok(())
