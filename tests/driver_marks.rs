@@ -275,8 +275,15 @@ fn a_record_too_large_for_the_producer_is_dead_lettered_and_leaves_no_mark() {
         assert_eq!(out.len(), 2, "batch {batch}: a, then the small big");
         assert!(out[1].contains(r#""id":"big""#));
         let e = d.dedup_entry("dedup", 0, b"big").unwrap().unwrap();
-        assert_eq!(e.source_offset, 2, "batch {batch}: the mark is the small copy's");
+        assert_eq!(
+            e.source_offset, 2,
+            "batch {batch}: the mark is the small copy's"
+        );
         let c = d.counts();
-        assert_eq!((c.passed, c.duplicates, c.dead_lettered), (3, 1, 1), "batch {batch}");
+        assert_eq!(
+            (c.passed, c.duplicates, c.dead_lettered),
+            (3, 1, 1),
+            "batch {batch}"
+        );
     }
 }

@@ -17,7 +17,11 @@ const T0: i64 = 1_420_070_400_000;
 /// and dropped each as a duplicate; the output still holds the 15,129 distinct ids.
 fn assert_every_repeat_dropped(out: &str, published: usize, names: &Names) {
     assert_eq!(summary_field(out, "passed"), Some(0.0), "{out}");
-    assert_eq!(summary_field(out, "duplicates"), Some(published as f64), "{out}");
+    assert_eq!(
+        summary_field(out, "duplicates"),
+        Some(published as f64),
+        "{out}"
+    );
     assert_eq!(
         kafka::read_topic(&bootstrap(), &names.output, true, T)
             .unwrap()
@@ -269,7 +273,10 @@ fn a_stop_that_leaves_marks_unpersisted_restores_them_at_the_next_start() {
         let rep = onceflow_testkit::gharchive::publish(&p, &names.input, 0, 14).unwrap();
         let out = run_to_end(&names);
         let restored = summary_field(&out, "restored").unwrap_or(0.0);
-        assert!(restored > 0.0, "the unpersisted marks come from the changelog: {out}");
+        assert!(
+            restored > 0.0,
+            "the unpersisted marks come from the changelog: {out}"
+        );
         assert_every_repeat_dropped(&out, rep.published, &names);
         return;
     }

@@ -119,7 +119,9 @@ pub(crate) fn record_bytes(record: &OutRecord) -> usize {
         .iter()
         .map(|(k, v)| k.len() + v.as_ref().map_or(0, |v| v.len()) + 10)
         .sum();
-    record.value.as_ref().map_or(0, |v| v.len()) + record.key.as_ref().map_or(0, |k| k.len()) + headers
+    record.value.as_ref().map_or(0, |v| v.len())
+        + record.key.as_ref().map_or(0, |k| k.len())
+        + headers
 }
 
 impl Context<'_> {

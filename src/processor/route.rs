@@ -162,8 +162,7 @@ impl Processor for Route {
             headers: record.headers.clone(),
             timestamp: record.timestamp,
         };
-        ctx.emit(out)
-            .map_err(|e| RecordError::new(&self.name, e))?;
+        ctx.emit(out).map_err(|e| RecordError::new(&self.name, e))?;
         if self.forward {
             ctx.forward(record);
         }

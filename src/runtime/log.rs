@@ -40,7 +40,11 @@ pub(crate) struct KafkaLog<'a> {
 impl KafkaLog<'_> {
     /// A fatal transactional error becomes [`Error::Fenced`]; others pass through.
     fn fenced_or(&self, e: Error) -> Error {
-        fenced_or(self.transactional_id, e, self.producer.outage_in_transaction())
+        fenced_or(
+            self.transactional_id,
+            e,
+            self.producer.outage_in_transaction(),
+        )
     }
 
     fn offsets(&self, offsets: &[(i32, i64)]) -> Result<TopicPartitionList> {
@@ -280,6 +284,9 @@ mod tests {
         let e = fenced_or("app-a", fatal(C::Fenced), false);
         assert!(matches!(e, Error::Fenced(_)), "{e}");
         let e = fenced_or("app-a", fatal(C::TransactionalIdAuthorizationFailed), true);
-        assert!(matches!(e, Error::Fenced(_)), "not authorized stays fatal: {e}");
+        assert!(
+            matches!(e, Error::Fenced(_)),
+            "not authorized stays fatal: {e}"
+        );
     }
 }

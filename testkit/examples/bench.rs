@@ -50,11 +50,11 @@
 mod support;
 
 use onceflow::__testkit::Admin;
-use onceflow::{__testkit::repartition_topic, Partitioning};
-use onceflow::{Counts, Record, SourceMeta};
-use onceflow::{App, RunOptions, RunSummary, __testkit::Task};
 use onceflow::__testkit::{MemoryBackend, SledBackend, StateBackend};
 use onceflow::Topology;
+use onceflow::{__testkit::repartition_topic, Partitioning};
+use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
+use onceflow::{Counts, Record, SourceMeta};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -267,7 +267,11 @@ fn run_child(args: &[&str]) -> Res<ChildRun> {
     // SAFETY: `pid` is our child, not yet reaped (std reaps only on wait, never called).
     let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     if r != pid {
-        return Err(format!("child {args:?}: wait4 failed: {}", std::io::Error::last_os_error()).into());
+        return Err(format!(
+            "child {args:?}: wait4 failed: {}",
+            std::io::Error::last_os_error()
+        )
+        .into());
     }
     if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
         return Err(format!("child {args:?} failed (status {status}); its output: {out}").into());
@@ -442,7 +446,13 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("target b/a >= {TARGET_RATIO}"),
         if met { "MET" } else { "NOT MET" }
     );
-    let rss = |u: &[ChildRun]| median(&u.iter().map(|c| c.peak_rss as f64 / MIB).collect::<Vec<_>>());
+    let rss = |u: &[ChildRun]| {
+        median(
+            &u.iter()
+                .map(|c| c.peak_rss as f64 / MIB)
+                .collect::<Vec<_>>(),
+        )
+    };
     let cpu = |u: &[ChildRun]| {
         median(
             &u.iter()
@@ -454,19 +464,49 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
     let (ca, cb) = (cpu(&r.passthrough_usage), cpu(&r.onceflow_usage));
     let rss_ratio = if ra > 0.0 { rb / ra } else { 0.0 };
     let list = |u: &[ChildRun], f: &dyn Fn(&ChildRun) -> f64| {
-        u.iter().map(|c| format!("{:.1}", f(c))).collect::<Vec<_>>().join(", ")
+        u.iter()
+            .map(|c| format!("{:.1}", f(c)))
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     let mib = |c: &ChildRun| c.peak_rss as f64 / MIB;
     let us = |c: &ChildRun| c.cpu_seconds * 1e6 / c.records.max(1) as f64;
-    println!("{:<44} {:>14}  [{}]", "(a) peak RSS, MiB", format!("{ra:.0}"), list(&r.passthrough_usage, &mib));
-    println!("{:<44} {:>14}  [{}]", "(b) peak RSS, MiB", format!("{rb:.0}"), list(&r.onceflow_usage, &mib));
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(a) peak RSS, MiB",
+        format!("{ra:.0}"),
+        list(&r.passthrough_usage, &mib)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(b) peak RSS, MiB",
+        format!("{rb:.0}"),
+        list(&r.onceflow_usage, &mib)
+    );
     println!(
         "{:<44} {:>14}",
         format!("RSS b/a (target <= {RSS_TARGET})"),
-        format!("{rss_ratio:.2} {}", if rss_ratio <= RSS_TARGET { "MET" } else { "NOT MET" })
+        format!(
+            "{rss_ratio:.2} {}",
+            if rss_ratio <= RSS_TARGET {
+                "MET"
+            } else {
+                "NOT MET"
+            }
+        )
     );
-    println!("{:<44} {:>14}  [{}]", "(a) CPU us/record (user+sys)", format!("{ca:.2}"), list(&r.passthrough_usage, &us));
-    println!("{:<44} {:>14}  [{}]", "(b) CPU us/record (user+sys)", format!("{cb:.2}"), list(&r.onceflow_usage, &us));
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(a) CPU us/record (user+sys)",
+        format!("{ca:.2}"),
+        list(&r.passthrough_usage, &us)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "(b) CPU us/record (user+sys)",
+        format!("{cb:.2}"),
+        list(&r.onceflow_usage, &us)
+    );
     println!(
         "{:<44} {:>14}  [{}]",
         "dedup alone, sled, decisions/s",

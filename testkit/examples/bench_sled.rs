@@ -106,7 +106,10 @@ fn run(name: &str, keys: usize, mode: sled::Mode, shape: Shape) -> f64 {
     db.flush().unwrap();
     let secs = started.elapsed().as_secs_f64();
     let rate = (per_tree * TREES) as f64 / secs;
-    println!("{name:<16} marks={} seconds={secs:.3} marks_per_second={rate:.0}", per_tree * TREES);
+    println!(
+        "{name:<16} marks={} seconds={secs:.3} marks_per_second={rate:.0}",
+        per_tree * TREES
+    );
     rate
 }
 
@@ -116,8 +119,18 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(750_000);
     let base = run("onceflow", keys, sled::Mode::LowSpace, Shape::Onceflow);
-    let ht = run("high-throughput", keys, sled::Mode::HighThroughput, Shape::Onceflow);
-    let rp = run("run-prefixed", keys, sled::Mode::LowSpace, Shape::RunPrefixed);
+    let ht = run(
+        "high-throughput",
+        keys,
+        sled::Mode::HighThroughput,
+        Shape::Onceflow,
+    );
+    let rp = run(
+        "run-prefixed",
+        keys,
+        sled::Mode::LowSpace,
+        Shape::RunPrefixed,
+    );
     let pk = run("packed-64", keys, sled::Mode::LowSpace, Shape::Packed(64));
     println!(
         "bench-sled: keys={keys} onceflow={base:.0} high_throughput={ht:.0} ({:.2}x) run_prefixed={rp:.0} ({:.2}x) packed_64={pk:.0} ({:.2}x)",
