@@ -265,13 +265,17 @@ impl Behind {
             if st.persisted >= self.seq {
                 return Ok(true);
             }
-            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return Ok(false);
+            let mut wait = std::time::Duration::from_millis(100);
+            if let Some(d) = deadline {
+                match d.checked_duration_since(std::time::Instant::now()) {
+                    Some(left) if !left.is_zero() => wait = wait.min(left),
+                    _ => return Ok(false),
+                }
             }
             st = self
                 .shared
                 .changed
-                .wait_timeout(st, std::time::Duration::from_millis(100))
+                .wait_timeout(st, wait)
                 .map(|(g, _)| g)
                 .unwrap_or_else(|p| p.into_inner().0);
         }
