@@ -1,151 +1,30 @@
 //! The sled engine: one tree per (store, partition) in one sled database per state dir.
 //!
-//! Data keys are stored as `b'd' ++ key` and the changelog offset under `b"m:changelog"`,
-//! so any raw key (empty, binary, one that looks like metadata) stays distinct and a batch's
-//! data and offset land in one atomic `apply_batch`. sled holds an exclusive file lock on its
-//! database, so a second process opening the same state dir fails at start-up.
+//! A store tree packs its entries into segments with an index in memory (`store.rs`); a
+//! batch's data and its changelog offset land in one atomic `apply_batch`. Lookup tables
+//! keep one sled key per row (`b'd' ++ key`, [`SledTable`]). sled holds an exclusive file
+//! lock on its database, so a second process opening the same state dir fails at start-up.
 
-use super::{KeyValueStore, StateBackend, WriteBatch};
+#[cfg(test)]
+use super::WriteBatch;
+use super::{KeyValueStore, StateBackend};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
+mod store;
+
+pub(crate) use self::store::SledStore;
+#[cfg(test)]
+use self::store::META_CHANGELOG;
+
+/// The prefix of lookup-table rows (`SledTable`).
 const DATA: u8 = b'd';
-const META_CHANGELOG: &[u8] = b"m:changelog";
-const META_KEYS: &[u8] = b"m:keys";
 
 fn data_key(key: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(key.len() + 1);
     k.push(DATA);
     k.extend_from_slice(key);
     k
-}
-
-/// A [`KeyValueStore`] on one sled tree.
-pub(crate) struct SledStore {
-    name: String,
-    tree: ::sled::Tree,
-}
-
-impl KeyValueStore for SledStore {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        // Prefix the key on the stack when it is short (no allocation on the hot path).
-        let mut stack = [0u8; 128];
-        let heap;
-        let full: &[u8] = if key.len() < stack.len() {
-            stack[0] = DATA;
-            stack[1..=key.len()].copy_from_slice(key);
-            &stack[..=key.len()]
-        } else {
-            heap = data_key(key);
-            &heap
-        };
-        self.tree
-            .get(full)
-            .map(|v| v.map(|iv| iv.to_vec()))
-            .map_err(|e| Error::state(&self.name, e))
-    }
-
-    fn write(&self, batch: WriteBatch) -> Result<()> {
-        let mut b = ::sled::Batch::default();
-        for (k, v) in batch.ops {
-            match v {
-                Some(v) => b.insert(data_key(&k), v),
-                None => b.remove(data_key(&k)),
-            }
-        }
-        if let Some(off) = batch.changelog_offset {
-            b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
-        }
-        // Written without a count: a stored count is stale now.
-        b.remove(META_KEYS);
-        self.tree
-            .apply_batch(b)
-            .map_err(|e| Error::state(&self.name, e))
-    }
-
-    fn write_ops(
-        &self,
-        ops: &[(bytes::Bytes, Option<bytes::Bytes>)],
-        changelog_offset: Option<i64>,
-        key_count: Option<u64>,
-    ) -> Result<()> {
-        let mut b = ::sled::Batch::default();
-        // Prefix short keys on the stack: sled keeps keys of up to 22 bytes inline.
-        let mut stack = [0u8; 64];
-        for (k, v) in ops {
-            let full: ::sled::IVec = if k.len() < stack.len() {
-                stack[0] = DATA;
-                stack[1..=k.len()].copy_from_slice(k);
-                (&stack[..=k.len()]).into()
-            } else {
-                data_key(k).into()
-            };
-            match v {
-                Some(v) => b.insert(full, &v[..]),
-                None => b.remove(full),
-            }
-        }
-        if let Some(off) = changelog_offset {
-            b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
-        }
-        match key_count {
-            Some(n) => b.insert(META_KEYS, &n.to_be_bytes()[..]),
-            // A write without a count makes a stored count stale.
-            None => b.remove(META_KEYS),
-        }
-        self.tree
-            .apply_batch(b)
-            .map_err(|e| Error::state(&self.name, e))
-    }
-
-    fn key_count(&self) -> Result<Option<u64>> {
-        let v = self
-            .tree
-            .get(META_KEYS)
-            .map_err(|e| Error::state(&self.name, e))?;
-        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_ref()).ok().map(u64::from_be_bytes)))
-    }
-
-    fn clear(&self) -> Result<()> {
-        self.tree.clear().map_err(|e| Error::state(&self.name, e))
-    }
-
-    fn changelog_offset(&self) -> Result<Option<i64>> {
-        let v = self
-            .tree
-            .get(META_CHANGELOG)
-            .map_err(|e| Error::state(&self.name, e))?;
-        match v {
-            None => Ok(None),
-            Some(b) => {
-                let arr: [u8; 8] = b.as_ref().try_into().map_err(|_| {
-                    Error::state(&self.name, "stored changelog offset is not 8 bytes")
-                })?;
-                Ok(Some(i64::from_be_bytes(arr)))
-            }
-        }
-    }
-
-    fn scan(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        use std::ops::Bound;
-        let lower = match after {
-            Some(a) => Bound::Excluded(data_key(a)),
-            None => Bound::Included(vec![DATA]),
-        };
-        let mut out = Vec::new();
-        for item in self.tree.range((lower, Bound::Unbounded)).take(limit) {
-            let (k, v) = item.map_err(|e| Error::state(&self.name, e))?;
-            if k.first() != Some(&DATA) {
-                break;
-            }
-            out.push((k[1..].to_vec(), v.to_vec()));
-        }
-        Ok(out)
-    }
 }
 
 /// The seal of a gracefully stopped database, inside its directory (see
@@ -176,7 +55,7 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Entry count and an xxh3 checksum (over length-prefixed keys and values, in key order)
+/// Entry count and an xxh3 checksum (over length-prefixed sled keys and values, in sled key order)
 /// of every store tree, by tree name; lookup tables (`table-*`, written by their own
 /// threads) and sled's default tree are left out.
 fn store_checksums(
@@ -248,6 +127,9 @@ pub struct SledBackend {
     db: ::sled::Db,
     path: PathBuf,
     writer: std::sync::Arc<super::Writer>,
+    /// The open stores by tree name: a tree has one index in memory, so a store opened
+    /// again while open is the same store.
+    open_stores: std::sync::Mutex<std::collections::HashMap<String, std::sync::Weak<SledStore>>>,
 }
 
 impl SledBackend {
@@ -266,6 +148,7 @@ impl SledBackend {
             db,
             path: dir.to_path_buf(),
             writer: super::Writer::spawn(),
+            open_stores: Default::default(),
         })
     }
 
@@ -364,6 +247,7 @@ impl SledBackend {
             db,
             path: dir.to_path_buf(),
             writer: super::Writer::spawn(),
+            open_stores: Default::default(),
         })
     }
 
@@ -435,11 +319,19 @@ impl StateBackend for SledBackend {
 
     fn open(&self, store: &str, partition: i32) -> Result<std::sync::Arc<dyn KeyValueStore>> {
         let name = format!("{store}/{partition}");
+        let tree_name = format!("{store}-{partition}");
+        let mut open = self.open_stores.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = open.get(&tree_name).and_then(std::sync::Weak::upgrade) {
+            return Ok(s);
+        }
         let tree = self
             .db
-            .open_tree(format!("{store}-{partition}"))
+            .open_tree(&tree_name)
             .map_err(|e| Error::state(&name, e))?;
-        Ok(std::sync::Arc::new(SledStore { name, tree }))
+        let s = std::sync::Arc::new(SledStore::open(name, tree)?);
+        open.retain(|_, w| w.strong_count() > 0);
+        open.insert(tree_name, std::sync::Arc::downgrade(&s));
+        Ok(s)
     }
 
     fn flush(&self) -> Result<()> {
@@ -790,7 +682,9 @@ mod tests {
             for (k, v) in &model {
                 prop_assert_eq!(s.get(k).unwrap(), Some(v.clone()));
             }
-            let all = s.scan(None, usize::MAX).unwrap();
+            // Scans list entries in the store's own order (see `store.rs`).
+            let mut all = s.scan(None, usize::MAX).unwrap();
+            all.sort();
             let want: Vec<_> = model.into_iter().collect();
             prop_assert_eq!(all, want);
         }

@@ -1,0 +1,650 @@
+//! The sled tree of one (store, partition): entries packed into segments, with an index in
+//! memory.
+//!
+//! sled's cost is per sled key: its leaves hold at most 16 entries and every insert copies
+//! its leaf, so one sled key per dedup mark held the state writer at ~50k marks/s here
+//! (`bench_sled`). Entries are therefore packed, up to [`SEGMENT_ENTRIES`] a segment, into
+//! segments written whole: sled key `b's' ++ segment id (u32, big-endian)`, value a run of
+//! entries `xxh3(key) (u64 LE) ++ key length (u32 LE) ++ key ++ value length (u32 LE) ++
+//! value`. A batch's new entries go into new segments; an entry it overwrites or deletes is
+//! removed from its old segment, which is rewritten (or removed once empty) in the same
+//! sled batch. A key lives in at most one segment.
+//!
+//! The index maps the hash of each key to its segment (two keys with one hash: both
+//! segments, read in turn). It lives in memory, built from the segments when the tree is
+//! opened (they carry their keys' hashes, so no key is hashed again), and is changed only
+//! after sled applied the batch, under the lock that lookups take, so a lookup sees either
+//! the state before a batch or after it.
+//!
+//! Order: [`KeyValueStore::scan`] lists entries by `(xxh3(key), key)`, an order that a key
+//! alone locates, so a scan continues after a key that has been deleted meanwhile.
+//!
+//! The changelog offset is stored under `b"m:changelog"` and the key count under
+//! `b"m:keys"`, in the batch of the data they go with. Trees written by older versions (one
+//! sled key `b'd' ++ key` per entry) are packed into segments when opened.
+
+use super::super::{KeyValueStore, WriteBatch};
+use crate::error::{Error, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+/// Entries a new segment holds at most: fewer sled keys per entry written, against the
+/// bytes a lookup reads and a delete rewrites (64 entries of a dedup mark: ~4 KiB).
+pub(crate) const SEGMENT_ENTRIES: usize = 64;
+
+const SEGMENT: u8 = b's';
+/// The prefix of entries written by versions before segments.
+const LEGACY_DATA: u8 = b'd';
+pub(super) const META_CHANGELOG: &[u8] = b"m:changelog";
+const META_KEYS: &[u8] = b"m:keys";
+/// `by_hash` value of a hash shared by keys in several segments (see `collided`).
+const SHARED: u32 = u32::MAX;
+
+fn hash(key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key)
+}
+
+fn segment_key(id: u32) -> [u8; 5] {
+    let b = id.to_be_bytes();
+    [SEGMENT, b[0], b[1], b[2], b[3]]
+}
+
+fn encode_entry(out: &mut Vec<u8>, h: u64, key: &[u8], value: &[u8]) {
+    out.extend_from_slice(&h.to_le_bytes());
+    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    out.extend_from_slice(key);
+    out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    out.extend_from_slice(value);
+}
+
+/// The entries of an encoded segment: `(hash, key, value)`, or an error naming what is
+/// malformed (never a panic on damaged bytes).
+struct Entries<'a> {
+    rest: &'a [u8],
+}
+
+fn entries(segment: &[u8]) -> Entries<'_> {
+    Entries { rest: segment }
+}
+
+impl<'a> Entries<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.rest.len() < n {
+            return None;
+        }
+        let (a, b) = self.rest.split_at(n);
+        self.rest = b;
+        Some(a)
+    }
+
+    fn next_entry(&mut self) -> Option<(u64, &'a [u8], &'a [u8])> {
+        let h = u64::from_le_bytes(self.take(8)?.try_into().ok()?);
+        let klen = u32::from_le_bytes(self.take(4)?.try_into().ok()?) as usize;
+        let key = self.take(klen)?;
+        let vlen = u32::from_le_bytes(self.take(4)?.try_into().ok()?) as usize;
+        let value = self.take(vlen)?;
+        Some((h, key, value))
+    }
+}
+
+impl<'a> Iterator for Entries<'a> {
+    type Item = std::result::Result<(u64, &'a [u8], &'a [u8]), &'static str>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        match self.next_entry() {
+            Some(e) => Some(Ok(e)),
+            None => {
+                self.rest = &[];
+                Some(Err("a segment ends inside an entry"))
+            }
+        }
+    }
+}
+
+/// Which segment holds each key, by key hash.
+#[derive(Default)]
+struct Index {
+    /// Hash → segment, or [`SHARED`] when keys with this hash are in `collided`.
+    by_hash: BTreeMap<u64, u32>,
+    /// Hash → the segment of each key with that hash (one per key), for shared hashes.
+    collided: HashMap<u64, Vec<u32>>,
+    /// Id of the next new segment.
+    next_segment: u32,
+}
+
+impl Index {
+    /// The segments that may hold a key with hash `h` (one per key with that hash).
+    fn segments(&self, h: u64) -> &[u32] {
+        match self.by_hash.get(&h) {
+            None => &[],
+            Some(&SHARED) => self.collided.get(&h).map_or(&[], |v| &v[..]),
+            Some(s) => std::slice::from_ref(s),
+        }
+    }
+
+    fn insert(&mut self, h: u64, segment: u32) {
+        match self.by_hash.get(&h).copied() {
+            None => {
+                self.by_hash.insert(h, segment);
+            }
+            Some(SHARED) => self.collided.entry(h).or_default().push(segment),
+            Some(other) => {
+                self.by_hash.insert(h, SHARED);
+                self.collided.insert(h, vec![other, segment]);
+            }
+        }
+    }
+
+    /// Forget one key with hash `h` in `segment`.
+    fn remove(&mut self, h: u64, segment: u32) {
+        match self.by_hash.get(&h).copied() {
+            Some(SHARED) => {
+                let Some(list) = self.collided.get_mut(&h) else {
+                    return;
+                };
+                if let Some(i) = list.iter().position(|s| *s == segment) {
+                    list.swap_remove(i);
+                }
+                match list.len() {
+                    0 => {
+                        self.collided.remove(&h);
+                        self.by_hash.remove(&h);
+                    }
+                    1 => {
+                        let last = list[0];
+                        self.collided.remove(&h);
+                        self.by_hash.insert(h, last);
+                    }
+                    _ => {}
+                }
+            }
+            Some(s) if s == segment => {
+                self.by_hash.remove(&h);
+            }
+            _ => {}
+        }
+    }
+
+    fn clear(&mut self) {
+        self.by_hash.clear();
+        self.collided.clear();
+    }
+}
+
+/// A [`KeyValueStore`] on one sled tree, its entries packed into segments (see the module
+/// doc).
+pub(crate) struct SledStore {
+    name: String,
+    tree: ::sled::Tree,
+    /// Taken by lookups and writes alike: a write changes sled and the index under it.
+    index: Mutex<Index>,
+}
+
+impl SledStore {
+    /// The store of `tree`, its index built from the tree's segments; entries of the
+    /// legacy layout are packed into segments first.
+    ///
+    /// # Errors
+    /// [`Error::State`] when sled fails, or a segment is malformed.
+    pub(crate) fn open(name: String, tree: ::sled::Tree) -> Result<SledStore> {
+        let store = SledStore {
+            name,
+            tree,
+            index: Mutex::new(Index::default()),
+        };
+        store.pack_legacy()?;
+        {
+            let mut ix = store.lock();
+            for item in store.tree.scan_prefix([SEGMENT]) {
+                let (k, v) = item.map_err(|e| store.err(e))?;
+                let id = segment_id(&k).ok_or_else(|| store.err("malformed segment key"))?;
+                for e in entries(&v) {
+                    let (h, _, _) = e.map_err(|why| store.err(format!("segment {id}: {why}")))?;
+                    ix.insert(h, id);
+                }
+                ix.next_segment = ix.next_segment.max(id.saturating_add(1));
+            }
+        }
+        Ok(store)
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> Error {
+        Error::state(&self.name, e)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Move the entries of the legacy layout (one sled key per entry) into segments, a
+    /// segment at a time, each in one batch with the removal of the keys it took.
+    fn pack_legacy(&self) -> Result<()> {
+        let mut next = self
+            .tree
+            .scan_prefix([SEGMENT])
+            .keys()
+            .next_back()
+            .transpose()
+            .map_err(|e| self.err(e))?
+            .and_then(|k| segment_id(&k))
+            .map_or(0, |id| id.saturating_add(1));
+        loop {
+            let mut chunk = Vec::with_capacity(SEGMENT_ENTRIES);
+            for item in self.tree.scan_prefix([LEGACY_DATA]).take(SEGMENT_ENTRIES) {
+                chunk.push(item.map_err(|e| self.err(e))?);
+            }
+            if chunk.is_empty() {
+                return Ok(());
+            }
+            let mut seg = Vec::new();
+            let mut b = ::sled::Batch::default();
+            for (k, v) in &chunk {
+                encode_entry(&mut seg, hash(&k[1..]), &k[1..], v);
+                b.remove(k.clone());
+            }
+            b.insert(&segment_key(next)[..], seg);
+            self.tree.apply_batch(b).map_err(|e| self.err(e))?;
+            next += 1;
+        }
+    }
+
+    fn read_segment(&self, id: u32) -> Result<Option<::sled::IVec>> {
+        self.tree.get(segment_key(id)).map_err(|e| self.err(e))
+    }
+
+    /// The value of `key` in segment `bytes` (hash `h`).
+    fn find<'a>(&self, bytes: &'a [u8], h: u64, key: &[u8]) -> Result<Option<&'a [u8]>> {
+        for e in entries(bytes) {
+            let (eh, k, v) = e.map_err(|why| self.err(why))?;
+            if eh == h && k == key {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Apply `ops` (a later op on a key wins) and the metadata in one sled batch, then the
+    /// index.
+    fn apply<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        ops: &[(K, Option<V>)],
+        changelog_offset: Option<i64>,
+        key_count: Option<u64>,
+    ) -> Result<()> {
+        let mut ix = self.lock();
+        // The last op of each key, newest first.
+        let mut seen: hashbrown::HashSet<&[u8], ahash::RandomState> =
+            hashbrown::HashSet::with_capacity_and_hasher(ops.len(), ahash::RandomState::new());
+        let mut puts: Vec<(u64, &[u8], &[u8])> = Vec::with_capacity(ops.len());
+        // Old segments an op takes a key out of: the segment's bytes and the keys to drop.
+        let mut touched: HashMap<u32, (::sled::IVec, Vec<(u64, &[u8])>)> = HashMap::new();
+        for (k, v) in ops.iter().rev() {
+            let k = k.as_ref();
+            if !seen.insert(k) {
+                continue;
+            }
+            let h = hash(k);
+            for &s in ix.segments(h) {
+                let bytes = match touched.get(&s) {
+                    Some((b, _)) => b.clone(),
+                    None => match self.read_segment(s)? {
+                        Some(b) => b,
+                        None => continue,
+                    },
+                };
+                if self.find(&bytes, h, k)?.is_some() {
+                    touched
+                        .entry(s)
+                        .or_insert_with(|| (bytes, Vec::new()))
+                        .1
+                        .push((h, k));
+                    break;
+                }
+            }
+            if let Some(v) = v {
+                puts.push((h, k, v.as_ref()));
+            }
+        }
+        puts.reverse();
+        let mut b = ::sled::Batch::default();
+        for (&s, (bytes, drops)) in &touched {
+            let mut kept = Vec::with_capacity(bytes.len());
+            for e in entries(bytes) {
+                let (h, k, v) = e.map_err(|why| self.err(format!("segment {s}: {why}")))?;
+                if !drops.iter().any(|(dh, dk)| *dh == h && *dk == k) {
+                    encode_entry(&mut kept, h, k, v);
+                }
+            }
+            if kept.is_empty() {
+                b.remove(&segment_key(s)[..]);
+            } else {
+                b.insert(&segment_key(s)[..], kept);
+            }
+        }
+        let first_new = ix.next_segment;
+        let new_segments = puts.len().div_ceil(SEGMENT_ENTRIES);
+        let Some(next) = u32::try_from(new_segments)
+            .ok()
+            .and_then(|n| first_new.checked_add(n))
+            .filter(|n| *n < SHARED)
+        else {
+            return Err(self.err("segment ids exhausted"));
+        };
+        for (i, chunk) in puts.chunks(SEGMENT_ENTRIES).enumerate() {
+            let mut seg =
+                Vec::with_capacity(chunk.iter().map(|(_, k, v)| 16 + k.len() + v.len()).sum());
+            for (h, k, v) in chunk {
+                encode_entry(&mut seg, *h, k, v);
+            }
+            b.insert(&segment_key(first_new + i as u32)[..], seg);
+        }
+        if let Some(off) = changelog_offset {
+            b.insert(META_CHANGELOG, &off.to_be_bytes()[..]);
+        }
+        match key_count {
+            Some(n) => b.insert(META_KEYS, &n.to_be_bytes()[..]),
+            // A write without a count makes a stored count stale.
+            None => b.remove(META_KEYS),
+        }
+        self.tree.apply_batch(b).map_err(|e| self.err(e))?;
+        // sled holds the batch: now the index (removals first, so that a key moved to a new
+        // segment is not taken for a second key with its hash).
+        for (&s, (_, drops)) in &touched {
+            for (h, _) in drops {
+                ix.remove(*h, s);
+            }
+        }
+        for (i, chunk) in puts.chunks(SEGMENT_ENTRIES).enumerate() {
+            for (h, _, _) in chunk {
+                ix.insert(*h, first_new + i as u32);
+            }
+        }
+        ix.next_segment = next;
+        Ok(())
+    }
+}
+
+fn segment_id(key: &[u8]) -> Option<u32> {
+    match key {
+        [SEGMENT, rest @ ..] => rest.try_into().ok().map(u32::from_be_bytes),
+        _ => None,
+    }
+}
+
+impl KeyValueStore for SledStore {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let ix = self.lock();
+        let h = hash(key);
+        for &s in ix.segments(h) {
+            if let Some(bytes) = self.read_segment(s)? {
+                if let Some(v) = self.find(&bytes, h, key)? {
+                    return Ok(Some(v.to_vec()));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn write(&self, batch: WriteBatch) -> Result<()> {
+        self.apply(&batch.ops, batch.changelog_offset, None)
+    }
+
+    fn write_ops(
+        &self,
+        ops: &[(bytes::Bytes, Option<bytes::Bytes>)],
+        changelog_offset: Option<i64>,
+        key_count: Option<u64>,
+    ) -> Result<()> {
+        self.apply(ops, changelog_offset, key_count)
+    }
+
+    fn key_count(&self) -> Result<Option<u64>> {
+        let v = self.tree.get(META_KEYS).map_err(|e| self.err(e))?;
+        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_ref()).ok().map(u64::from_be_bytes)))
+    }
+
+    fn clear(&self) -> Result<()> {
+        let mut ix = self.lock();
+        self.tree.clear().map_err(|e| self.err(e))?;
+        ix.clear();
+        Ok(())
+    }
+
+    fn changelog_offset(&self) -> Result<Option<i64>> {
+        let v = self.tree.get(META_CHANGELOG).map_err(|e| self.err(e))?;
+        match v {
+            None => Ok(None),
+            Some(b) => {
+                let arr: [u8; 8] = b
+                    .as_ref()
+                    .try_into()
+                    .map_err(|_| self.err("stored changelog offset is not 8 bytes"))?;
+                Ok(Some(i64::from_be_bytes(arr)))
+            }
+        }
+    }
+
+    /// Entries in `(xxh3(key), key)` order (see the module doc), after `after`.
+    fn scan(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        use std::ops::Bound;
+        let ix = self.lock();
+        let start = after.map(|a| (hash(a), a));
+        let lower = start.map_or(Bound::Unbounded, |(h, _)| Bound::Included(h));
+        let mut read: HashMap<u32, Option<::sled::IVec>> = HashMap::new();
+        let mut out = Vec::new();
+        for (&h, _) in ix.by_hash.range((lower, Bound::Unbounded)) {
+            if out.len() >= limit {
+                break;
+            }
+            let mut found: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+            let mut segs = ix.segments(h).to_vec();
+            segs.sort_unstable();
+            segs.dedup();
+            for s in segs {
+                let bytes = match read.get(&s) {
+                    Some(b) => b.clone(),
+                    None => {
+                        let b = self.read_segment(s)?;
+                        read.insert(s, b.clone());
+                        b
+                    }
+                };
+                let Some(bytes) = bytes else { continue };
+                for e in entries(&bytes) {
+                    let (eh, k, v) = e.map_err(|why| self.err(format!("segment {s}: {why}")))?;
+                    if eh == h {
+                        found.push((k.to_vec(), v.to_vec()));
+                    }
+                }
+            }
+            found.sort_unstable();
+            for (k, v) in found {
+                if let Some((ah, ak)) = start {
+                    if h == ah && k.as_slice() <= ak {
+                        continue;
+                    }
+                }
+                if out.len() >= limit {
+                    break;
+                }
+                out.push((k, v));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tree(dir: &std::path::Path) -> ::sled::Tree {
+        let db = ::sled::Config::new().path(dir).open().unwrap();
+        db.open_tree("t-0").unwrap()
+    }
+
+    /// Every entry, by following the scan cursor `limit` entries at a time.
+    fn scan_all(s: &SledStore, limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let chunk = s.scan(after.as_deref(), limit).unwrap();
+            out.extend(chunk.iter().cloned());
+            if chunk.len() < limit {
+                return out;
+            }
+            after = chunk.last().map(|(k, _)| k.clone());
+        }
+    }
+
+    #[test]
+    fn a_tree_of_the_legacy_layout_is_packed_into_segments_when_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = tree(dir.path());
+        for i in 0..1000u32 {
+            let mut k = vec![LEGACY_DATA];
+            k.extend_from_slice(format!("key-{i}").as_bytes());
+            t.insert(k, &i.to_be_bytes()[..]).unwrap();
+        }
+        t.insert(META_CHANGELOG, &41i64.to_be_bytes()[..]).unwrap();
+        let s = SledStore::open("t/0".into(), t.clone()).unwrap();
+        assert_eq!(
+            t.scan_prefix([LEGACY_DATA]).count(),
+            0,
+            "nothing left unpacked"
+        );
+        assert_eq!(
+            t.scan_prefix([SEGMENT]).count(),
+            1000usize.div_ceil(SEGMENT_ENTRIES)
+        );
+        assert_eq!(
+            s.get(b"key-999").unwrap(),
+            Some(999u32.to_be_bytes().to_vec())
+        );
+        assert_eq!(s.changelog_offset().unwrap(), Some(41));
+        assert_eq!(scan_all(&s, 7).len(), 1000);
+    }
+
+    #[test]
+    fn writes_touch_one_sled_key_per_segment_not_per_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledStore::open("t/0".into(), tree(dir.path())).unwrap();
+        let ops: Vec<(Vec<u8>, Option<Vec<u8>>)> = (0..1000u32)
+            .map(|i| (i.to_be_bytes().to_vec(), Some(vec![1u8; 20])))
+            .collect();
+        s.write(WriteBatch {
+            ops,
+            changelog_offset: Some(1),
+        })
+        .unwrap();
+        let sled_keys = s.tree.iter().count();
+        // The segments plus the changelog offset.
+        assert_eq!(sled_keys, 1000usize.div_ceil(SEGMENT_ENTRIES) + 1);
+        // Overwriting and deleting rewrites the old segments: each key stays in one.
+        let ops: Vec<(Vec<u8>, Option<Vec<u8>>)> = (0..1000u32)
+            .step_by(2)
+            .map(|i| (i.to_be_bytes().to_vec(), (i % 4 == 0).then(|| vec![2u8; 5])))
+            .collect();
+        s.write(WriteBatch {
+            ops,
+            changelog_offset: Some(2),
+        })
+        .unwrap();
+        let stored: usize = s
+            .tree
+            .scan_prefix([SEGMENT])
+            .map(|e| entries(&e.unwrap().1).count())
+            .sum();
+        assert_eq!(stored, 750);
+        assert_eq!(s.get(&0u32.to_be_bytes()).unwrap(), Some(vec![2u8; 5]));
+        assert_eq!(s.get(&2u32.to_be_bytes()).unwrap(), None);
+        assert_eq!(s.get(&3u32.to_be_bytes()).unwrap(), Some(vec![1u8; 20]));
+    }
+
+    #[test]
+    fn keys_sharing_a_hash_are_kept_apart() {
+        let mut ix = Index::default();
+        ix.insert(7, 1);
+        ix.insert(7, 2);
+        ix.insert(7, 2);
+        assert_eq!(ix.segments(7), &[1, 2, 2]);
+        ix.remove(7, 2);
+        assert_eq!(ix.segments(7), &[1, 2]);
+        ix.remove(7, 1);
+        assert_eq!(ix.segments(7), &[2]);
+        assert!(ix.collided.is_empty());
+        ix.remove(7, 2);
+        assert!(ix.segments(7).is_empty());
+        assert!(ix.by_hash.is_empty());
+    }
+
+    #[test]
+    fn a_malformed_segment_is_an_error_naming_the_store_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = tree(dir.path());
+        let mut seg = Vec::new();
+        encode_entry(&mut seg, hash(b"a"), b"a", b"1");
+        seg.extend_from_slice(&[1, 2, 3]);
+        t.insert(segment_key(0), seg).unwrap();
+        let err = SledStore::open("dedup/3".into(), t).err().expect("refused");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("dedup/3") && msg.contains("segment 0"),
+            "{msg}"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The segmented store against a map, reopened between batches: any raw keys (a few
+        /// bytes, so overwrites and deletes are common), a later op on a key winning, and
+        /// scans continued from any cursor, including one deleted since.
+        #[test]
+        fn matches_a_map_model_across_reopens(
+            batches in proptest::collection::vec(
+                proptest::collection::vec(
+                    (proptest::collection::vec(0u8..4, 0..3), proptest::option::of(any::<u8>())),
+                    0..150),
+                1..6),
+            limit in 1usize..9,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let db = ::sled::Config::new().path(dir.path()).open().unwrap();
+            let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+            for (i, ops) in batches.into_iter().enumerate() {
+                let s = SledStore::open("p/0".into(), db.open_tree("p-0").unwrap()).unwrap();
+                let ops: Vec<_> = ops.into_iter().map(|(k, v)| (k, v.map(|b| vec![b]))).collect();
+                for (k, v) in &ops {
+                    match v { Some(v) => { model.insert(k.clone(), v.clone()); } None => { model.remove(k); } }
+                }
+                let cursor = s.scan(None, 1).unwrap().pop();
+                s.write(WriteBatch { ops, changelog_offset: Some(i as i64) }).unwrap();
+                for (k, v) in &model {
+                    prop_assert_eq!(s.get(k).unwrap(), Some(v.clone()));
+                }
+                let all = scan_all(&s, limit);
+                let mut sorted = all.clone();
+                sorted.sort();
+                prop_assert_eq!(sorted, model.clone().into_iter().collect::<Vec<_>>());
+                // The order is (hash, key), so a cursor continues where it would have.
+                if let Some((c, _)) = cursor {
+                    let rest = s.scan(Some(&c), usize::MAX).unwrap();
+                    let want: Vec<_> = all
+                        .iter()
+                        .filter(|(k, _)| (hash(k), k) > (hash(&c), &c))
+                        .cloned()
+                        .collect();
+                    prop_assert_eq!(rest, want);
+                }
+            }
+        }
+    }
+}
