@@ -100,6 +100,14 @@ const RESTORE_BATCH: usize = 20_000;
 /// are restored keep processing while others restore.
 const RECORDS_PER_RESTORE_STEP: usize = 1_000;
 
+/// Source records one turn of the run loop takes at most (when they are queued) before it
+/// looks at rebalance events, restores and its status again.
+const RECORDS_PER_TURN: usize = 1_000;
+
+/// Records between two checks whether a commit is due (or the commits in flight can take
+/// their next steps) within a turn.
+const CHECK_EVERY: usize = 64;
+
 /// Source records after which a commit is due whatever the interval.
 const MAX_UNCOMMITTED: usize = 200_000;
 
@@ -215,7 +223,14 @@ impl Engine {
         Self::tpl_of(topic, &[p], offset.map(Offset::Offset))
     }
 
-    fn process(&mut self, consumer: &SourceConsumer, m: &BorrowedMessage<'_>) -> Result<()> {
+    /// Process one source record; `wall_ms` is the wall clock read once per burst of
+    /// records (see [`run_loop`]).
+    fn process(
+        &mut self,
+        consumer: &SourceConsumer,
+        m: &BorrowedMessage<'_>,
+        wall_ms: i64,
+    ) -> Result<()> {
         // The task id (`runtime::hop`): the partition, or a router's id with a hop.
         let p = match &self.hop {
             None => m.partition(),
@@ -239,7 +254,7 @@ impl Engine {
         let Some(task) = self.tasks.get_mut(&p) else {
             return Ok(());
         };
-        task.process(record, wall_clock_ms(), &mut self.out)?;
+        task.process(record, wall_ms, &mut self.out)?;
         let mut log = kafka_log!(self, consumer, CommitMode::Async);
         self.protocol.processed(&mut log, &mut self.out)
     }
@@ -582,11 +597,15 @@ fn run_loop(
             (Duration::from_millis(20), 1)
         } else if e.protocol.in_flight() > 0 {
             // Commits in flight: come back soon to do their next steps.
-            (Duration::from_millis(2), 1)
+            (Duration::from_millis(2), RECORDS_PER_TURN)
         } else {
-            (Duration::from_millis(100), 1)
+            (Duration::from_millis(100), RECORDS_PER_TURN)
         };
+        // One turn: the first poll may wait, the rest take what is queued. The clock is
+        // read once per turn (for processing time) and the commit checked every
+        // `CHECK_EVERY` records: per record, clock reads cost more than the dedup check.
         // While restores run, the partitions already restored get a share of each turn.
+        let wall_ms = wall_clock_ms();
         for i in 0..burst {
             let polled = if i == 0 && !wait.is_zero() {
                 let t = Instant::now();
@@ -624,14 +643,16 @@ fn run_loop(
                     false
                 }
                 Some(Ok(m)) => {
-                    e.process(consumer, &m)?;
+                    e.process(consumer, &m, wall_ms)?;
                     true
                 }
             };
-            if e.commit_due() {
-                e.commit(consumer, CommitMode::Async)?;
-            } else {
-                e.advance(consumer)?;
+            if !more || i % CHECK_EVERY == CHECK_EVERY - 1 || i + 1 == burst {
+                if e.commit_due() {
+                    e.commit(consumer, CommitMode::Async)?;
+                } else {
+                    e.advance(consumer)?;
+                }
             }
             if !more {
                 break;

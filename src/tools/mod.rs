@@ -460,7 +460,7 @@ pub(crate) fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Visit the committed data entries of a local tree in key order, a page at a time.
+/// Visit the committed data entries of a local tree in the engine's order, a page at a time.
 fn scan_tree(
     tree: &dyn KeyValueStore,
     mut f: impl FnMut(&[u8], &[u8]) -> Result<()>,

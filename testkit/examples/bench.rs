@@ -16,7 +16,7 @@
 //!
 //!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported. Each side
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
-//!    peak RSS and CPU time (user + system, from `wait4`) are its own: reported per side,
+//!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
 //!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
 //! 3. Without a broker: `Task`s (one per partition) over the same N pre-built records,
 //!    with the sled backend and with the memory backend, committing state every 10,000
@@ -294,10 +294,30 @@ fn run_child(args: &[&str]) -> Res<ChildRun> {
             .find(|l| l.starts_with("summary: "))
             .unwrap_or("")
             .to_string(),
-        // Linux reports ru_maxrss in KiB.
-        peak_rss: usage.ru_maxrss as u64 * 1024,
+        // The child's own VmHWM (its address space's peak since exec). Not `ru_maxrss`:
+        // Linux folds the forked copy of this (large) parent into the child's maxrss at
+        // exec, so ru_maxrss never reads below the parent's size when the child forked.
+        peak_rss: match field("vmhwm_kib") {
+            Ok(kib) => kib.parse::<u64>()? * 1024,
+            // Linux reports ru_maxrss in KiB.
+            Err(_) => usage.ru_maxrss as u64 * 1024,
+        },
         cpu_seconds: tv(usage.ru_utime) + tv(usage.ru_stime),
     })
+}
+
+/// ` vmhwm_kib=N`: this process's peak resident set size (`VmHWM` in /proc/self/status),
+/// or nothing where the kernel does not say.
+fn vmhwm() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map(|kib| format!(" vmhwm_kib={kib}"))
+        .unwrap_or_default()
 }
 
 /// The child side of [`run_child`].
@@ -306,14 +326,16 @@ fn child_main(spec: &str, bootstrap: &str) -> Res<()> {
     match a.as_slice() {
         ["passthrough", input, output, group, n] => {
             let (n, secs) = passthrough(bootstrap, input, output, group, n.parse()?)?;
-            println!("child-result: records={n} seconds={secs}");
+            println!("child-result: records={n} seconds={secs}{}", vmhwm());
         }
         ["onceflow", input, output, app] => {
             let summary = run_onceflow(bootstrap, input, output, app)?;
             println!("{}", summary.line());
             println!(
-                "child-result: records={} seconds={}",
-                summary.counts.records_in, summary.seconds
+                "child-result: records={} seconds={}{}",
+                summary.counts.records_in,
+                summary.seconds,
+                vmhwm()
             );
         }
         _ => return Err(format!("{CHILD_ENV}={spec:?}: unknown child").into()),
