@@ -4,13 +4,18 @@
 //! Writes `N` marks (default 750,000: the keys of the 1,000,000-event `scripts/bench` run)
 //! into 4 trees (one per partition) in batches of `N / 20` per tree (one commit's worth),
 //! one `apply_batch` per batch, and reports marks written per second for:
-//! - `onceflow`: what onceflow writes today (`b'd' ++ id` → a ~24-byte entry, random ids),
-//!   in sled's `LowSpace` mode with a 256 MiB cache;
+//! - `store`: onceflow's sled store itself (`SledBackend`, entries packed into segments of
+//!   64 with an index in memory), through `KeyValueStore::write_ops` as the state writer
+//!   calls it;
+//! - `per-key`: one sled key per mark (`b'd' ++ id` → a ~24-byte entry, random ids), what
+//!   onceflow wrote before segments, in sled's `LowSpace` mode with a 256 MiB cache;
 //! - `high-throughput`: the same in sled's `HighThroughput` mode;
 //! - `run-prefixed`: keys prefixed by their batch's sequence number, so each batch lands
 //!   in one key range (sled leaves hold at most 16 entries; random keys touch a new leaf
 //!   almost every insert);
-//! - `packed-64`: 64 sorted marks per sled value (one insert per 64 marks).
+//! - `packed-64`: 64 sorted marks per sled value (one insert per 64 marks), sled alone.
+//!
+//! Ratios are against `per-key`.
 //!
 //! ```text
 //! cargo run --release -p onceflow-testkit --example bench_sled
@@ -31,6 +36,45 @@ enum Shape {
 fn id(i: u64) -> Vec<u8> {
     // Ids as the bench's events carry them: a hash-spread decimal string.
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes())).into_bytes()
+}
+
+/// `keys` marks through onceflow's own sled store (see the module doc), in the same
+/// batches as [`run`].
+fn run_store(keys: usize) -> f64 {
+    use onceflow::__testkit::{SledBackend, StateBackend};
+    let dir = tempfile::tempdir().unwrap();
+    let backend = SledBackend::open(dir.path()).unwrap();
+    let stores: Vec<_> = (0..TREES)
+        .map(|t| backend.open("dedup", t as i32).unwrap())
+        .collect();
+    let per_tree = keys / TREES;
+    let batch = (per_tree / 20).max(1);
+    let value = bytes::Bytes::from_static(&[7u8; 24]);
+    let started = Instant::now();
+    let (mut next, mut seq, mut written) = (0u64, 0i64, 0usize);
+    while written < per_tree {
+        let n = batch.min(per_tree - written);
+        for store in &stores {
+            let ops: Vec<(bytes::Bytes, Option<bytes::Bytes>)> = (0..n)
+                .map(|_| {
+                    next += 1;
+                    (bytes::Bytes::from(id(next)), Some(value.clone()))
+                })
+                .collect();
+            store.write_ops(&ops, Some(seq), None).unwrap();
+            seq += 1;
+        }
+        written += n;
+    }
+    backend.flush().unwrap();
+    let secs = started.elapsed().as_secs_f64();
+    let rate = (per_tree * TREES) as f64 / secs;
+    println!(
+        "{:<16} marks={} seconds={secs:.3} marks_per_second={rate:.0}",
+        "store",
+        per_tree * TREES
+    );
+    rate
 }
 
 fn run(name: &str, keys: usize, mode: sled::Mode, shape: Shape) -> f64 {
@@ -118,7 +162,8 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(750_000);
-    let base = run("onceflow", keys, sled::Mode::LowSpace, Shape::Onceflow);
+    let store = run_store(keys);
+    let base = run("per-key", keys, sled::Mode::LowSpace, Shape::Onceflow);
     let ht = run(
         "high-throughput",
         keys,
@@ -133,7 +178,8 @@ fn main() {
     );
     let pk = run("packed-64", keys, sled::Mode::LowSpace, Shape::Packed(64));
     println!(
-        "bench-sled: keys={keys} onceflow={base:.0} high_throughput={ht:.0} ({:.2}x) run_prefixed={rp:.0} ({:.2}x) packed_64={pk:.0} ({:.2}x)",
+        "bench-sled: keys={keys} store={store:.0} ({:.2}x) per_key={base:.0} high_throughput={ht:.0} ({:.2}x) run_prefixed={rp:.0} ({:.2}x) packed_64={pk:.0} ({:.2}x)",
+        store / base,
         ht / base,
         rp / base,
         pk / base
