@@ -22,6 +22,7 @@ pub(crate) mod logging;
 pub(crate) mod processor;
 pub(crate) mod runtime;
 pub(crate) mod sink;
+pub(crate) mod stage;
 pub(crate) mod state;
 pub(crate) mod testing;
 pub(crate) mod tools;

@@ -4,7 +4,7 @@
 use super::*;
 
 impl Compiler {
-    pub(super) fn err(
+    pub(crate) fn err(
         &mut self,
         pos: Pos,
         place: &str,
@@ -20,7 +20,7 @@ impl Compiler {
     }
 
     /// Report a value of the wrong type: "expected `what`, found <its type>".
-    pub(super) fn wrong_type(
+    pub(crate) fn wrong_type(
         &mut self,
         pos: Pos,
         place: &str,
@@ -37,7 +37,7 @@ impl Compiler {
     }
 
     /// `node` as a map with only `allowed` fields (unknown ones are reported).
-    pub(super) fn fields<'a>(
+    pub(crate) fn fields<'a>(
         &mut self,
         node: &'a Node,
         place: &str,
@@ -67,7 +67,7 @@ impl Compiler {
         Some(out)
     }
 
-    pub(super) fn required<'a>(
+    pub(crate) fn required<'a>(
         &mut self,
         f: &Fields<'a>,
         name: &str,
@@ -80,7 +80,7 @@ impl Compiler {
         n
     }
 
-    pub(super) fn string(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
+    pub(crate) fn string(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
         match &n.val {
             Val::Str(s) => Some(s.clone()),
             other => {
@@ -90,7 +90,13 @@ impl Compiler {
         }
     }
 
-    pub(super) fn duration_ms(&mut self, n: &Node, place: &str, field: &str) -> Option<i64> {
+    /// A duration such as `24h` or `90s`.
+    pub(crate) fn duration(
+        &mut self,
+        n: &Node,
+        place: &str,
+        field: &str,
+    ) -> Option<std::time::Duration> {
         let Val::Str(s) = &n.val else {
             self.wrong_type(
                 n.pos,
@@ -102,7 +108,7 @@ impl Compiler {
             return None;
         };
         match humantime::parse_duration(s) {
-            Ok(d) => Some(d.as_millis().min(i64::MAX as u128) as i64),
+            Ok(d) => Some(d),
             Err(e) => {
                 self.err(
                     n.pos,
@@ -115,7 +121,22 @@ impl Compiler {
         }
     }
 
-    pub(super) fn choice(
+    /// A duration in milliseconds (see [`Self::duration`]).
+    pub(crate) fn duration_ms(&mut self, n: &Node, place: &str, field: &str) -> Option<i64> {
+        self.duration(n, place, field)
+            .map(|d| d.as_millis().min(i64::MAX as u128) as i64)
+    }
+
+    /// Note where field `field` of the stage being read is (a nested one such as
+    /// `idempotency.lease`, or an alias), so that a problem the builder finds with it later
+    /// is placed there.
+    pub(crate) fn note_field_pos(&mut self, field: &str, pos: Pos) {
+        if let Some(entry) = self.stage_pos.last_mut() {
+            entry.2.insert(field.to_string(), pos);
+        }
+    }
+
+    pub(crate) fn choice(
         &mut self,
         n: &Node,
         place: &str,
@@ -137,7 +158,7 @@ impl Compiler {
     }
 
     /// An expression: a string (or a bool or number, taken as its text).
-    pub(super) fn expr_text(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
+    pub(crate) fn expr_text(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
         match &n.val {
             Val::Str(s) => Some(s.clone()),
             Val::Bool(b) => Some(b.to_string()),
@@ -150,7 +171,7 @@ impl Compiler {
         }
     }
 
-    pub(super) fn func<T: crate::processor::expr::FromCel>(
+    pub(crate) fn func<T: crate::processor::expr::FromCel>(
         &mut self,
         n: &Node,
         place: &str,
@@ -167,7 +188,7 @@ impl Compiler {
     }
 
     /// A field path: a JSON pointer (`/a/b`) or a top-level field name.
-    pub(super) fn field_path(
+    pub(crate) fn field_path(
         &mut self,
         text: &str,
         pos: Pos,
@@ -183,10 +204,110 @@ impl Compiler {
         }
         Some(format!("/{}", text.replace('~', "~0").replace('/', "~1")))
     }
+
+    /// A key source: `kafka_key`, `value_hash`, or a map with one of `json_pointer`,
+    /// `header`, `composite` (a list of key sources).
+    pub(crate) fn key(&mut self, n: &Node, place: &str) -> Option<KeySource> {
+        const KINDS: [&str; 5] = [
+            "json_pointer",
+            "header",
+            "kafka_key",
+            "value_hash",
+            "composite",
+        ];
+        let bad = |c: &mut Compiler, what: &str| {
+            c.err(
+                n.pos,
+                place,
+                Some("key"),
+                format!(
+                    "expected kafka_key, value_hash, or a map with one of {}; found {what}",
+                    list(&KINDS)
+                ),
+            );
+            None
+        };
+        match &n.val {
+            Val::Str(s) if s == "kafka_key" => Some(KeySource::KafkaKey),
+            Val::Str(s) if s == "value_hash" => Some(KeySource::ValueHash),
+            Val::Str(s) => bad(self, &format!("{s:?}")),
+            Val::Map(es) if es.len() == 1 => {
+                let (k, kpos, v) = &es[0];
+                match k.as_str() {
+                    "json_pointer" => self.string(v, place, "key").map(KeySource::JsonPointer),
+                    "header" => self.string(v, place, "key").map(KeySource::Header),
+                    "kafka_key" => Some(KeySource::KafkaKey),
+                    "value_hash" => Some(KeySource::ValueHash),
+                    "composite" => match &v.val {
+                        Val::Seq(parts) if !parts.is_empty() => {
+                            let parts: Vec<Option<KeySource>> =
+                                parts.iter().map(|p| self.key(p, place)).collect();
+                            parts
+                                .into_iter()
+                                .collect::<Option<Vec<_>>>()
+                                .map(KeySource::Composite)
+                        }
+                        other => {
+                            self.err(
+                                v.pos,
+                                place,
+                                Some("key"),
+                                format!(
+                                    "composite expects a non-empty list of keys, found {}",
+                                    other.type_name()
+                                ),
+                            );
+                            None
+                        }
+                    },
+                    other => {
+                        self.err(
+                            *kpos,
+                            place,
+                            Some("key"),
+                            format!(
+                                "unknown key source `{other}`, expected one of {}",
+                                list(&KINDS)
+                            ),
+                        );
+                        None
+                    }
+                }
+            }
+            other => bad(self, other.type_name()),
+        }
+    }
+
+    /// Read each entry of the map `n` (field `field`) with `read`, which gives `None` when
+    /// the entry is wrong (having reported it); a node that is not a map is reported as
+    /// `what`. Whether every entry was read.
+    pub(crate) fn each_entry(
+        &mut self,
+        n: &Node,
+        place: &str,
+        field: &str,
+        what: &str,
+        mut read: impl FnMut(&mut Self, &str, Pos, &Node) -> Option<()>,
+    ) -> bool {
+        match &n.val {
+            Val::Map(es) => {
+                let mut ok = true;
+                for (k, kpos, v) in es {
+                    // Every entry is read, so that every error is reported.
+                    ok &= read(self, k, *kpos, v).is_some();
+                }
+                ok
+            }
+            other => {
+                self.wrong_type(n.pos, place, Some(field), what, other);
+                false
+            }
+        }
+    }
 }
 
 impl Compiler {
-    pub(super) fn topology(&mut self, root: &Node) -> Option<TopologyBuilder> {
+    pub(crate) fn topology(&mut self, root: &Node) -> Option<TopologyBuilder> {
         let f = self.fields(
             root,
             "top level",
@@ -250,9 +371,9 @@ impl Compiler {
             match st {
                 Some((name, kind, format)) => {
                     self.builder_index.push(i);
-                    if let (Some(f), StageKind::Sink(k)) = (format, &kind) {
-                        for t in &k.topics {
-                            b = b.topic_format(t.clone(), f.clone());
+                    if let Some(f) = format {
+                        for t in kind.output_topics() {
+                            b = b.topic_format(t, f.clone());
                         }
                     }
                     b = b.stage(name, kind);
@@ -264,7 +385,7 @@ impl Compiler {
     }
 
     /// A codec: `json`, `bytes`, `string` or `{ protobuf: { descriptor_set, message } }`.
-    pub(super) fn codec(&mut self, n: &Node, place: &str, field: &str) -> Option<Format> {
+    pub(crate) fn codec(&mut self, n: &Node, place: &str, field: &str) -> Option<Format> {
         const NAMES: [&str; 4] = [
             "json",
             "bytes",
@@ -318,7 +439,7 @@ impl Compiler {
         }
     }
 
-    pub(super) fn source(&mut self, n: &Node) -> Option<(String, Format)> {
+    pub(crate) fn source(&mut self, n: &Node) -> Option<(String, Format)> {
         let place = "source";
         self.top_pos.insert("source".into(), n.pos);
         let f = self.fields(n, place, None, &["topic", "format"])?;
@@ -336,8 +457,9 @@ impl Compiler {
     }
 
     /// One item of `stages:`. Always records the stage's position (so builder errors can be
-    /// placed), and returns the stage if it compiled.
-    pub(super) fn stage(
+    /// placed), and returns the stage if it compiled. The item's one key names its kind
+    /// (see `crate::stage`), whose [`FileKind`](crate::stage::FileKind) reads it.
+    pub(crate) fn stage(
         &mut self,
         i: usize,
         item: &Node,
@@ -345,6 +467,7 @@ impl Compiler {
         let anon = format!("stage #{}", i + 1);
         self.stage_pos
             .push((item.pos, anon.clone(), HashMap::new()));
+        let keys = crate::stage::file_keys();
         let Val::Map(entries) = &item.val else {
             self.err(
                 item.pos,
@@ -352,7 +475,7 @@ impl Compiler {
                 None,
                 format!(
                     "expected a map with one key naming the stage kind ({}), found {}",
-                    list(&STAGE_KINDS),
+                    list(&keys),
                     item.val.type_name()
                 ),
             );
@@ -365,7 +488,7 @@ impl Compiler {
                 None,
                 format!(
                     "expected one key naming the stage kind ({}), found {}",
-                    list(&STAGE_KINDS),
+                    list(&keys),
                     if entries.is_empty() {
                         "none".to_string()
                     } else {
@@ -380,112 +503,37 @@ impl Compiler {
             return None;
         }
         let (kind, kpos, body) = &entries[0];
-        if !STAGE_KINDS.contains(&kind.as_str()) {
+        let Some(file_kind) = crate::stage::file_kind(kind) else {
             self.err(
                 *kpos,
                 &anon,
                 None,
                 format!(
                     "unknown stage kind `{kind}`, expected one of {}",
-                    list(&STAGE_KINDS)
+                    list(&keys)
                 ),
             );
             return None;
-        }
-        let allowed: &[&str] = match kind.as_str() {
-            "dedup" => &[
-                "name",
-                "key",
-                "ttl",
-                "time",
-                "grace",
-                "max_keys",
-                "fingerprint",
-                "on_conflict",
-                "duplicates_to",
-                "partitioning",
-            ],
-            "filter" => &["name", "when"],
-            "map" => &["name", "set", "rename", "drop"],
-            "route" => &["name", "routes", "default"],
-            "enrich" => &["name", "table", "key", "into", "on_missing"],
-            _ => &["name", "topic", "topics", "key", "headers", "format"],
         };
         // The stage's name first, so every later message can use it.
-        let name = body.str_field("name");
-        let default_name = match kind.as_str() {
-            "dedup" => "dedup".to_string(),
-            "enrich" => match &body.val {
-                Val::Map(es) => es
-                    .iter()
-                    .find(|(k, _, _)| k == "table")
-                    .and_then(|(_, _, n)| match &n.val {
-                        Val::Str(s) => Some(format!("enrich-{s}")),
-                        _ => None,
-                    })
-                    .unwrap_or_else(|| format!("enrich-{}", i + 1)),
-                _ => format!("enrich-{}", i + 1),
-            },
-            "sink" => match &body.val {
-                Val::Map(es) => es
-                    .iter()
-                    .find(|(k, _, _)| k == "topic")
-                    .and_then(|(_, _, n)| match &n.val {
-                        // Characters a stage name may not hold become `_`: a bad topic is
-                        // reported once, under `topic`.
-                        Val::Str(s) => Some(format!(
-                            "sink-{}",
-                            s.replace(
-                                |c: char| !(c.is_ascii_alphanumeric() || "-_.".contains(c)),
-                                "_"
-                            )
-                        )),
-                        _ => None,
-                    })
-                    .unwrap_or_else(|| format!("sink-{}", i + 1)),
-                _ => format!("sink-{}", i + 1),
-            },
-            k if EXTERNAL_KINDS.contains(&k) => k.to_string(),
-            k => format!("{k}-{}", i + 1),
-        };
-        let name = name.unwrap_or(default_name);
+        let name = body
+            .str_field("name")
+            .unwrap_or_else(|| (file_kind.default_name)(body, i));
         let place = format!("stage `{name}` ({kind})");
-        if EXTERNAL_KINDS.contains(&kind.as_str()) {
-            self.stage_pos.last_mut().expect("pushed above").1 = place.clone();
-            return self.external(kind, body, &place).map(|(n, k)| (n, k, None));
-        }
-        let f = self.fields(body, &place, None, allowed)?;
-        {
-            let entry = self.stage_pos.last_mut().expect("pushed above");
-            entry.1 = place.clone();
-            for (k, _, v) in &f.entries {
-                if let Some(a) = allowed.iter().find(|a| **a == *k) {
-                    entry.2.insert(*a, v.pos);
-                }
-            }
+        self.stage_pos.last_mut().expect("pushed above").1 = place.clone();
+        let f = self.fields(body, &place, None, file_kind.fields)?;
+        for (k, _, v) in &f.entries {
+            self.note_field_pos(k, v.pos);
         }
         if let Some(n) = f.get("name") {
             self.string(n, &place, "name");
         }
-        let mut format = None;
-        let kind = match kind.as_str() {
-            "dedup" => StageKind::Dedup(self.dedup(&f, &place)?),
-            "filter" => StageKind::Filter(self.filter(&f, &place)?),
-            "map" => StageKind::Map(self.map(&f, &place)?),
-            "route" => StageKind::Route(self.route(&f, &place)?),
-            "enrich" => StageKind::Enrich(self.enrich(&f, &place)?),
-            _ => {
-                if let Some(n) = f.get("format") {
-                    format = Some(self.codec(n, &place, "format")?);
-                }
-                StageKind::Sink(self.sink(&f, &place)?)
-            }
-        };
+        let (kind, format) = (file_kind.read)(self, &f, &place)?;
         Some((name, kind, format))
     }
 
     /// One item of `tables:`.
-    pub(super) fn table(&mut self, i: usize, item: &Node) -> Option<TableSpec> {
+    pub(crate) fn table(&mut self, i: usize, item: &Node) -> Option<TableSpec> {
         let anon = format!("table #{}", i + 1);
         let name = item.str_field("name");
         let place = name.as_ref().map_or(anon, |n| format!("table `{n}`"));

@@ -35,6 +35,11 @@
 //! (`[stages.filter]` ...). A file whose name ends in `.toml` is read as TOML, any other as
 //! YAML. Expressions are CEL (`processor::expr`).
 //!
+//! Each stage kind's fields are read by its module under `crate::stage` (external sinks:
+//! `stage/external.rs`, with the `http`, `postgres`, `redis` and `file` keys), with the
+//! located readers of this module ([`Compiler`]: strings, durations, expressions, keys,
+//! codecs), so that every field of every kind is reported at its own line and column.
+//!
 //! Validation happens before anything connects, and every problem is reported, not only
 //! the first: unknown fields, wrong types, unknown stage kinds, missing fields, duplicate
 //! stage names, expressions that do not parse, bad topic names, and the builder's checks.
@@ -43,18 +48,10 @@
 
 mod compile;
 pub(crate) mod node;
-pub(crate) mod sinks;
-mod stages;
 
 use crate::error::Error;
-use crate::processor::expr::{BytesFn, Computed, Predicate};
 use crate::processor::key::KeySource;
-use crate::processor::route::{RouteBranch, RouteSpec};
-use crate::processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
-use crate::processor::transform::{FilterSpec, MapSpec};
-use crate::topology::{
-    EnrichSpec, Format, MissingPolicy, ProtoFormat, StageKind, TableSpec, Topology, TopologyBuilder,
-};
+use crate::topology::{Format, ProtoFormat, StageKind, TableSpec, Topology, TopologyBuilder};
 use node::{Node, Pos, Val};
 use std::collections::HashMap;
 use std::path::Path;
@@ -161,7 +158,7 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                             }
                             let pos = field
                                 .as_deref()
-                                .and_then(|f| fields.get(f).copied())
+                                .and_then(|f| field_pos(fields, f))
                                 .unwrap_or(*stage_pos);
                             (pos, label.clone())
                         }
@@ -193,6 +190,21 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
     })
 }
 
+/// Where field `field` of a stage is: its own noted position, else its parent's
+/// (`idempotency.lease` -> `idempotency`, `params[1]` -> `params`).
+fn field_pos(fields: &HashMap<String, Pos>, field: &str) -> Option<Pos> {
+    let mut f = field;
+    loop {
+        if let Some(p) = fields.get(f) {
+            return Some(*p);
+        }
+        f = match f.rfind(['.', '[']) {
+            Some(i) => &f[..i],
+            None => return None,
+        };
+    }
+}
+
 /// One problem found in a file.
 struct Located {
     pos: Pos,
@@ -213,36 +225,17 @@ impl Located {
     }
 }
 
-/// The stage kinds a file may use.
-const STAGE_KINDS: [&str; 10] = [
-    "dedup", "enrich", "file", "filter", "http", "map", "postgres", "redis", "route", "sink",
-];
-
-/// External sink kinds (see [`sinks`]): read with their own serde definitions.
-const EXTERNAL_KINDS: [&str; 4] = ["file", "http", "postgres", "redis"];
-
-/// A node as JSON, for the serde definitions of external sinks.
-fn to_json(n: &Node) -> serde_json::Value {
-    use serde_json::Value as J;
-    match &n.val {
-        Val::Null => J::Null,
-        Val::Bool(b) => J::Bool(*b),
-        Val::Int(i) => J::from(*i),
-        Val::Float(f) => serde_json::Number::from_f64(*f).map_or(J::Null, J::Number),
-        Val::Str(s) => J::String(s.clone()),
-        Val::Seq(items) => J::Array(items.iter().map(to_json).collect()),
-        Val::Map(es) => J::Object(es.iter().map(|(k, _, v)| (k.clone(), to_json(v))).collect()),
-    }
-}
-
 /// A map's fields, after the unknown ones were reported.
-struct Fields<'a> {
-    pos: Pos,
-    entries: Vec<(&'a str, Pos, &'a Node)>,
+pub(crate) struct Fields<'a> {
+    /// Where the map starts.
+    pub(crate) pos: Pos,
+    /// Each field: name, the name's position, value.
+    pub(crate) entries: Vec<(&'a str, Pos, &'a Node)>,
 }
 
 impl<'a> Fields<'a> {
-    fn get(&self, name: &str) -> Option<&'a Node> {
+    /// The value of field `name`, if given.
+    pub(crate) fn get(&self, name: &str) -> Option<&'a Node> {
         self.entries
             .iter()
             .find(|(k, _, _)| *k == name)
@@ -250,13 +243,15 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Walks the document, collecting every error with its position.
-struct Compiler {
+/// Walks the document, collecting every error with its position. Its typed readers
+/// (`string`, `duration`, `func`, `key`, `codec`, ...) report a problem at the value's
+/// position and give `None`; the stage kinds read their fields with them.
+pub(crate) struct Compiler {
     /// The file's directory: descriptor set paths are relative to it.
     base: std::path::PathBuf,
     errors: Vec<Located>,
     /// Per stage: its position, its label in messages, and its fields' positions.
-    stage_pos: Vec<(Pos, String, HashMap<&'static str, Pos>)>,
+    stage_pos: Vec<(Pos, String, HashMap<String, Pos>)>,
     /// Positions of top-level things, by `section` or `section.field`.
     top_pos: HashMap<String, Pos>,
     /// Labels of top-level nodes the builder names (`table x` -> "table `x`").
@@ -293,7 +288,7 @@ mod tests {
             StageKind::Dedup(d) => {
                 assert_eq!(d.key, KeySource::JsonPointer("/id".into()));
                 assert_eq!(d.ttl_ms, 24 * 3600 * 1000);
-                assert_eq!(d.time, TimeSource::Event);
+                assert_eq!(d.time, crate::processor::stages::TimeSource::Event);
             }
             other => panic!("first stage should be dedup, is {other:?}"),
         }

@@ -316,15 +316,23 @@ mod tests {
         }
     }
 
+    /// An effect that counts its runs in `n` and answers `reply`.
+    fn counted<'a>(
+        n: &'a AtomicUsize,
+        reply: &'static [u8],
+    ) -> impl Fn() -> std::future::Ready<Result<Vec<u8>, EffectError>> + Copy + 'a {
+        move || {
+            n.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok(reply.to_vec()))
+        }
+    }
+
     #[test]
     fn completed_key_is_never_run_again() {
         rt().block_on(async {
             let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
-            let eff = || async {
-                n.fetch_add(1, Ordering::SeqCst);
-                Ok(b"r1".to_vec())
-            };
+            let eff = counted(&n, b"r1");
             assert_eq!(
                 run_once(&s, b"k", &quick(), eff).await,
                 Ok(EffectOutcome::Done(b"r1".to_vec()))
@@ -465,10 +473,7 @@ mod tests {
         rt().block_on(async {
             let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
-            let eff = || async {
-                n.fetch_add(1, Ordering::SeqCst);
-                Ok(b"r".to_vec())
-            };
+            let eff = counted(&n, b"r");
             // A short outage is retried through.
             s.fail_next(2);
             assert_eq!(
