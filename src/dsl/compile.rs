@@ -90,6 +90,21 @@ impl Compiler {
         }
     }
 
+    /// Optional field `name` of `f`: when given, read with `read` (which reports a
+    /// problem) and handed to `set`. Whether it is absent or was read.
+    pub(crate) fn opt<T>(
+        &mut self,
+        f: &Fields<'_>,
+        name: &str,
+        read: impl FnOnce(&mut Self, &Node) -> Option<T>,
+        set: impl FnOnce(T),
+    ) -> bool {
+        match f.get(name) {
+            None => true,
+            Some(n) => read(self, n).map(set).is_some(),
+        }
+    }
+
     /// A duration such as `24h` or `90s`.
     pub(crate) fn duration(
         &mut self,

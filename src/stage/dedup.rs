@@ -171,18 +171,18 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let key = c.required(f, "key", place).and_then(|n| c.key(n, place));
     let mut ok = key.is_some();
     let mut spec = DedupSpec::new(key.unwrap_or(KeySource::KafkaKey));
-    if let Some(n) = f.get("ttl") {
-        match c.duration_ms(n, place, "ttl") {
-            Some(ms) => spec.ttl_ms = ms,
-            None => ok = false,
-        }
-    }
-    if let Some(n) = f.get("grace") {
-        match c.duration_ms(n, place, "grace") {
-            Some(ms) => spec.grace_ms = ms,
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(
+        f,
+        "ttl",
+        |c, n| c.duration_ms(n, place, "ttl"),
+        |ms| spec.ttl_ms = ms,
+    );
+    ok &= c.opt(
+        f,
+        "grace",
+        |c, n| c.duration_ms(n, place, "grace"),
+        |ms| spec.grace_ms = ms,
+    );
     if let Some(n) = f.get("time") {
         match c
             .choice(n, place, "time", &["event", "processing"])
@@ -239,12 +239,12 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
             None => ok = false,
         }
     }
-    if let Some(n) = f.get("duplicates_to") {
-        match c.string(n, place, "duplicates_to") {
-            Some(t) => spec.duplicates_to = Some(t),
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(
+        f,
+        "duplicates_to",
+        |c, n| c.string(n, place, "duplicates_to"),
+        |t| spec.duplicates_to = Some(t),
+    );
     if let Some(n) = f.get("partitioning") {
         match c
             .choice(n, place, "partitioning", &["source", "repartition"])

@@ -142,17 +142,15 @@ pub(super) const FILE_KINDS: &[FileKind] = &[
 
 fn http(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let mut ok = true;
-    let url = c
-        .required(f, "url", place)
-        .and_then(|n| secret(c, n, place, "url"));
+    let url = url(c, f, place);
     let mut h = HttpSpec::new(url.clone().unwrap_or(Secret::Inline(String::new())));
     ok &= url.is_some();
-    if let Some(n) = f.get("method") {
-        match c.string(n, place, "method") {
-            Some(m) => h.method = m.to_ascii_uppercase(),
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(
+        f,
+        "method",
+        |c, n| c.string(n, place, "method"),
+        |m| h.method = m.to_ascii_uppercase(),
+    );
     if let Some(n) = f.get("headers") {
         let mut headers = Vec::new();
         ok &= c.each_entry(
@@ -169,37 +167,30 @@ fn http(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         headers.sort_by(|a, b| a.0.cmp(&b.0));
         h.headers = headers;
     }
-    if let Some(n) = f.get("body") {
-        match c.string(n, place, "body") {
-            Some(b) => h.body = b,
-            None => ok = false,
-        }
-    }
-    if let Some(n) = f.get("timeout") {
-        match c.duration(n, place, "timeout") {
-            Some(t) => h.timeout = t,
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(f, "body", |c, n| c.string(n, place, "body"), |b| h.body = b);
+    ok &= c.opt(
+        f,
+        "timeout",
+        |c, n| c.duration(n, place, "timeout"),
+        |t| h.timeout = t,
+    );
     if let Some(n) = f.get("retries") {
         match count(c, n, place, "retries").and_then(|r| u32::try_from(r).ok()) {
             Some(r) => h.retries = r,
             None => ok = false,
         }
     }
-    if let Some(n) = f.get("backoff") {
-        match c.duration(n, place, "backoff") {
-            Some(b) => h.backoff = b,
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(
+        f,
+        "backoff",
+        |c, n| c.duration(n, place, "backoff"),
+        |b| h.backoff = b,
+    );
     finish(c, f, place, EffectSpec::Http(h), ok)
 }
 
 fn postgres(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
-    let url = c
-        .required(f, "url", place)
-        .and_then(|n| secret(c, n, place, "url"));
+    let url = url(c, f, place);
     let sql = c
         .required(f, "sql", place)
         .and_then(|n| c.string(n, place, "sql"));
@@ -217,9 +208,7 @@ fn postgres(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> 
 }
 
 fn redis(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
-    let url = c
-        .required(f, "url", place)
-        .and_then(|n| secret(c, n, place, "url"));
+    let url = url(c, f, place);
     let command = c
         .required(f, "command", place)
         .and_then(|n| strings(c, n, place, "command"));
@@ -426,6 +415,12 @@ fn nested<'a>(
         }
     }
     Some(out)
+}
+
+/// The effect's `url` (required): a secret.
+fn url(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<Secret> {
+    c.required(f, "url", place)
+        .and_then(|n| secret(c, n, place, "url"))
 }
 
 /// A secret: a plain string, or `{ env: VAR }` read when the sink starts.

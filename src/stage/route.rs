@@ -151,12 +151,12 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     } else {
         ok = false;
     }
-    if let Some(n) = f.get("default") {
-        match c.string(n, place, "default") {
-            Some(t) => spec.default = Some(t),
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(
+        f,
+        "default",
+        |c, n| c.string(n, place, "default"),
+        |t| spec.default = Some(t),
+    );
     ok.then_some((StageKind::Route(spec), None))
 }
 
