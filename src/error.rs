@@ -152,7 +152,7 @@ impl Error {
     }
 
     /// Shorthand for a [`Error::State`].
-    pub fn state(store: impl Into<String>, reason: impl fmt::Display) -> Error {
+    pub(crate) fn state(store: impl Into<String>, reason: impl fmt::Display) -> Error {
         Error::State {
             store: store.into(),
             reason: reason.to_string(),

@@ -49,7 +49,7 @@ pub use sink::{
 };
 pub use testing::{TestDriver, TestRecord};
 pub use topology::{
-    BuildError, DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
+    DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
 };
 
 /// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
@@ -57,9 +57,9 @@ pub use topology::{
 /// and the error types.
 pub mod prelude {
     pub use crate::{
-        App, BuildError, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec,
-        EnrichSpec, Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee,
-        HttpSpec, InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
+        App, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec, EnrichSpec,
+        Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee, HttpSpec,
+        InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
         Partitioning, PostgresSpec, ProtoFormat, Record, RecordError, RedisSpec, ReservationPolicy,
         Result, RouteBranch, RouteSpec, RunOptions, RunSummary, Secret, SinkSpec, SourceMeta,
         StoreSpec, TableSpec, TestDriver, TestRecord, TimeSource, Topology, TopologyBuilder,

@@ -402,7 +402,7 @@ impl Config {
     /// The largest record the producer accepts, in bytes: `kafka.producer.message.max.bytes`,
     /// else `kafka.message.max.bytes`, else librdkafka's default 1,000,000. A stage that would
     /// write a larger record dead-letters its source record instead.
-    pub fn max_record_bytes(&self) -> usize {
+    pub(crate) fn max_record_bytes(&self) -> usize {
         self.kafka_producer
             .get("message.max.bytes")
             .or_else(|| self.kafka.get("message.max.bytes"))
@@ -411,12 +411,12 @@ impl Config {
     }
 
     /// Whether `processing.guarantee` is exactly_once_v2.
-    pub fn exactly_once(&self) -> bool {
+    pub(crate) fn exactly_once(&self) -> bool {
         self.processing_guarantee == Guarantee::ExactlyOnceV2
     }
 
     /// The producer's `transactional.id`: `<application.id>-<instance.id>`.
-    pub fn transactional_id(&self) -> String {
+    pub(crate) fn transactional_id(&self) -> String {
         format!("{}-{}", self.application_id, self.instance_id)
     }
 }

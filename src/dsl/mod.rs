@@ -37,7 +37,7 @@
 //!
 //! Each stage kind's fields are read by its module under `crate::stage` (external sinks:
 //! `stage/external.rs`, with the `http`, `postgres`, `redis` and `file` keys), with the
-//! located readers of this module ([`Compiler`]: strings, durations, expressions, keys,
+//! located readers of this module (`Compiler`: strings, durations, expressions, keys,
 //! codecs), so that every field of every kind is reported at its own line and column.
 //!
 //! Validation happens before anything connects, and every problem is reported, not only

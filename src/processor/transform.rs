@@ -136,7 +136,7 @@ impl MapSpec {
     }
 
     /// Every pointer this map names, with the field it comes from, for validation.
-    pub fn pointers(&self) -> Vec<(&'static str, &str)> {
+    pub(crate) fn pointers(&self) -> Vec<(&'static str, &str)> {
         let mut out: Vec<(&'static str, &str)> = Vec::new();
         out.extend(self.set.iter().map(|(p, _)| ("set", p.as_str())));
         for (a, b) in &self.rename {

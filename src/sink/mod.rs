@@ -67,7 +67,7 @@ impl Secret {
     ///
     /// # Errors
     /// A sentence naming the variable when it is unset, empty or not UTF-8.
-    pub fn resolve(&self) -> Result<String, String> {
+    pub(crate) fn resolve(&self) -> Result<String, String> {
         match self {
             Secret::Inline(v) => Ok(v.clone()),
             Secret::Env(n) => match std::env::var(n) {
@@ -79,7 +79,7 @@ impl Secret {
     }
 
     /// A printable form that never shows the value.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Secret::Inline(_) => "<inline>".into(),
             Secret::Env(n) => format!("env:{n}"),
@@ -182,8 +182,9 @@ pub enum StoreSpec {
     /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
-    /// one instance only. Bound to a state dir before it runs ([`ExternalSinkSpec::bind_state_dir`]: `App::run`
-    /// and `TestDriver::state_dir` do it), so that it is covered by the state dir's lock and
+    /// one instance only. Bound to a state dir before it runs (`App::run` and
+    /// `TestDriver::state_dir` do it: a default path becomes
+    /// `<state.dir>/idempotency/<application.id>`, a relative one is taken under `state.dir`), so that it is covered by the state dir's lock and
     /// two instances with different state dirs never share it.
     Sled {
         /// Database directory: `None` (the default) is `sled_home``(state.dir,
@@ -291,7 +292,7 @@ impl ExternalSinkSpec {
     }
 
     /// One line for `describe`; secrets are shown by their source only.
-    pub fn describe(&self, name: &str) -> String {
+    pub(crate) fn describe(&self, name: &str) -> String {
         let what = match &self.effect {
             EffectSpec::Http(h) => format!(
                 "{} {} headers=[{}] timeout={:?} retries={}",
@@ -499,7 +500,7 @@ impl ExternalSinkSpec {
     /// database is). A bound path is absolute, so binding twice changes nothing; the sink
     /// refuses an unbound (default or relative) path rather than guess a directory. Other
     /// stores are left as they are.
-    pub fn bind_state_dir(&mut self, state_dir: &Path, application_id: &str) {
+    pub(crate) fn bind_state_dir(&mut self, state_dir: &Path, application_id: &str) {
         if let StoreSpec::Sled { path } = &mut self.store {
             let state_dir =
                 std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());

@@ -92,7 +92,7 @@ pub struct EffectError {
 
 impl EffectError {
     /// An effect whose outcome is unknown (see the type's documentation).
-    pub fn unknown(reason: impl Into<String>) -> Self {
+    pub(crate) fn unknown(reason: impl Into<String>) -> Self {
         EffectError {
             reason: reason.into(),
             unknown: true,

@@ -55,8 +55,9 @@ impl TopologyBuilder {
     /// Validate and build.
     ///
     /// # Errors
-    /// Every problem found, each an [`Error::Topology`] naming the stage and field (see
-    /// [`Self::build_detailed`]).
+    /// Every problem found, each an [`Error::Topology`] naming the stage (its kind when
+    /// unnamed; `topology`, `source`, `stages`, `table <name>` or `topic <name>` for the
+    /// rest) and, in its reason, the field: ``field `ttl`: must be positive``.
     pub fn build(self) -> Result<Topology, Vec<Error>> {
         self.build_detailed()
             .map_err(|es| es.into_iter().map(BuildError::into_error).collect())
@@ -70,7 +71,7 @@ impl TopologyBuilder {
     /// duplicate stage name, a TTL that is not positive, a JSON-pointer key or a map stage
     /// on a non-JSON source, a bad field pointer, a sink without topics, a route without
     /// branches, no sink or route at all.
-    pub fn build_detailed(mut self) -> Result<Topology, Vec<BuildError>> {
+    pub(crate) fn build_detailed(mut self) -> Result<Topology, Vec<BuildError>> {
         let mut errors = Vec::new();
         let top = |field: Option<&'static str>, reason: String| BuildError {
             stage: None,
@@ -198,20 +199,20 @@ impl TopologyBuilder {
 
 /// One validation error of [`TopologyBuilder::build_detailed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BuildError {
+pub(crate) struct BuildError {
     /// Index of the stage, `None` for the topology itself (name, source, sinks).
-    pub stage: Option<usize>,
+    pub(crate) stage: Option<usize>,
     /// Stage name (its kind when unnamed), or `topology`, `source`, `stages`.
-    pub node: String,
+    pub(crate) node: String,
     /// The field at fault, if one is.
-    pub field: Option<String>,
+    pub(crate) field: Option<String>,
     /// What is wrong.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 impl BuildError {
     /// As an [`Error::Topology`]: `node`, and `field `x`: reason`.
-    pub fn into_error(self) -> Error {
+    pub(crate) fn into_error(self) -> Error {
         Error::Topology {
             node: self.node,
             reason: match &self.field {

@@ -8,7 +8,7 @@ mod builder;
 mod describe;
 
 use crate::kafka::check_topic_name;
-pub use builder::{BuildError, TopologyBuilder};
+pub use builder::TopologyBuilder;
 pub use describe::DescribeFormat;
 
 use crate::error::Error;
