@@ -195,7 +195,7 @@ impl ProtoFormat {
     }
 
     /// The message type's descriptor.
-    pub(crate) fn descriptor(&self) -> &MessageDescriptor {
+    pub fn descriptor(&self) -> &MessageDescriptor {
         &self.message
     }
 

@@ -362,25 +362,12 @@ pub(crate) use func::*;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::processor::SourceMeta;
 
     fn rec(value: &str) -> Record {
+        let headers: [(&str, &[u8]); 3] = [("h", b"v"), ("bin", &[0xff, 0x00]), ("h", b"second")];
         Record {
-            key: Some(Bytes::from_static(b"k1")),
-            value: Some(Bytes::from(value.to_string())),
-            headers: vec![
-                ("h".into(), Some(Bytes::from_static(b"v"))),
-                ("bin".into(), Some(Bytes::from_static(&[0xff, 0x00]))),
-                ("h".into(), Some(Bytes::from_static(b"second"))),
-            ],
-            timestamp: Some(1000),
             json: Some(serde_json::from_str(value).unwrap()),
-            fields: None,
-            source: SourceMeta {
-                topic: "in".into(),
-                partition: 2,
-                offset: 7,
-            },
+            ..Record::for_test(b"k1", value, &headers, ("in", 2, 7), 1000)
         }
     }
 
