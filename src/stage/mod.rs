@@ -8,7 +8,7 @@
 //!
 //! The kinds are registered once, in [`stage_kinds!`] below; the topology, the builder,
 //! `describe` and the topology-file parser only ever go through the trait. Adding a kind is
-//! one new module here plus one registration line.
+//! one new module here (its `mod` line) plus one registration line.
 //!
 //! | module | kind | file keys |
 //! |---|---|---|
@@ -20,6 +20,8 @@
 //! | `enrich` | join with a lookup table | `enrich` |
 //! | `external` | effects outside Kafka with keyed idempotency | `http`, `postgres`, `redis`, `file` |
 
+// One module per kind (declared here rather than by `stage_kinds!` so that rustfmt sees
+// them); each is registered below.
 mod dedup;
 mod enrich;
 mod external;
