@@ -293,6 +293,22 @@ impl Compiler {
         }
     }
 
+    /// Read each entry of map field `field` of `f`, if given, with `read` (see
+    /// [`Self::each_entry`]). Whether it is absent or every entry was read.
+    pub(crate) fn entries(
+        &mut self,
+        f: &Fields<'_>,
+        field: &str,
+        place: &str,
+        what: &str,
+        read: impl FnMut(&mut Self, &str, Pos, &Node) -> Option<()>,
+    ) -> bool {
+        match f.get(field) {
+            None => true,
+            Some(n) => self.each_entry(n, place, field, what, read),
+        }
+    }
+
     /// Read each entry of the map `n` (field `field`) with `read`, which gives `None` when
     /// the entry is wrong (having reported it); a node that is not a map is reported as
     /// `what`. Whether every entry was read.

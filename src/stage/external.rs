@@ -151,22 +151,20 @@ fn http(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         |c, n| c.string(n, place, "method"),
         |m| h.method = m.to_ascii_uppercase(),
     );
-    if let Some(n) = f.get("headers") {
-        let mut headers = Vec::new();
-        ok &= c.each_entry(
-            n,
-            place,
-            "headers",
-            "a map of header name to value (or { env: VAR })",
-            |c, k, _, v| {
-                headers.push((k.to_string(), secret(c, v, place, "headers")?));
-                Some(())
-            },
-        );
-        // In name order, as `describe` shows them.
-        headers.sort_by(|a, b| a.0.cmp(&b.0));
-        h.headers = headers;
-    }
+    let mut headers = Vec::new();
+    ok &= c.entries(
+        f,
+        "headers",
+        place,
+        "a map of header name to value (or { env: VAR })",
+        |c, k, _, v| {
+            headers.push((k.to_string(), secret(c, v, place, "headers")?));
+            Some(())
+        },
+    );
+    // In name order, as `describe` shows them.
+    headers.sort_by(|a, b| a.0.cmp(&b.0));
+    h.headers = headers;
     ok &= c.opt(f, "body", |c, n| c.string(n, place, "body"), |b| h.body = b);
     ok &= c.opt(
         f,

@@ -71,36 +71,32 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         );
         return None;
     }
-    if let Some(n) = f.get("set") {
-        ok &= c.each_entry(
-            n,
-            place,
-            "set",
-            "a map of field to expression",
-            |c, k, kpos, v| {
-                let path = c.field_path(k, kpos, place, "set");
-                let func: Option<Computed> = c.func(v, place, "set");
-                spec.set.push((path?, func?));
-                Some(())
-            },
-        );
-    }
-    if let Some(n) = f.get("rename") {
-        ok &= c.each_entry(
-            n,
-            place,
-            "rename",
-            "a map of old name to new name",
-            |c, k, kpos, v| {
-                let from = c.field_path(k, kpos, place, "rename");
-                let to = c
-                    .string(v, place, "rename")
-                    .and_then(|t| c.field_path(&t, v.pos, place, "rename"));
-                spec.rename.push((from?, to?));
-                Some(())
-            },
-        );
-    }
+    ok &= c.entries(
+        f,
+        "set",
+        place,
+        "a map of field to expression",
+        |c, k, kpos, v| {
+            let path = c.field_path(k, kpos, place, "set");
+            let func: Option<Computed> = c.func(v, place, "set");
+            spec.set.push((path?, func?));
+            Some(())
+        },
+    );
+    ok &= c.entries(
+        f,
+        "rename",
+        place,
+        "a map of old name to new name",
+        |c, k, kpos, v| {
+            let from = c.field_path(k, kpos, place, "rename");
+            let to = c
+                .string(v, place, "rename")
+                .and_then(|t| c.field_path(&t, v.pos, place, "rename"));
+            spec.rename.push((from?, to?));
+            Some(())
+        },
+    );
     if let Some(n) = f.get("drop") {
         match &n.val {
             Val::Seq(items) => {

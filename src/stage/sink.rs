@@ -138,19 +138,17 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
             None => ok = false,
         }
     }
-    if let Some(n) = f.get("headers") {
-        ok &= c.each_entry(
-            n,
-            place,
-            "headers",
-            "a map of header name to expression",
-            |c, h, _, v| {
-                let func: BytesFn = c.func(v, place, "headers")?;
-                spec.headers.push((h.to_string(), func));
-                Some(())
-            },
-        );
-    }
+    ok &= c.entries(
+        f,
+        "headers",
+        place,
+        "a map of header name to expression",
+        |c, h, _, v| {
+            let func: BytesFn = c.func(v, place, "headers")?;
+            spec.headers.push((h.to_string(), func));
+            Some(())
+        },
+    );
     ok.then_some((StageKind::Sink(spec), format))
 }
 
