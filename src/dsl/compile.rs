@@ -1,341 +1,7 @@
-//! The compiler's core: reporting errors with positions, reading typed fields, and the
-//! document's top level (name, source, tables, the stage list).
+//! The document's top level: name, source, tables and the stage list (each stage read by
+//! its kind, see `topology::stage`).
 
 use super::*;
-
-impl Compiler {
-    pub(crate) fn err(
-        &mut self,
-        pos: Pos,
-        place: &str,
-        field: Option<&str>,
-        message: impl Into<String>,
-    ) {
-        self.errors.push(Located {
-            pos,
-            place: place.to_string(),
-            field: field.map(str::to_string),
-            message: message.into(),
-        });
-    }
-
-    /// Report a value of the wrong type: "expected `what`, found <its type>".
-    pub(crate) fn wrong_type(
-        &mut self,
-        pos: Pos,
-        place: &str,
-        field: Option<&str>,
-        what: &str,
-        found: &Val,
-    ) {
-        self.err(
-            pos,
-            place,
-            field,
-            format!("expected {what}, found {}", found.type_name()),
-        );
-    }
-
-    /// `node` as a map with only `allowed` fields (unknown ones are reported).
-    pub(crate) fn fields<'a>(
-        &mut self,
-        node: &'a Node,
-        place: &str,
-        field: Option<&str>,
-        allowed: &[&str],
-    ) -> Option<Fields<'a>> {
-        let Val::Map(entries) = &node.val else {
-            self.wrong_type(node.pos, place, field, "a map", &node.val);
-            return None;
-        };
-        let mut out = Fields {
-            pos: node.pos,
-            entries: Vec::new(),
-        };
-        for (k, kpos, v) in entries {
-            if allowed.contains(&k.as_str()) {
-                out.entries.push((k.as_str(), *kpos, v));
-            } else {
-                self.err(
-                    *kpos,
-                    place,
-                    Some(k),
-                    format!("unknown field, expected one of {}", list(allowed)),
-                );
-            }
-        }
-        Some(out)
-    }
-
-    pub(crate) fn required<'a>(
-        &mut self,
-        f: &Fields<'a>,
-        name: &str,
-        place: &str,
-    ) -> Option<&'a Node> {
-        let n = f.get(name);
-        if n.is_none() {
-            self.err(f.pos, place, Some(name), "missing field");
-        }
-        n
-    }
-
-    pub(crate) fn string(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
-        match &n.val {
-            Val::Str(s) => Some(s.clone()),
-            other => {
-                self.wrong_type(n.pos, place, Some(field), "a string", other);
-                None
-            }
-        }
-    }
-
-    /// Optional field `name` of `f`: when given, read with `read` (which reports a
-    /// problem) and handed to `set`. Whether it is absent or was read.
-    pub(crate) fn opt<T>(
-        &mut self,
-        f: &Fields<'_>,
-        name: &str,
-        read: impl FnOnce(&mut Self, &Node) -> Option<T>,
-        set: impl FnOnce(T),
-    ) -> bool {
-        match f.get(name) {
-            None => true,
-            Some(n) => read(self, n).map(set).is_some(),
-        }
-    }
-
-    /// A duration such as `24h` or `90s`.
-    pub(crate) fn duration(
-        &mut self,
-        n: &Node,
-        place: &str,
-        field: &str,
-    ) -> Option<std::time::Duration> {
-        let Val::Str(s) = &n.val else {
-            self.wrong_type(
-                n.pos,
-                place,
-                Some(field),
-                "a duration such as 24h or 90s",
-                &n.val,
-            );
-            return None;
-        };
-        match humantime::parse_duration(s) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!("{s:?} is not a duration such as 24h or 90s: {e}"),
-                );
-                None
-            }
-        }
-    }
-
-    /// A duration in milliseconds (see [`Self::duration`]).
-    pub(crate) fn duration_ms(&mut self, n: &Node, place: &str, field: &str) -> Option<i64> {
-        self.duration(n, place, field)
-            .map(|d| d.as_millis().min(i64::MAX as u128) as i64)
-    }
-
-    /// Note where field `field` of the stage being read is (a nested one such as
-    /// `idempotency.lease`, or an alias), so that a problem the builder finds with it later
-    /// is placed there.
-    pub(crate) fn note_field_pos(&mut self, field: &str, pos: Pos) {
-        if let Some(entry) = self.stage_pos.last_mut() {
-            entry.2.insert(field.to_string(), pos);
-        }
-    }
-
-    pub(crate) fn choice(
-        &mut self,
-        n: &Node,
-        place: &str,
-        field: &str,
-        allowed: &[&str],
-    ) -> Option<String> {
-        let s = self.string(n, place, field)?;
-        if allowed.contains(&s.as_str()) {
-            Some(s)
-        } else {
-            self.err(
-                n.pos,
-                place,
-                Some(field),
-                format!("unknown value {s:?}, expected one of {}", list(allowed)),
-            );
-            None
-        }
-    }
-
-    /// An expression: a string (or a bool or number, taken as its text).
-    pub(crate) fn expr_text(&mut self, n: &Node, place: &str, field: &str) -> Option<String> {
-        match &n.val {
-            Val::Str(s) => Some(s.clone()),
-            Val::Bool(b) => Some(b.to_string()),
-            Val::Int(i) => Some(i.to_string()),
-            Val::Float(f) => Some(f.to_string()),
-            other => {
-                self.wrong_type(n.pos, place, Some(field), "an expression (a string)", other);
-                None
-            }
-        }
-    }
-
-    pub(crate) fn func<T: crate::processor::expr::FromCel>(
-        &mut self,
-        n: &Node,
-        place: &str,
-        field: &str,
-    ) -> Option<crate::processor::expr::Func<T>> {
-        let text = self.expr_text(n, place, field)?;
-        match crate::processor::expr::Func::<T>::expr(&text) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                self.err(n.pos, place, Some(field), e);
-                None
-            }
-        }
-    }
-
-    /// A field path: a JSON pointer (`/a/b`) or a top-level field name.
-    pub(crate) fn field_path(
-        &mut self,
-        text: &str,
-        pos: Pos,
-        place: &str,
-        field: &str,
-    ) -> Option<String> {
-        if text.is_empty() {
-            self.err(pos, place, Some(field), "a field name must not be empty");
-            return None;
-        }
-        if text.starts_with('/') {
-            return Some(text.to_string());
-        }
-        Some(format!("/{}", text.replace('~', "~0").replace('/', "~1")))
-    }
-
-    /// A key source: `kafka_key`, `value_hash`, or a map with one of `json_pointer`,
-    /// `header`, `composite` (a list of key sources).
-    pub(crate) fn key(&mut self, n: &Node, place: &str) -> Option<KeySource> {
-        const KINDS: [&str; 5] = [
-            "json_pointer",
-            "header",
-            "kafka_key",
-            "value_hash",
-            "composite",
-        ];
-        let bad = |c: &mut Compiler, what: &str| {
-            c.err(
-                n.pos,
-                place,
-                Some("key"),
-                format!(
-                    "expected kafka_key, value_hash, or a map with one of {}; found {what}",
-                    list(&KINDS)
-                ),
-            );
-            None
-        };
-        match &n.val {
-            Val::Str(s) if s == "kafka_key" => Some(KeySource::KafkaKey),
-            Val::Str(s) if s == "value_hash" => Some(KeySource::ValueHash),
-            Val::Str(s) => bad(self, &format!("{s:?}")),
-            Val::Map(es) if es.len() == 1 => {
-                let (k, kpos, v) = &es[0];
-                match k.as_str() {
-                    "json_pointer" => self.string(v, place, "key").map(KeySource::JsonPointer),
-                    "header" => self.string(v, place, "key").map(KeySource::Header),
-                    "kafka_key" => Some(KeySource::KafkaKey),
-                    "value_hash" => Some(KeySource::ValueHash),
-                    "composite" => match &v.val {
-                        Val::Seq(parts) if !parts.is_empty() => {
-                            let parts: Vec<Option<KeySource>> =
-                                parts.iter().map(|p| self.key(p, place)).collect();
-                            parts
-                                .into_iter()
-                                .collect::<Option<Vec<_>>>()
-                                .map(KeySource::Composite)
-                        }
-                        other => {
-                            self.err(
-                                v.pos,
-                                place,
-                                Some("key"),
-                                format!(
-                                    "composite expects a non-empty list of keys, found {}",
-                                    other.type_name()
-                                ),
-                            );
-                            None
-                        }
-                    },
-                    other => {
-                        self.err(
-                            *kpos,
-                            place,
-                            Some("key"),
-                            format!(
-                                "unknown key source `{other}`, expected one of {}",
-                                list(&KINDS)
-                            ),
-                        );
-                        None
-                    }
-                }
-            }
-            other => bad(self, other.type_name()),
-        }
-    }
-
-    /// Read each entry of map field `field` of `f`, if given, with `read` (see
-    /// [`Self::each_entry`]). Whether it is absent or every entry was read.
-    pub(crate) fn entries(
-        &mut self,
-        f: &Fields<'_>,
-        field: &str,
-        place: &str,
-        what: &str,
-        read: impl FnMut(&mut Self, &str, Pos, &Node) -> Option<()>,
-    ) -> bool {
-        match f.get(field) {
-            None => true,
-            Some(n) => self.each_entry(n, place, field, what, read),
-        }
-    }
-
-    /// Read each entry of the map `n` (field `field`) with `read`, which gives `None` when
-    /// the entry is wrong (having reported it); a node that is not a map is reported as
-    /// `what`. Whether every entry was read.
-    pub(crate) fn each_entry(
-        &mut self,
-        n: &Node,
-        place: &str,
-        field: &str,
-        what: &str,
-        mut read: impl FnMut(&mut Self, &str, Pos, &Node) -> Option<()>,
-    ) -> bool {
-        match &n.val {
-            Val::Map(es) => {
-                let mut ok = true;
-                for (k, kpos, v) in es {
-                    // Every entry is read, so that every error is reported.
-                    ok &= read(self, k, *kpos, v).is_some();
-                }
-                ok
-            }
-            other => {
-                self.wrong_type(n.pos, place, Some(field), what, other);
-                false
-            }
-        }
-    }
-}
 
 impl Compiler {
     pub(crate) fn topology(&mut self, root: &Node) -> Option<TopologyBuilder> {
@@ -415,61 +81,6 @@ impl Compiler {
         Some(b)
     }
 
-    /// A codec: `json`, `bytes`, `string` or `{ protobuf: { descriptor_set, message } }`.
-    pub(crate) fn codec(&mut self, n: &Node, place: &str, field: &str) -> Option<Format> {
-        const NAMES: [&str; 4] = [
-            "json",
-            "bytes",
-            "string",
-            "{ protobuf: { descriptor_set, message } }",
-        ];
-        match &n.val {
-            Val::Str(s) if s == "json" => Some(Format::Json),
-            Val::Str(s) if s == "bytes" => Some(Format::Bytes),
-            Val::Str(s) if s == "string" => Some(Format::String),
-            Val::Map(es) if es.len() == 1 && es[0].0 == "protobuf" => {
-                let inner = &es[0].2;
-                let f = self.fields(inner, place, Some(field), &["descriptor_set", "message"])?;
-                let ds = self
-                    .required(&f, "descriptor_set", place)
-                    .and_then(|n| self.string(n, place, "descriptor_set"));
-                let msg = self
-                    .required(&f, "message", place)
-                    .and_then(|n| self.string(n, place, "message"));
-                let (ds, msg) = (ds?, msg?);
-                match ProtoFormat::from_file(self.base.join(&ds), &msg) {
-                    Ok(p) => Some(Format::Protobuf(p)),
-                    Err(e) => {
-                        self.err(inner.pos, place, Some(field), e.to_string());
-                        None
-                    }
-                }
-            }
-            Val::Str(s) => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!("unknown format {s:?}, expected one of {}", list(&NAMES)),
-                );
-                None
-            }
-            other => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!(
-                        "expected one of {}, found {}",
-                        list(&NAMES),
-                        other.type_name()
-                    ),
-                );
-                None
-            }
-        }
-    }
-
     pub(crate) fn source(&mut self, n: &Node) -> Option<(String, Format)> {
         let place = "source";
         self.top_pos.insert("source".into(), n.pos);
@@ -489,7 +100,7 @@ impl Compiler {
 
     /// One item of `stages:`. Always records the stage's position (so builder errors can be
     /// placed), and returns the stage if it compiled. The item's one key names its kind
-    /// (see `crate::stage`), whose [`FileKind`](crate::stage::FileKind) reads it.
+    /// (see `topology::stage`), whose [`FileKind`](crate::topology::stage::FileKind) reads it.
     pub(crate) fn stage(
         &mut self,
         i: usize,
@@ -498,7 +109,7 @@ impl Compiler {
         let anon = format!("stage #{}", i + 1);
         self.stage_pos
             .push((item.pos, anon.clone(), HashMap::new()));
-        let keys = crate::stage::file_keys();
+        let keys = crate::topology::stage::file_keys();
         let Val::Map(entries) = &item.val else {
             self.err(
                 item.pos,
@@ -506,7 +117,7 @@ impl Compiler {
                 None,
                 format!(
                     "expected a map with one key naming the stage kind ({}), found {}",
-                    list(&keys),
+                    crate::schema::list(&keys),
                     item.val.type_name()
                 ),
             );
@@ -519,7 +130,7 @@ impl Compiler {
                 None,
                 format!(
                     "expected one key naming the stage kind ({}), found {}",
-                    list(&keys),
+                    crate::schema::list(&keys),
                     if entries.is_empty() {
                         "none".to_string()
                     } else {
@@ -534,14 +145,14 @@ impl Compiler {
             return None;
         }
         let (kind, kpos, body) = &entries[0];
-        let Some(file_kind) = crate::stage::file_kind(kind) else {
+        let Some(file_kind) = crate::topology::stage::file_kind(kind) else {
             self.err(
                 *kpos,
                 &anon,
                 None,
                 format!(
                     "unknown stage kind `{kind}`, expected one of {}",
-                    list(&keys)
+                    crate::schema::list(&keys)
                 ),
             );
             return None;
@@ -559,7 +170,9 @@ impl Compiler {
         if let Some(n) = f.get("name") {
             self.string(n, &place, "name");
         }
-        let (kind, format) = (file_kind.read)(self, &f, &place)?;
+        let read = (file_kind.read)(&mut self.r, &f, &place);
+        self.stage_pos.last_mut().expect("pushed above").2 = std::mem::take(&mut self.r.field_pos);
+        let (kind, format) = read?;
         Some((name, kind, format))
     }
 

@@ -331,7 +331,7 @@ impl ExternalSinkSpec {
     }
 }
 
-use crate::stage::FieldError;
+use crate::error::FieldError;
 
 impl ExternalSinkSpec {
     /// Validate this sink and resolve its key rule, given what the topology knows: the key of

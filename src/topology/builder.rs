@@ -2,7 +2,7 @@
 //! reported with its stage and field ([`BuildError`]).
 
 use super::*;
-use crate::stage::{CheckCx, FieldError};
+use crate::topology::stage::{CheckCx, FieldError};
 
 /// Builds a [`Topology`] stage by stage.
 ///

@@ -3,8 +3,8 @@
 //! with their changelog topics.
 
 use super::Topology;
-use crate::stage::Link;
 use crate::state::restore::changelog_topic;
+use crate::topology::stage::Link;
 use std::fmt::Write as _;
 
 /// Output format of [`Topology::describe_as`].

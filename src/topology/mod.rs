@@ -6,6 +6,7 @@
 
 mod builder;
 mod describe;
+pub(crate) mod stage;
 
 use crate::kafka::check_topic_name;
 pub use builder::TopologyBuilder;
@@ -14,10 +15,10 @@ pub use describe::DescribeFormat;
 use crate::error::Error;
 use crate::processor::stages::DedupSpec;
 use crate::processor::Processor;
-use crate::stage::BuildCx;
-pub(crate) use crate::stage::StageKind;
+use crate::topology::stage::BuildCx;
+pub(crate) use crate::topology::stage::StageKind;
 
-pub(crate) use crate::codec::{Format, ProtoFormat};
+pub(crate) use crate::codec::Format;
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.

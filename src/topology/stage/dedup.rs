@@ -8,8 +8,6 @@
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
 use crate::codec::Format;
-use crate::dsl::node::{Node, Val};
-use crate::dsl::{Compiler, Fields};
 use crate::kafka::check_topic_name;
 use crate::processor::fingerprint::FingerprintFields;
 use crate::processor::key::KeySource;
@@ -17,6 +15,8 @@ use crate::processor::stages::{
     repartition_topic, ConflictPolicy, Dedup, DedupSpec, Partitioning, TimeSource,
 };
 use crate::processor::Processor;
+use crate::schema::node::{Node, Val};
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 use std::fmt::Write as _;
 
@@ -167,7 +167,7 @@ pub(super) const FILE_KINDS: &[FileKind] = &[FileKind {
     read,
 }];
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let key = c.required(f, "key", place).and_then(|n| c.key(n, place));
     let mut ok = key.is_some();
     let mut spec = DedupSpec::new(key.unwrap_or(KeySource::KafkaKey));
@@ -260,11 +260,7 @@ fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 
 /// `fingerprint: true | false | { cover: [pointers], ignore: [pointers] }`: whether it is
 /// on, and the fields it is taken over (`None`: the value bytes).
-fn fingerprint(
-    c: &mut Compiler,
-    n: &Node,
-    place: &str,
-) -> Option<(bool, Option<FingerprintFields>)> {
+fn fingerprint(c: &mut Reader, n: &Node, place: &str) -> Option<(bool, Option<FingerprintFields>)> {
     const FIELD: &str = "fingerprint";
     let entries = match &n.val {
         Val::Bool(b) => return Some((*b, None)),

@@ -7,12 +7,12 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::node::{Node, Val};
-use crate::dsl::{Compiler, Fields};
 use crate::kafka::check_topic_name;
 use crate::processor::expr::BytesFn;
 use crate::processor::stages::{SinkSpec, TopicSink};
 use crate::processor::Processor;
+use crate::schema::node::{Node, Val};
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 use std::fmt::Write as _;
 
@@ -86,7 +86,7 @@ fn default_name(body: &Node, index: usize) -> String {
     }
 }
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let mut format = None;
     if let Some(n) = f.get("format") {
         format = Some(c.codec(n, place, "format")?);

@@ -6,10 +6,10 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::{Compiler, Fields};
 use crate::processor::expr::Predicate;
 use crate::processor::transform::{Filter, FilterSpec};
 use crate::processor::{Processor, Record};
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 
 impl StageKindSpec for FilterSpec {
@@ -37,7 +37,7 @@ pub(super) const FILE_KINDS: &[FileKind] = &[FileKind {
     read,
 }];
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let n = c.required(f, "when", place)?;
     let predicate: Predicate = c.func(n, place, "when")?;
     Some((StageKind::Filter(FilterSpec { predicate }), None))

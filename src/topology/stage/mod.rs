@@ -4,7 +4,7 @@
 //! [`StageKindSpec`]: its name, its `describe` line, the topics and stores it declares, its
 //! checks at build time, and the processor it runs. Its module also holds its
 //! [`TopologyBuilder`](crate::TopologyBuilder) method and its topology-file schema (one or
-//! more [`FileKind`]s, read with the located field readers of `dsl`).
+//! more [`FileKind`]s, read with the located field readers of `crate::schema`).
 //!
 //! The kinds are registered once, in [`stage_kinds!`] below; the topology, the builder,
 //! `describe` and the topology-file parser only ever go through the trait. Adding a kind is
@@ -31,44 +31,18 @@ mod route;
 mod sink;
 
 use crate::codec::Format;
-use crate::dsl::node::Node;
-use crate::dsl::{Compiler, Fields};
 use crate::processor::enrich::{EnrichSpec, TableSpec};
 use crate::processor::key::KeySource;
 use crate::processor::route::RouteSpec;
 use crate::processor::stages::{DedupSpec, SinkSpec};
 use crate::processor::transform::{FilterSpec, MapSpec};
 use crate::processor::Processor;
+use crate::schema::node::Node;
+use crate::schema::{Fields, Reader};
 use crate::sink::ExternalSinkSpec;
 use crate::topology::{Source, Topology};
 
-/// A problem with one stage found at build time: the field at fault (as a topology file
-/// names it, e.g. `ttl` or `idempotency.lease`), or `None` for the stage as a whole.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct FieldError {
-    /// The field, if one is at fault.
-    pub(crate) field: Option<String>,
-    /// What is wrong.
-    pub(crate) reason: String,
-}
-
-impl FieldError {
-    /// A problem with field `field`.
-    pub(crate) fn at(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        FieldError {
-            field: Some(field.into()),
-            reason: reason.into(),
-        }
-    }
-
-    /// A problem with the stage as a whole.
-    pub(crate) fn whole(reason: impl Into<String>) -> Self {
-        FieldError {
-            field: None,
-            reason: reason.into(),
-        }
-    }
-}
+pub(crate) use crate::error::FieldError;
 
 /// What a stage's checks may look at besides its own spec.
 pub(crate) struct CheckCx<'a> {
@@ -244,7 +218,7 @@ pub(crate) struct FileKind {
     pub(crate) default_name: fn(body: &Node, index: usize) -> String,
     /// Read the fields into a stage; every problem is reported to the compiler with its
     /// position, and `None` returned when any was found.
-    pub(crate) read: fn(&mut Compiler, &Fields<'_>, place: &str) -> Option<ReadStage>,
+    pub(crate) read: fn(&mut Reader, &Fields<'_>, place: &str) -> Option<ReadStage>,
 }
 
 /// The default name `<key>-<n>` (`n` from 1).

@@ -9,12 +9,12 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::node::Val;
-use crate::dsl::{Compiler, Fields};
 use crate::kafka::check_topic_name;
 use crate::processor::expr::Predicate;
 use crate::processor::route::{Route, RouteBranch, RouteSpec};
 use crate::processor::Processor;
+use crate::schema::node::Val;
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 
 impl StageKindSpec for RouteSpec {
@@ -102,7 +102,7 @@ pub(super) const FILE_KINDS: &[FileKind] = &[FileKind {
     read,
 }];
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let mut spec = RouteSpec::new();
     let mut ok = true;
     if let Some(n) = c.required(f, "routes", place) {

@@ -9,11 +9,11 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::node::Node;
-use crate::dsl::{Compiler, Fields};
 use crate::processor::enrich::{splice_field, Enrich, EnrichSpec, MissingPolicy};
 use crate::processor::key::KeySource;
 use crate::processor::Processor;
+use crate::schema::node::Node;
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 
 impl StageKindSpec for EnrichSpec {
@@ -99,7 +99,7 @@ fn default_name(body: &Node, index: usize) -> String {
     }
 }
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let table = c
         .required(f, "table", place)
         .and_then(|n| c.string(n, place, "table"));

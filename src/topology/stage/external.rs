@@ -36,9 +36,9 @@
 //! (`idempotency.lease`), so a problem found at build time points at the field.
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::node::{Node, Val};
-use crate::dsl::{Compiler, Fields};
 use crate::processor::Processor;
+use crate::schema::node::{Node, Val};
+use crate::schema::{Fields, Reader};
 use crate::sink::{
     EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, InFlight, OnStoreError, PostgresSpec,
     RedisSpec, Secret, StoreSpec,
@@ -140,7 +140,7 @@ pub(super) const FILE_KINDS: &[FileKind] = &[
     },
 ];
 
-fn http(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn http(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let mut ok = true;
     let url = url(c, f, place);
     let mut h = HttpSpec::new(url.clone().unwrap_or(Secret::Inline(String::new())));
@@ -187,7 +187,7 @@ fn http(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     finish(c, f, place, EffectSpec::Http(h), ok)
 }
 
-fn postgres(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn postgres(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let url = url(c, f, place);
     let sql = c
         .required(f, "sql", place)
@@ -205,7 +205,7 @@ fn postgres(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> 
     finish(c, f, place, effect, ok)
 }
 
-fn redis(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn redis(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let url = url(c, f, place);
     let command = c
         .required(f, "command", place)
@@ -218,7 +218,7 @@ fn redis(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     finish(c, f, place, effect, ok)
 }
 
-fn file(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn file(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let path = c
         .required(f, "path", place)
         .and_then(|n| c.string(n, place, "path"));
@@ -239,7 +239,7 @@ fn file(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 /// reported but still gives the stage (with that setting's default), so that the
 /// builder's checks of the effect are reported too.
 fn finish(
-    c: &mut Compiler,
+    c: &mut Reader,
     f: &Fields<'_>,
     place: &str,
     effect: EffectSpec,
@@ -270,7 +270,7 @@ fn finish(
             c.note_field_pos(alias, n.pos);
         }
     }
-    let text = |c: &mut Compiler, name: &str| -> Result<Option<String>, ()> {
+    let text = |c: &mut Reader, name: &str| -> Result<Option<String>, ()> {
         match get(name) {
             None => Ok(None),
             Some(n) => c
@@ -328,7 +328,7 @@ fn finish(
     {
         spec.max_key_bytes = m as usize;
     }
-    let dur = |c: &mut Compiler, name: &str| {
+    let dur = |c: &mut Reader, name: &str| {
         get(name).and_then(|n| c.duration(n, place, &format!("idempotency.{name}")))
     };
     let p = &mut spec.policy;
@@ -349,7 +349,7 @@ fn finish(
         p.store_retry_for = d;
     }
     let wait = dur(c, "wait_timeout");
-    let pick = |c: &mut Compiler, name: &str, allowed: [&str; 2]| match get(name) {
+    let pick = |c: &mut Reader, name: &str, allowed: [&str; 2]| match get(name) {
         None => None,
         Some(n) => {
             let field = format!("idempotency.{name}");
@@ -384,7 +384,7 @@ fn finish(
 /// The map `n` (field `field`) with only `allowed` fields; an unknown one is reported as
 /// `field.name` at its position, and every field's position is noted under that name.
 fn nested<'a>(
-    c: &mut Compiler,
+    c: &mut Reader,
     n: &'a Node,
     place: &str,
     field: &str,
@@ -416,13 +416,13 @@ fn nested<'a>(
 }
 
 /// The effect's `url` (required): a secret.
-fn url(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<Secret> {
+fn url(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<Secret> {
     c.required(f, "url", place)
         .and_then(|n| secret(c, n, place, "url"))
 }
 
 /// A secret: a plain string, or `{ env: VAR }` read when the sink starts.
-fn secret(c: &mut Compiler, n: &Node, place: &str, field: &str) -> Option<Secret> {
+fn secret(c: &mut Reader, n: &Node, place: &str, field: &str) -> Option<Secret> {
     match &n.val {
         Val::Str(s) => Some(Secret::Inline(s.clone())),
         Val::Map(es) if es.len() == 1 && es[0].0 == "env" => {
@@ -436,7 +436,7 @@ fn secret(c: &mut Compiler, n: &Node, place: &str, field: &str) -> Option<Secret
 }
 
 /// A list of strings (templates).
-fn strings(c: &mut Compiler, n: &Node, place: &str, field: &str) -> Option<Vec<String>> {
+fn strings(c: &mut Reader, n: &Node, place: &str, field: &str) -> Option<Vec<String>> {
     let Val::Seq(items) = &n.val else {
         c.wrong_type(n.pos, place, Some(field), "a list of strings", &n.val);
         return None;
@@ -446,7 +446,7 @@ fn strings(c: &mut Compiler, n: &Node, place: &str, field: &str) -> Option<Vec<S
 }
 
 /// A count: an integer, zero or more.
-fn count(c: &mut Compiler, n: &Node, place: &str, field: &str) -> Option<u64> {
+fn count(c: &mut Reader, n: &Node, place: &str, field: &str) -> Option<u64> {
     match &n.val {
         Val::Int(i) if *i >= 0 => Some(*i as u64),
         Val::Int(i) => {
@@ -472,99 +472,5 @@ impl TopologyBuilder {
     /// checked by [`TopologyBuilder::build`].
     pub fn external_sink(self, name: impl Into<String>, spec: ExternalSinkSpec) -> Self {
         self.stage(name, StageKind::External(Box::new(spec)))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::sink::{EffectSpec, KeyRule, StoreSpec};
-    use crate::topology::StageKind;
-
-    #[test]
-    fn sink_stages_compile_and_describe_without_secrets() {
-        let text = r#"
-name: t
-source: { topic: orders }
-stages:
-  - dedup: { key: { json_pointer: /id } }
-  - http:
-      name: notify
-      url: { env: HOOK_URL }
-      headers: { Authorization: { env: HOOK_TOKEN }, X-Plain: "visible" }
-      idempotency: { store: redis, url: { env: ONCEFLOW_REDIS_URL }, in_flight: raise }
-  - postgres: { url: "postgres://u:hunter2@h/db", sql: "INSERT INTO t VALUES ($1)", params: ["{value./id}"] }
-  - file: { path: /tmp/x.jsonl, idempotency: { key: "{topic}-{offset}", store: none } }
-"#;
-        let t = crate::dsl::parse("t.yaml", text).unwrap();
-        let d = t.describe();
-        assert!(!d.contains("hunter2"), "{d}");
-        assert!(
-            d.contains("env:HOOK_URL") && d.contains("Authorization=env:HOOK_TOKEN"),
-            "{d}"
-        );
-        let StageKind::External(h) = &t.stages()[1].kind else {
-            panic!()
-        };
-        assert!(matches!(h.resolved_key, Some(KeyRule::Dedup(_))));
-        assert!(matches!(h.store, StoreSpec::Redis { .. }));
-        let StageKind::External(p) = &t.stages()[2].kind else {
-            panic!()
-        };
-        assert!(matches!(p.effect, EffectSpec::Postgres(_)));
-        assert_eq!(
-            p.store,
-            StoreSpec::Postgres {
-                table: "onceflow_inbox".into()
-            }
-        );
-        assert_eq!(t.json_pointers(), vec!["/id".to_string()]);
-    }
-
-    #[test]
-    fn bad_templates_fail_validation() {
-        let text = r#"
-name: t
-source: { topic: orders, format: bytes }
-stages:
-  - http: { url: "http://x", idempotency: { key: "{value./order_id}" } }
-  - redis: { url: "redis://x", command: [SET, "{nope}"], idempotency: { store: redisx } }
-"#;
-        let e = crate::dsl::parse("t.yaml", text).unwrap_err().to_string();
-        // The key template is placed at `idempotency.key` itself.
-        assert!(e.contains("t.yaml:5:50: stage `http` (http), field `key`: template \"{value./order_id}\" reads field /order_id, but the source format is bytes"), "{e}");
-        assert!(e.contains("unknown placeholder {nope}"), "{e}");
-        assert!(
-            e.contains("t.yaml:6:80: stage `redis` (redis), field `idempotency.store`: \"redisx\"; use sled, redis, postgres or none"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn external_fields_are_located() {
-        let text = r#"
-name: t
-source: { topic: orders }
-stages:
-  - http:
-      url: 42
-      timeout: soon
-      idempotency: { lease: 1s, colour: red }
-  - file: { line: "{value}" }
-"#;
-        let e = crate::dsl::parse("t.yaml", text).unwrap_err().to_string();
-        let want = [
-            "t.yaml:6:12: stage `http` (http), field `url`: expected a string or { env: VAR }, found an integer",
-            "t.yaml:7:16: stage `http` (http), field `timeout`: \"soon\" is not a duration such as 24h or 90s",
-            "t.yaml:8:33: stage `http` (http), field `idempotency.colour`: unknown field, expected one of",
-            "t.yaml:9:11: stage `file` (file), field `path`: missing field",
-        ];
-        let lines: Vec<&str> = e.lines().collect();
-        assert_eq!(lines.len(), want.len(), "{e}");
-        for (got, want) in lines.iter().zip(want) {
-            assert!(
-                got.starts_with(want),
-                "{got}\n  does not start with\n{want}"
-            );
-        }
     }
 }

@@ -10,11 +10,11 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, ReadStage, StageKind, StageKindSpec};
-use crate::dsl::node::Val;
-use crate::dsl::{Compiler, Fields};
 use crate::processor::expr::Computed;
 use crate::processor::transform::{check_field_pointer, MapFields, MapSpec};
 use crate::processor::Processor;
+use crate::schema::node::Val;
+use crate::schema::{Fields, Reader};
 use crate::topology::TopologyBuilder;
 
 impl StageKindSpec for MapSpec {
@@ -59,7 +59,7 @@ pub(super) const FILE_KINDS: &[FileKind] = &[FileKind {
     read,
 }];
 
-fn read(c: &mut Compiler, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
+fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
     let mut spec = MapSpec::new();
     let mut ok = true;
     if f.get("set").is_none() && f.get("rename").is_none() && f.get("drop").is_none() {
