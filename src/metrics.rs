@@ -5,6 +5,18 @@
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
 /// `filtered` for records a filter drops or no route takes.
 pub(crate) const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
+
+/// Stage `stage`'s counter of [`RECORDS_PROCESSED`] with result `result` (`passed`,
+/// `filtered`, `error`, ...).
+pub(crate) fn records_processed(
+    topology: &str,
+    stage: &str,
+    result: &'static str,
+) -> metrics::Counter {
+    metrics::counter!(RECORDS_PROCESSED,
+        "topology" => topology.to_string(), "stage" => stage.to_string(), "result" => result)
+}
+
 /// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage),
 /// sampled one decision in 64.
 pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";

@@ -20,10 +20,7 @@ pub(crate) struct StatelessMetrics {
 
 impl StatelessMetrics {
     pub(crate) fn new(topology: &str, stage: &str) -> Self {
-        let c = |result: &'static str| {
-            metrics::counter!(crate::metrics::RECORDS_PROCESSED,
-                "topology" => topology.to_string(), "stage" => stage.to_string(), "result" => result)
-        };
+        let c = |result| crate::metrics::records_processed(topology, stage, result);
         StatelessMetrics {
             passed: c("passed"),
             dropped: c("filtered"),
