@@ -253,15 +253,9 @@ fn finish(
     {
         spec.concurrency = k as usize;
     }
-    let id = match f.get("idempotency") {
-        None => None,
-        Some(n) => {
-            let Some(fields) = nested(c, n, place, "idempotency", IDEMPOTENCY) else {
-                return None;
-            };
-            Some(fields)
-        }
-    };
+    let id = f
+        .get("idempotency")
+        .and_then(|n| nested(c, n, place, "idempotency", IDEMPOTENCY));
     let get = |name: &str| id.as_ref().and_then(|f| f.get(name));
     // A key template or key length in error messages is this sink's `idempotency.key` /
     // `idempotency.max_key_bytes`: place them there.
