@@ -381,4 +381,14 @@ stages:
             );
         }
     }
+
+    #[test]
+    fn an_external_sink_field_out_of_range_is_an_error() {
+        let text = "name: t\nsource: {topic: a}\nstages:\n  - http: {url: \"http://x\", retries: 99999999999}\n";
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "t.yaml:4:38: stage `http` (http), field `retries`: 99999999999 retries is too many"
+        );
+    }
 }

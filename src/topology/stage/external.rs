@@ -172,12 +172,7 @@ fn http(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         |c, n| c.duration(n, place, "timeout"),
         |t| h.timeout = t,
     );
-    if let Some(n) = f.get("retries") {
-        match count(c, n, place, "retries").and_then(|r| u32::try_from(r).ok()) {
-            Some(r) => h.retries = r,
-            None => ok = false,
-        }
-    }
+    ok &= c.opt(f, "retries", |c, n| retries(c, n, place), |r| h.retries = r);
     ok &= c.opt(
         f,
         "backoff",
@@ -437,6 +432,21 @@ fn strings(c: &mut Reader, n: &Node, place: &str, field: &str) -> Option<Vec<Str
     };
     let read: Vec<Option<String>> = items.iter().map(|i| c.string(i, place, field)).collect();
     read.into_iter().collect()
+}
+
+/// An HTTP sink's `retries`: a count that fits 32 bits.
+fn retries(c: &mut Reader, n: &Node, place: &str) -> Option<u32> {
+    let r = count(c, n, place, "retries")?;
+    let fits = u32::try_from(r).ok();
+    if fits.is_none() {
+        c.err(
+            n.pos,
+            place,
+            Some("retries"),
+            format!("{r} retries is too many"),
+        );
+    }
+    fits
 }
 
 /// A count: an integer, zero or more.
