@@ -1,8 +1,9 @@
 //! Stage kinds: everything about one kind of stage in one module, behind one trait.
 //!
 //! A kind is a spec type (what a topology holds for a stage of that kind) that implements
-//! [`StageKindSpec`]: its name, its `describe` line, the topics and stores it declares, its
-//! checks at build time, and the processor it runs. Its module also holds its
+//! [`StageKindSpec`]: its `describe` line and graph links, the topics and stores it
+//! declares, its checks at build time, and the processor it runs (its name, as files and
+//! messages write it, is in its registration line). Its module also holds its
 //! [`TopologyBuilder`](crate::TopologyBuilder) method and its topology-file schema (one or
 //! more [`FileKind`]s, read with the located field readers of `crate::schema`).
 //!
