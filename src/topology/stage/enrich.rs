@@ -123,7 +123,22 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 }
 
 impl TopologyBuilder {
-    /// Add an enrich stage: a lookup join against a declared table.
+    /// Add an enrich stage: a lookup join against a table declared with
+    /// [`TopologyBuilder::table`] (naming an undeclared one is a build error).
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// let join = EnrichSpec::new("customers", KeySource::JsonPointer("/customer_id".into()), "/customer")
+    ///     .on_missing(MissingPolicy::DeadLetter);
+    /// let t = TopologyBuilder::new("orders")
+    ///     .source("orders", Format::Json)
+    ///     .table(TableSpec::new("customers", "customers"))
+    ///     .enrich("join", join)
+    ///     .sink("out", "orders.enriched")
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("Enrich: join table=customers"));
+    /// ```
     pub fn enrich(self, name: impl Into<String>, spec: EnrichSpec) -> Self {
         self.stage(name, StageKind::Enrich(spec))
     }

@@ -474,6 +474,22 @@ impl TopologyBuilder {
     /// a file line per record, made once per idempotency key (see
     /// [`ExternalSinkSpec`](crate::ExternalSinkSpec)). Its key template and settings are
     /// checked by [`TopologyBuilder::build`].
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// // One line per order in a file, at most once per order id.
+    /// let ledger = ExternalSinkSpec::new(
+    ///     EffectSpec::File(FileSpec { path: "orders.jsonl".into(), line: "{value}".into() }),
+    ///     StoreSpec::Sled { path: None },
+    /// )
+    /// .with_key("{value./id}");
+    /// let t = TopologyBuilder::new("orders")
+    ///     .source("orders", Format::Json)
+    ///     .external_sink("ledger", ledger)
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("ExternalSink: ledger file"));
+    /// ```
     pub fn external_sink(self, name: impl Into<String>, spec: ExternalSinkSpec) -> Self {
         self.stage(name, StageKind::External(Box::new(spec)))
     }

@@ -44,8 +44,21 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 }
 
 impl TopologyBuilder {
-    /// Add a filter stage: records for which `predicate` returns true go on; an `Err`
-    /// sends the record to the dead-letter topic with that reason.
+    /// Add a filter stage: records for which `predicate` returns true go on (the others
+    /// are dropped, counted as `filtered`); an `Err` sends the record to the dead-letter
+    /// topic with that reason.
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// // Only records with the header `kind: order` go on.
+    /// let t = TopologyBuilder::new("orders")
+    ///     .source("events", Format::Json)
+    ///     .filter("orders-only", |r| Ok(r.header("kind") == Some(Some(&b"order"[..]))))
+    ///     .sink("out", "orders")
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("Filter: orders-only"));
+    /// ```
     pub fn filter(
         self,
         name: impl Into<String>,

@@ -120,7 +120,19 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 }
 
 impl TopologyBuilder {
-    /// Add a map stage (set, rename, drop fields of a JSON object value).
+    /// Add a map stage: set, rename and drop fields of the record view (json, string or
+    /// protobuf sources; a bytes source is a build error).
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// let t = TopologyBuilder::new("slim")
+    ///     .source("events", Format::Json)
+    ///     .map("shape", MapSpec::new().rename("/actor", "/user").drop_field("/payload"))
+    ///     .sink("out", "events.slim")
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("Map: shape rename /actor->/user drop /payload"));
+    /// ```
     pub fn map(self, name: impl Into<String>, spec: MapSpec) -> Self {
         self.stage(name, StageKind::Map(spec))
     }

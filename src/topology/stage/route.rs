@@ -161,7 +161,23 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 }
 
 impl TopologyBuilder {
-    /// Add a route stage (records to topics by predicate, with a default).
+    /// Add a route stage: each record to the topic of the first branch whose predicate
+    /// accepts it, else to the default topic (without one, it is dropped, counted as
+    /// `filtered`); a predicate's `Err` dead-letters the record. Records go on to a later
+    /// stage too.
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// let by_kind = RouteSpec::new()
+    ///     .when(|r| Ok(r.header("kind") == Some(Some(&b"push"[..]))), "pushes")
+    ///     .default_topic("other");
+    /// let t = TopologyBuilder::new("routing")
+    ///     .source("events", Format::Json)
+    ///     .route("by-kind", by_kind)
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("Route: by-kind"));
+    /// ```
     pub fn route(self, name: impl Into<String>, spec: RouteSpec) -> Self {
         self.stage(name, StageKind::Route(spec))
     }

@@ -158,7 +158,18 @@ impl TopologyBuilder {
         self.sink_with(name, SinkSpec::to(topic))
     }
 
-    /// Add a sink stage: one or more topics, key and headers possibly computed.
+    /// Add a sink stage: one or more topics, key and headers possibly computed. Records
+    /// go on to a later stage too.
+    ///
+    /// ```
+    /// use onceflow::prelude::*;
+    /// let t = TopologyBuilder::new("fan-out")
+    ///     .source("events", Format::Json)
+    ///     .sink_with("out", SinkSpec::to("a").also("b"))
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(t.describe().contains("Sink: out topics=a,b"));
+    /// ```
     pub fn sink_with(self, name: impl Into<String>, spec: SinkSpec) -> Self {
         self.stage(name, StageKind::Sink(spec))
     }
