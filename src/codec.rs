@@ -48,7 +48,7 @@ pub enum Format {
 
 impl Format {
     /// Name as written in topology files: `json`, `bytes`, `string`, `protobuf`.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Format::Json => "json",
             Format::Bytes => "bytes",
@@ -58,7 +58,7 @@ impl Format {
     }
 
     /// The name plus the message type for protobuf, e.g. `protobuf shop.Order`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Format::Protobuf(p) => format!("protobuf {}", p.message_name()),
             other => other.name().to_string(),
@@ -75,7 +75,7 @@ impl Format {
     /// # Errors
     /// A sentence naming the format and what is wrong (not JSON, not UTF-8, not a valid
     /// protobuf message of the type); `bytes` has no view and always fails.
-    pub fn decode(&self, bytes: &[u8]) -> Result<Value, String> {
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<Value, String> {
         match self {
             Format::Json => {
                 serde_json::from_slice(bytes).map_err(|e| format!("value is not valid JSON: {e}"))
@@ -94,7 +94,7 @@ impl Format {
     /// `string` given a view that is not a string; `protobuf` given a view that does not
     /// fit the message type (an unknown field, a wrong type); `bytes` always (a view
     /// cannot be turned back into raw bytes).
-    pub fn encode(&self, view: &Value) -> Result<Vec<u8>, String> {
+    pub(crate) fn encode(&self, view: &Value) -> Result<Vec<u8>, String> {
         match self {
             Format::Json => serde_json::to_vec(view).map_err(|e| format!("cannot write JSON: {e}")),
             Format::String => match view {
@@ -147,7 +147,11 @@ impl ProtoFormat {
     /// # Errors
     /// [`Error::Config`] when the set does not decode or lacks the message type (the error
     /// lists the types it has).
-    pub fn from_descriptor_set(set: &[u8], message: &str, origin: &str) -> Result<Self, Error> {
+    pub(crate) fn from_descriptor_set(
+        set: &[u8],
+        message: &str,
+        origin: &str,
+    ) -> Result<Self, Error> {
         let pool = DescriptorPool::decode(set).map_err(|e| {
             Error::Config(format!(
                 "{origin}: not a valid protobuf descriptor set: {e}"
@@ -173,7 +177,9 @@ impl ProtoFormat {
     /// Read the descriptor set file at `path` and take the message type `message`.
     ///
     /// # Errors
-    /// [`Error::Io`] when the file cannot be read; as [`Self::from_descriptor_set`].
+    /// [`Error::Io`] when the file cannot be read; [`Error::Config`] when it does not
+    /// decode as a `FileDescriptorSet` or lacks the message type (the error lists the
+    /// types it has).
     pub fn from_file(path: impl AsRef<std::path::Path>, message: &str) -> Result<Self, Error> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| Error::Io {
@@ -197,7 +203,7 @@ impl ProtoFormat {
     ///
     /// # Errors
     /// The bytes are not a valid message of this type.
-    pub fn decode(&self, bytes: &[u8]) -> Result<Value, String> {
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<Value, String> {
         let msg = DynamicMessage::decode(self.message.clone(), bytes).map_err(|e| {
             format!(
                 "value is not a valid protobuf {}: {e}",
@@ -221,7 +227,7 @@ impl ProtoFormat {
     ///
     /// # Errors
     /// The view has a field the type lacks, or a value of the wrong type.
-    pub fn encode(&self, view: &Value) -> Result<Vec<u8>, String> {
+    pub(crate) fn encode(&self, view: &Value) -> Result<Vec<u8>, String> {
         let opts = DeserializeOptions::new().deny_unknown_fields(true);
         let msg = DynamicMessage::deserialize_with_options(self.message.clone(), view, &opts)
             .map_err(|e| {

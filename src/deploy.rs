@@ -35,16 +35,16 @@ use std::sync::Arc;
 
 /// How to run a topology: the arguments `onceflow run` and a deployable binary share.
 #[derive(clap::Args, Debug, Clone, Default)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// A config file (TOML); may be given several times, later files win.
     #[arg(long = "config", value_name = "FILE")]
-    pub configs: Vec<PathBuf>,
+    pub(crate) configs: Vec<PathBuf>,
     /// Set one config key, e.g. --set commit.interval.ms=500; wins over files and environment.
     #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
     /// Stop once every assigned partition has been read to its end, committing everything.
     #[arg(long)]
-    pub stop_at_end: bool,
+    pub(crate) stop_at_end: bool,
 }
 
 /// The command line of a deployable topology binary.
@@ -85,7 +85,7 @@ pub fn main(topology: Topology) -> ExitCode {
 /// return the exit code.
 ///
 /// Errors are printed to stderr, with a last line saying what to do about them.
-pub fn run(topology: Topology, args: &RunArgs) -> ExitCode {
+pub(crate) fn run(topology: Topology, args: &RunArgs) -> ExitCode {
     let sets: Result<Vec<_>, _> = args.sets.iter().map(|s| parse_set(s)).collect();
     let config = match sets.and_then(|s| Config::load(&args.configs, &s)) {
         Ok(c) => c,

@@ -152,7 +152,7 @@ impl Error {
     }
 
     /// Shorthand for a [`Error::State`].
-    pub fn state(store: impl Into<String>, reason: impl fmt::Display) -> Error {
+    pub(crate) fn state(store: impl Into<String>, reason: impl fmt::Display) -> Error {
         Error::State {
             store: store.into(),
             reason: reason.to_string(),
@@ -192,6 +192,34 @@ impl fmt::Display for RecordError {
 }
 
 impl std::error::Error for RecordError {}
+
+/// A problem with one stage found at build time: the field at fault (as a topology file
+/// names it, e.g. `ttl` or `idempotency.lease`), or `None` for the stage as a whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FieldError {
+    /// The field, if one is at fault.
+    pub(crate) field: Option<String>,
+    /// What is wrong.
+    pub(crate) reason: String,
+}
+
+impl FieldError {
+    /// A problem with field `field`.
+    pub(crate) fn at(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        FieldError {
+            field: Some(field.into()),
+            reason: reason.into(),
+        }
+    }
+
+    /// A problem with the stage as a whole.
+    pub(crate) fn whole(reason: impl Into<String>) -> Self {
+        FieldError {
+            field: None,
+            reason: reason.into(),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -21,6 +21,7 @@ pub(crate) mod kafka;
 pub(crate) mod logging;
 pub(crate) mod processor;
 pub(crate) mod runtime;
+pub(crate) mod schema;
 pub(crate) mod sink;
 pub(crate) mod state;
 pub(crate) mod testing;
@@ -48,7 +49,7 @@ pub use sink::{
 };
 pub use testing::{TestDriver, TestRecord};
 pub use topology::{
-    BuildError, DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
+    DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
 };
 
 /// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
@@ -56,9 +57,9 @@ pub use topology::{
 /// and the error types.
 pub mod prelude {
     pub use crate::{
-        App, BuildError, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec,
-        EnrichSpec, Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee,
-        HttpSpec, InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
+        App, Config, ConflictPolicy, Counts, DedupSpec, DescribeFormat, EffectSpec, EnrichSpec,
+        Error, ExternalSinkSpec, FileSpec, FingerprintFields, Format, Guarantee, HttpSpec,
+        InFlight, KeySource, LogFormat, MapSpec, MissingPolicy, OnStoreError, OutRecord,
         Partitioning, PostgresSpec, ProtoFormat, Record, RecordError, RedisSpec, ReservationPolicy,
         Result, RouteBranch, RouteSpec, RunOptions, RunSummary, Secret, SinkSpec, SourceMeta,
         StoreSpec, TableSpec, TestDriver, TestRecord, TimeSource, Topology, TopologyBuilder,

@@ -5,6 +5,18 @@
 /// Counter `{topology,stage,result}`, result = passed|duplicate|conflict|error, and
 /// `filtered` for records a filter drops or no route takes.
 pub(crate) const RECORDS_PROCESSED: &str = "onceflow_records_processed_total";
+
+/// Stage `stage`'s counter of [`RECORDS_PROCESSED`] with result `result` (`passed`,
+/// `filtered`, `error`, ...).
+pub(crate) fn records_processed(
+    topology: &str,
+    stage: &str,
+    result: &'static str,
+) -> metrics::Counter {
+    metrics::counter!(RECORDS_PROCESSED,
+        "topology" => topology.to_string(), "stage" => stage.to_string(), "result" => result)
+}
+
 /// Histogram `{topology,stage}`: time of one dedup decision (lookup + decide + stage),
 /// sampled one decision in 64.
 pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
@@ -36,7 +48,7 @@ pub const TABLE_RECORDS: &str = "onceflow_table_records_total";
 pub(crate) const ENRICH_LOOKUPS: &str = "onceflow_enrich_lookups_total";
 
 /// Buckets of [`DEDUP_CHECK_SECONDS`], in seconds: 1 µs to 100 ms.
-pub const DEDUP_CHECK_BUCKETS: &[f64] = &[
+pub(crate) const DEDUP_CHECK_BUCKETS: &[f64] = &[
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2, 1e-1,
 ];
 
@@ -46,7 +58,7 @@ pub const DEDUP_CHECK_BUCKETS: &[f64] = &[
 ///
 /// # Errors
 /// [`crate::Error::Config`] when another recorder is installed already.
-pub fn install_prometheus() -> crate::Result<metrics_exporter_prometheus::PrometheusHandle> {
+pub(crate) fn install_prometheus() -> crate::Result<metrics_exporter_prometheus::PrometheusHandle> {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
     if let Some(h) = HANDLE.get() {

@@ -226,22 +226,18 @@ impl Config {
             Guarantee::AtLeastOnce => "1000",
             Guarantee::ExactlyOnceV2 => "100",
         };
-        let commit_interval_ms: u64 = flat
-            .get("commit.interval.ms")
-            .map(String::as_str)
-            .unwrap_or(default_interval)
-            .parse()
-            .ok()
-            .filter(|v| *v > 0)
-            .ok_or_else(|| {
-                bad(
-                    "commit.interval.ms",
-                    format!(
-                        "{:?} is not a positive number of milliseconds",
-                        get("commit.interval.ms")
-                    ),
-                )
-            })?;
+        // A number of milliseconds (`positive`: above 0) under key `k`, `default` when unset.
+        let millis = |k: &str, default: &str, positive: bool| -> Result<u64> {
+            let v = flat.get(k).map_or(default, String::as_str);
+            v.parse()
+                .ok()
+                .filter(|n| !positive || *n > 0)
+                .ok_or_else(|| {
+                    let what = if positive { "a positive" } else { "a" };
+                    bad(k, format!("{v:?} is not {what} number of milliseconds"))
+                })
+        };
+        let commit_interval_ms = millis("commit.interval.ms", default_interval, true)?;
         let bootstrap_servers = get("bootstrap.servers");
         if bootstrap_servers.is_empty() {
             return Err(bad("bootstrap.servers", "must not be empty".into()));
@@ -272,15 +268,7 @@ impl Config {
                 ))
             }
         };
-        let stop_persist_ms: u64 = get("state.stop.persist.ms").parse().map_err(|_| {
-            bad(
-                "state.stop.persist.ms",
-                format!(
-                    "{:?} is not a number of milliseconds",
-                    get("state.stop.persist.ms")
-                ),
-            )
-        })?;
+        let stop_persist_ms = millis("state.stop.persist.ms", "", false)?;
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
             return Err(bad("state.dir", "must not be empty".into()));
@@ -402,7 +390,7 @@ impl Config {
     /// The largest record the producer accepts, in bytes: `kafka.producer.message.max.bytes`,
     /// else `kafka.message.max.bytes`, else librdkafka's default 1,000,000. A stage that would
     /// write a larger record dead-letters its source record instead.
-    pub fn max_record_bytes(&self) -> usize {
+    pub(crate) fn max_record_bytes(&self) -> usize {
         self.kafka_producer
             .get("message.max.bytes")
             .or_else(|| self.kafka.get("message.max.bytes"))
@@ -411,12 +399,12 @@ impl Config {
     }
 
     /// Whether `processing.guarantee` is exactly_once_v2.
-    pub fn exactly_once(&self) -> bool {
+    pub(crate) fn exactly_once(&self) -> bool {
         self.processing_guarantee == Guarantee::ExactlyOnceV2
     }
 
     /// The producer's `transactional.id`: `<application.id>-<instance.id>`.
-    pub fn transactional_id(&self) -> String {
+    pub(crate) fn transactional_id(&self) -> String {
         format!("{}-{}", self.application_id, self.instance_id)
     }
 }

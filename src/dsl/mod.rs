@@ -35,6 +35,11 @@
 //! (`[stages.filter]` ...). A file whose name ends in `.toml` is read as TOML, any other as
 //! YAML. Expressions are CEL (`processor::expr`).
 //!
+//! Each stage kind's fields are read by its module under `topology::stage` (external
+//! sinks: `topology/stage/external.rs`, with the `http`, `postgres`, `redis` and `file` keys), with the
+//! located readers of `crate::schema` (strings, durations, expressions, keys, codecs), so
+//! that every field of every kind is reported at its own line and column.
+//!
 //! Validation happens before anything connects, and every problem is reported, not only
 //! the first: unknown fields, wrong types, unknown stage kinds, missing fields, duplicate
 //! stage names, expressions that do not parse, bad topic names, and the builder's checks.
@@ -42,20 +47,11 @@
 //! the stage (``stage `dedup` (dedup)``) or the top-level section.
 
 mod compile;
-pub(crate) mod node;
-pub(crate) mod sinks;
-mod stages;
 
 use crate::error::Error;
-use crate::processor::expr::{BytesFn, Computed, Predicate};
-use crate::processor::key::KeySource;
-use crate::processor::route::{RouteBranch, RouteSpec};
-use crate::processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
-use crate::processor::transform::{FilterSpec, MapSpec};
-use crate::topology::{
-    EnrichSpec, Format, MissingPolicy, ProtoFormat, StageKind, TableSpec, Topology, TopologyBuilder,
-};
-use node::{Node, Pos, Val};
+use crate::schema::node::{self, Node, Pos, Val};
+use crate::schema::{Located, Reader};
+use crate::topology::{Format, StageKind, TableSpec, Topology, TopologyBuilder};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -116,11 +112,12 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
         errors: vec![format!("{file}:{}: {}", e.pos, e.message)],
     })?;
     let mut c = Compiler {
-        base: Path::new(file)
-            .parent()
-            .unwrap_or(Path::new("."))
-            .to_path_buf(),
-        errors: Vec::new(),
+        r: Reader::new(
+            Path::new(file)
+                .parent()
+                .unwrap_or(Path::new("."))
+                .to_path_buf(),
+        ),
         stage_pos: Vec::new(),
         top_pos: HashMap::new(),
         builder_index: Vec::new(),
@@ -130,7 +127,7 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
         name_failed: false,
     };
     let built = c.topology(&root);
-    let mut errors = c.errors;
+    let mut errors = c.r.errors;
     if let Some(b) = built {
         match b.build_detailed() {
             Ok(t) if errors.is_empty() => return Ok(t),
@@ -161,7 +158,7 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
                             }
                             let pos = field
                                 .as_deref()
-                                .and_then(|f| fields.get(f).copied())
+                                .and_then(|f| field_pos(fields, f))
                                 .unwrap_or(*stage_pos);
                             (pos, label.clone())
                         }
@@ -193,70 +190,28 @@ pub fn parse(file: &str, text: &str) -> Result<Topology, FileErrors> {
     })
 }
 
-/// One problem found in a file.
-struct Located {
-    pos: Pos,
-    place: String,
-    field: Option<String>,
-    message: String,
-}
-
-impl Located {
-    fn render(&self, file: &str) -> String {
-        match &self.field {
-            Some(f) => format!(
-                "{file}:{}: {}, field `{f}`: {}",
-                self.pos, self.place, self.message
-            ),
-            None => format!("{file}:{}: {}: {}", self.pos, self.place, self.message),
+/// Where field `field` of a stage is: its own noted position, else its parent's
+/// (`idempotency.lease` -> `idempotency`, `params[1]` -> `params`).
+fn field_pos(fields: &HashMap<String, Pos>, field: &str) -> Option<Pos> {
+    let mut f = field;
+    loop {
+        if let Some(p) = fields.get(f) {
+            return Some(*p);
         }
+        f = match f.rfind(['.', '[']) {
+            Some(i) => &f[..i],
+            None => return None,
+        };
     }
 }
 
-/// The stage kinds a file may use.
-const STAGE_KINDS: [&str; 10] = [
-    "dedup", "enrich", "file", "filter", "http", "map", "postgres", "redis", "route", "sink",
-];
-
-/// External sink kinds (see [`sinks`]): read with their own serde definitions.
-const EXTERNAL_KINDS: [&str; 4] = ["file", "http", "postgres", "redis"];
-
-/// A node as JSON, for the serde definitions of external sinks.
-fn to_json(n: &Node) -> serde_json::Value {
-    use serde_json::Value as J;
-    match &n.val {
-        Val::Null => J::Null,
-        Val::Bool(b) => J::Bool(*b),
-        Val::Int(i) => J::from(*i),
-        Val::Float(f) => serde_json::Number::from_f64(*f).map_or(J::Null, J::Number),
-        Val::Str(s) => J::String(s.clone()),
-        Val::Seq(items) => J::Array(items.iter().map(to_json).collect()),
-        Val::Map(es) => J::Object(es.iter().map(|(k, _, v)| (k.clone(), to_json(v))).collect()),
-    }
-}
-
-/// A map's fields, after the unknown ones were reported.
-struct Fields<'a> {
-    pos: Pos,
-    entries: Vec<(&'a str, Pos, &'a Node)>,
-}
-
-impl<'a> Fields<'a> {
-    fn get(&self, name: &str) -> Option<&'a Node> {
-        self.entries
-            .iter()
-            .find(|(k, _, _)| *k == name)
-            .map(|(_, _, n)| *n)
-    }
-}
-
-/// Walks the document, collecting every error with its position.
+/// Walks the document, collecting every error with its position; it reads fields with its
+/// [`Reader`] (which it derefs to), as the stage kinds do.
 struct Compiler {
-    /// The file's directory: descriptor set paths are relative to it.
-    base: std::path::PathBuf,
-    errors: Vec<Located>,
+    /// The typed field readers and the problems found.
+    r: Reader,
     /// Per stage: its position, its label in messages, and its fields' positions.
-    stage_pos: Vec<(Pos, String, HashMap<&'static str, Pos>)>,
+    stage_pos: Vec<(Pos, String, HashMap<String, Pos>)>,
     /// Positions of top-level things, by `section` or `section.field`.
     top_pos: HashMap<String, Pos>,
     /// Labels of top-level nodes the builder names (`table x` -> "table `x`").
@@ -271,13 +226,24 @@ struct Compiler {
     name_failed: bool,
 }
 
-fn list(names: &[&str]) -> String {
-    names.join(", ")
+impl std::ops::Deref for Compiler {
+    type Target = Reader;
+    fn deref(&self) -> &Reader {
+        &self.r
+    }
+}
+
+impl std::ops::DerefMut for Compiler {
+    fn deref_mut(&mut self) -> &mut Reader {
+        &mut self.r
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::processor::key::KeySource;
+    use crate::sink::{EffectSpec, KeyRule, StoreSpec};
 
     #[test]
     fn shipped_gharchive_topology_compiles() {
@@ -293,7 +259,7 @@ mod tests {
             StageKind::Dedup(d) => {
                 assert_eq!(d.key, KeySource::JsonPointer("/id".into()));
                 assert_eq!(d.ttl_ms, 24 * 3600 * 1000);
-                assert_eq!(d.time, TimeSource::Event);
+                assert_eq!(d.time, crate::processor::stages::TimeSource::Event);
             }
             other => panic!("first stage should be dedup, is {other:?}"),
         }
@@ -323,5 +289,106 @@ mod tests {
             let got = parse("t.yaml", text).unwrap_err().to_string();
             assert_eq!(got, want);
         }
+    }
+
+    // External sinks (`topology/stage/external.rs`): read with positions, described
+    // without secrets.
+
+    #[test]
+    fn sink_stages_compile_and_describe_without_secrets() {
+        let text = r#"
+name: t
+source: { topic: orders }
+stages:
+  - dedup: { key: { json_pointer: /id } }
+  - http:
+      name: notify
+      url: { env: HOOK_URL }
+      headers: { Authorization: { env: HOOK_TOKEN }, X-Plain: "visible" }
+      idempotency: { store: redis, url: { env: ONCEFLOW_REDIS_URL }, in_flight: raise }
+  - postgres: { url: "postgres://u:hunter2@h/db", sql: "INSERT INTO t VALUES ($1)", params: ["{value./id}"] }
+  - file: { path: /tmp/x.jsonl, idempotency: { key: "{topic}-{offset}", store: none } }
+"#;
+        let t = parse("t.yaml", text).unwrap();
+        let d = t.describe();
+        assert!(!d.contains("hunter2"), "{d}");
+        assert!(
+            d.contains("env:HOOK_URL") && d.contains("Authorization=env:HOOK_TOKEN"),
+            "{d}"
+        );
+        let StageKind::External(h) = &t.stages()[1].kind else {
+            panic!()
+        };
+        assert!(matches!(h.resolved_key, Some(KeyRule::Dedup(_))));
+        assert!(matches!(h.store, StoreSpec::Redis { .. }));
+        let StageKind::External(p) = &t.stages()[2].kind else {
+            panic!()
+        };
+        assert!(matches!(p.effect, EffectSpec::Postgres(_)));
+        assert_eq!(
+            p.store,
+            StoreSpec::Postgres {
+                table: "onceflow_inbox".into()
+            }
+        );
+        assert_eq!(t.json_pointers(), vec!["/id".to_string()]);
+    }
+
+    #[test]
+    fn bad_templates_fail_validation() {
+        let text = r#"
+name: t
+source: { topic: orders, format: bytes }
+stages:
+  - http: { url: "http://x", idempotency: { key: "{value./order_id}" } }
+  - redis: { url: "redis://x", command: [SET, "{nope}"], idempotency: { store: redisx } }
+"#;
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        // The key template is placed at `idempotency.key` itself.
+        assert!(e.contains("t.yaml:5:50: stage `http` (http), field `key`: template \"{value./order_id}\" reads field /order_id, but the source format is bytes"), "{e}");
+        assert!(e.contains("unknown placeholder {nope}"), "{e}");
+        assert!(
+            e.contains("t.yaml:6:80: stage `redis` (redis), field `idempotency.store`: \"redisx\"; use sled, redis, postgres or none"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn external_fields_are_located() {
+        let text = r#"
+name: t
+source: { topic: orders }
+stages:
+  - http:
+      url: 42
+      timeout: soon
+      idempotency: { lease: 1s, colour: red }
+  - file: { line: "{value}" }
+"#;
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        let want = [
+            "t.yaml:6:12: stage `http` (http), field `url`: expected a string or { env: VAR }, found an integer",
+            "t.yaml:7:16: stage `http` (http), field `timeout`: \"soon\" is not a duration such as 24h or 90s",
+            "t.yaml:8:33: stage `http` (http), field `idempotency.colour`: unknown field, expected one of",
+            "t.yaml:9:11: stage `file` (file), field `path`: missing field",
+        ];
+        let lines: Vec<&str> = e.lines().collect();
+        assert_eq!(lines.len(), want.len(), "{e}");
+        for (got, want) in lines.iter().zip(want) {
+            assert!(
+                got.starts_with(want),
+                "{got}\n  does not start with\n{want}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_external_sink_field_out_of_range_is_an_error() {
+        let text = "name: t\nsource: {topic: a}\nstages:\n  - http: {url: \"http://x\", retries: 99999999999}\n";
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "t.yaml:4:38: stage `http` (http), field `retries`: 99999999999 retries is too many"
+        );
     }
 }

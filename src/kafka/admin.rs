@@ -366,18 +366,7 @@ impl Admin {
             let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
             let res = futures::executor::block_on(self.client.delete_topics(topics, &opts))
                 .map_err(Error::kafka("delete topics"))?;
-            for r in res {
-                match r {
-                    Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
-                    Err((t, code)) => {
-                        return Err(Error::BrokerCode {
-                            what: format!("cannot delete topic {t}"),
-                            code,
-                        })
-                    }
-                }
-            }
-            Ok(())
+            all_deleted(res, RDKafkaErrorCode::UnknownTopicOrPartition, "topic")
         })
     }
 
@@ -427,20 +416,34 @@ impl Admin {
                 .operation_timeout(Some(GROUP_REQUEST_TIMEOUT));
             let res = futures::executor::block_on(self.client.delete_groups(&[group], &opts))
                 .map_err(Error::kafka("delete group"))?;
-            for r in res {
-                match r {
-                    Ok(_) | Err((_, RDKafkaErrorCode::GroupIdNotFound)) => {}
-                    Err((g, code)) => {
-                        return Err(Error::BrokerCode {
-                            what: format!("cannot delete group {g}"),
-                            code,
-                        })
-                    }
-                }
-            }
-            Ok(())
+            all_deleted(res, RDKafkaErrorCode::GroupIdNotFound, "group")
         })
     }
+}
+
+/// The answer to a delete request (topics or groups, `what`): every name deleted or
+/// already gone (`absent`, e.g. an unknown topic), else the first refusal.
+///
+/// # Errors
+/// [`Error::BrokerCode`] naming the first `what` the broker refused to delete.
+fn all_deleted(
+    res: Vec<Result<String, (String, RDKafkaErrorCode)>>,
+    absent: RDKafkaErrorCode,
+    what: &str,
+) -> Result<()> {
+    for r in res {
+        match r {
+            Ok(_) => {}
+            Err((_, code)) if code == absent => {}
+            Err((name, code)) => {
+                return Err(Error::BrokerCode {
+                    what: format!("cannot delete {what} {name}"),
+                    code,
+                })
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

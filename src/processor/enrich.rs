@@ -64,7 +64,7 @@ pub enum MissingPolicy {
 
 impl MissingPolicy {
     /// Name as written in topology files.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             MissingPolicy::Drop => "drop",
             MissingPolicy::Pass => "pass",

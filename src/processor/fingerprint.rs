@@ -49,7 +49,7 @@ impl FingerprintFields {
     /// # Errors
     /// A sentence naming the list and the pointer: one that is neither empty nor starts
     /// with `/`, or no pointer at all.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if self.cover.is_empty() && self.ignore.is_empty() {
             return Err("give at least one JSON pointer to cover or to ignore".into());
         }
@@ -66,7 +66,7 @@ impl FingerprintFields {
     }
 
     /// For `describe`: `cover /a, /b; ignore /c`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let mut parts = Vec::new();
         if !self.cover.is_empty() {
             parts.push(format!("cover {}", self.cover.join(", ")));

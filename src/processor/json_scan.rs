@@ -54,14 +54,7 @@ pub(crate) fn scan(
         .enumerate()
         .map(|(i, p)| (i, p.as_slice()))
         .collect();
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    Walk {
-        paths: &paths,
-        found: &mut found,
-        raw: false,
-    }
-    .deserialize(&mut de)?;
-    de.end()?;
+    walk(bytes, &paths, &mut found, false)?;
     // Numbers that did not come as 64-bit integers were marked with an empty text: read
     // their exact text in a second pass over the (now known valid) bytes, for those
     // pointers only.
@@ -75,18 +68,24 @@ pub(crate) fn scan(
             .copied()
             .collect();
         let mut exact = vec![Scalar::Missing; pointers.len()];
-        let mut de = serde_json::Deserializer::from_slice(bytes);
-        Walk {
-            paths: &lossy,
-            found: &mut exact,
-            raw: true,
-        }
-        .deserialize(&mut de)?;
+        walk(bytes, &lossy, &mut exact, true)?;
         for (i, _) in lossy {
             found[i] = std::mem::replace(&mut exact[i], Scalar::Missing);
         }
     }
     Ok(found)
+}
+
+/// One pass of [`Walk`] over `bytes`, which must hold one JSON value and nothing after it.
+fn walk(
+    bytes: &[u8],
+    paths: &[(usize, &[String])],
+    found: &mut [Scalar],
+    raw: bool,
+) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    Walk { paths, found, raw }.deserialize(&mut de)?;
+    de.end()
 }
 
 /// Walks one value; `paths` are the pointers (rest of their tokens) that lead into it.

@@ -44,7 +44,7 @@ impl std::fmt::Display for KeyError {
 
 impl KeySource {
     /// Describe the source for messages, e.g. `json pointer /id`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             KeySource::JsonPointer(p) => format!("json pointer {p}"),
             KeySource::Header(h) => format!("header {h}"),

@@ -49,6 +49,36 @@ impl Record {
     }
 }
 
+#[cfg(test)]
+impl Record {
+    /// A record for unit tests: `key`, `value` and `headers` as given, read from
+    /// `(topic, partition, offset)` with timestamp `timestamp`, no decoded view.
+    pub(crate) fn for_test(
+        key: &[u8],
+        value: &str,
+        headers: &[(&str, &[u8])],
+        (topic, partition, offset): (&str, i32, i64),
+        timestamp: i64,
+    ) -> Record {
+        Record {
+            key: Some(Bytes::copy_from_slice(key)),
+            value: Some(Bytes::from(value.to_string())),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), Some(Bytes::copy_from_slice(v))))
+                .collect(),
+            timestamp: Some(timestamp),
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic: topic.into(),
+                partition,
+                offset,
+            },
+        }
+    }
+}
+
 /// A record bound for a Kafka topic (a sink output, a dead letter or a changelog write).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutRecord {

@@ -54,7 +54,7 @@ impl RouteSpec {
     }
 
     /// Every topic the route may write, in order, without repeats.
-    pub fn topics(&self) -> Vec<String> {
+    pub(crate) fn topics(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         for t in self
             .branches

@@ -20,10 +20,7 @@ pub(crate) struct StatelessMetrics {
 
 impl StatelessMetrics {
     pub(crate) fn new(topology: &str, stage: &str) -> Self {
-        let c = |result: &'static str| {
-            metrics::counter!(crate::metrics::RECORDS_PROCESSED,
-                "topology" => topology.to_string(), "stage" => stage.to_string(), "result" => result)
-        };
+        let c = |result| crate::metrics::records_processed(topology, stage, result);
         StatelessMetrics {
             passed: c("passed"),
             dropped: c("filtered"),
@@ -136,7 +133,7 @@ impl MapSpec {
     }
 
     /// Every pointer this map names, with the field it comes from, for validation.
-    pub fn pointers(&self) -> Vec<(&'static str, &str)> {
+    pub(crate) fn pointers(&self) -> Vec<(&'static str, &str)> {
         let mut out: Vec<(&'static str, &str)> = Vec::new();
         out.extend(self.set.iter().map(|(p, _)| ("set", p.as_str())));
         for (a, b) in &self.rename {

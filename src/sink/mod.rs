@@ -67,7 +67,7 @@ impl Secret {
     ///
     /// # Errors
     /// A sentence naming the variable when it is unset, empty or not UTF-8.
-    pub fn resolve(&self) -> Result<String, String> {
+    pub(crate) fn resolve(&self) -> Result<String, String> {
         match self {
             Secret::Inline(v) => Ok(v.clone()),
             Secret::Env(n) => match std::env::var(n) {
@@ -79,7 +79,7 @@ impl Secret {
     }
 
     /// A printable form that never shows the value.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Secret::Inline(_) => "<inline>".into(),
             Secret::Env(n) => format!("env:{n}"),
@@ -182,8 +182,9 @@ pub enum StoreSpec {
     /// header and `onceflow_sink_effects_total`), never `done`.
     None,
     /// Local sled database (one tree per topology and sink), in the instance's state dir:
-    /// one instance only. Bound to a state dir before it runs ([`ExternalSinkSpec::bind_state_dir`]: `App::run`
-    /// and `TestDriver::state_dir` do it), so that it is covered by the state dir's lock and
+    /// one instance only. Bound to a state dir before it runs (`App::run` and
+    /// `TestDriver::state_dir` do it: a default path becomes
+    /// `<state.dir>/idempotency/<application.id>`, a relative one is taken under `state.dir`), so that it is covered by the state dir's lock and
     /// two instances with different state dirs never share it.
     Sled {
         /// Database directory: `None` (the default) is `sled_home``(state.dir,
@@ -291,7 +292,7 @@ impl ExternalSinkSpec {
     }
 
     /// One line for `describe`; secrets are shown by their source only.
-    pub fn describe(&self, name: &str) -> String {
+    pub(crate) fn describe(&self, name: &str) -> String {
         let what = match &self.effect {
             EffectSpec::Http(h) => format!(
                 "{} {} headers=[{}] timeout={:?} retries={}",
@@ -330,29 +331,31 @@ impl ExternalSinkSpec {
     }
 }
 
+use crate::error::FieldError;
+
 impl ExternalSinkSpec {
     /// Validate this sink and resolve its key rule, given what the topology knows: the key of
     /// the nearest dedup stage upstream (the default idempotency key) and the source's format
     /// (which the templates must fit); called by `TopologyBuilder::build`. Returns the problems
     /// found, each naming the field.
-    pub fn validate(
+    pub(crate) fn validate(
         &mut self,
         upstream_dedup: Option<KeySource>,
         format: Option<&Format>,
-    ) -> Vec<String> {
+    ) -> Vec<FieldError> {
         let spec = self;
         let mut errs = Vec::new();
-        let check = |field: &str, t: &str, errs: &mut Vec<String>| match Template::parse(t) {
+        let check = |field: &str, t: &str, errs: &mut Vec<FieldError>| match Template::parse(t) {
             Ok(t) => {
                 if let Some(f) = format {
                     if let Err(e) = t.check_format(f) {
-                        errs.push(format!("field `{field}`: {e}"));
+                        errs.push(FieldError::at(field, e.to_string()));
                     }
                 }
                 Some(t)
             }
             Err(e) => {
-                errs.push(format!("field `{field}`: {e}"));
+                errs.push(FieldError::at(field, e.to_string()));
                 None
             }
         };
@@ -361,7 +364,7 @@ impl ExternalSinkSpec {
                 let t = check("key", k, &mut errs);
                 if let Some(t) = &t {
                     if t.parts().is_empty() {
-                        errs.push("field `key`: the template is empty".into());
+                        errs.push(FieldError::at("key", "the template is empty"));
                     }
                 }
                 t.map(KeyRule::Template)
@@ -372,13 +375,13 @@ impl ExternalSinkSpec {
                 .map(KeyRule::Template),
         };
         if spec.max_key_bytes == 0 {
-            errs.push("field `max_key_bytes`: must be positive".into());
+            errs.push(FieldError::at("max_key_bytes", "must be positive"));
         }
         if spec.concurrency == 0 {
-            errs.push("field `concurrency`: must be positive".into());
+            errs.push(FieldError::at("concurrency", "must be positive"));
         }
         if spec.policy.lease.is_zero() {
-            errs.push("field `idempotency.lease`: must be positive".into());
+            errs.push(FieldError::at("idempotency.lease", "must be positive"));
         }
         if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
             (&spec.effect, &spec.store)
@@ -386,21 +389,23 @@ impl ExternalSinkSpec {
             // A lease that ends while its holder is still calling lets a twin call too.
             let worst = http_worst_case(h);
             if spec.policy.lease <= worst {
-                errs.push(format!(
-                "field `idempotency.lease`: {:?} is not longer than the longest the call can take with its retries ({:?} = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries",
+                errs.push(FieldError::at("idempotency.lease", format!("{:?} is not longer than the longest the call can take with its retries ({:?} = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries",
                 spec.policy.lease, worst
-            ));
+            )));
             }
         }
         match &spec.effect {
             EffectSpec::Http(h) => {
                 check("body", &h.body, &mut errs);
                 if !matches!(h.method.as_str(), "POST" | "PUT") {
-                    errs.push(format!("field `method`: {:?}; use POST or PUT", h.method));
+                    errs.push(FieldError::at(
+                        "method",
+                        format!("{:?}; use POST or PUT", h.method),
+                    ));
                 }
                 if let Secret::Inline(u) = &h.url {
                     if !(u.starts_with("http://") || u.starts_with("https://")) {
-                        errs.push("field `url`: must start with http:// or https://".into());
+                        errs.push(FieldError::at("url", "must start with http:// or https://"));
                     }
                 }
             }
@@ -409,12 +414,15 @@ impl ExternalSinkSpec {
                     check(&format!("params[{i}]"), t, &mut errs);
                 }
                 if p.sql.trim().is_empty() {
-                    errs.push("field `sql`: must not be empty".into());
+                    errs.push(FieldError::at("sql", "must not be empty"));
                 }
             }
             EffectSpec::Redis(r) => {
                 if r.command.is_empty() {
-                    errs.push("field `command`: must name a command, e.g. [SET, \"k:{value./id}\", \"{value}\"]".into());
+                    errs.push(FieldError::at(
+                        "command",
+                        "must name a command, e.g. [SET, \"k:{value./id}\", \"{value}\"]",
+                    ));
                 }
                 for (i, t) in r.command.iter().enumerate() {
                     check(&format!("command[{i}]"), t, &mut errs);
@@ -426,15 +434,16 @@ impl ExternalSinkSpec {
         }
         if let StoreSpec::Postgres { table } = &spec.store {
             if !matches!(spec.effect, EffectSpec::Postgres(_)) {
-                errs.push("field `idempotency.store`: postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled".into());
+                errs.push(FieldError::at("idempotency.store", "postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled"));
             }
             if table.is_empty()
                 || !table
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
             {
-                errs.push(format!(
-                    "field `idempotency.table`: {table:?}; use ASCII letters, digits, '_' and '.'"
+                errs.push(FieldError::at(
+                    "idempotency.table",
+                    format!("{table:?}; use ASCII letters, digits, '_' and '.'"),
                 ));
             }
         }
@@ -491,7 +500,7 @@ impl ExternalSinkSpec {
     /// database is). A bound path is absolute, so binding twice changes nothing; the sink
     /// refuses an unbound (default or relative) path rather than guess a directory. Other
     /// stores are left as they are.
-    pub fn bind_state_dir(&mut self, state_dir: &Path, application_id: &str) {
+    pub(crate) fn bind_state_dir(&mut self, state_dir: &Path, application_id: &str) {
         if let StoreSpec::Sled { path } = &mut self.store {
             let state_dir =
                 std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());

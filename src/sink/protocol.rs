@@ -92,7 +92,7 @@ pub struct EffectError {
 
 impl EffectError {
     /// An effect whose outcome is unknown (see the type's documentation).
-    pub fn unknown(reason: impl Into<String>) -> Self {
+    pub(crate) fn unknown(reason: impl Into<String>) -> Self {
         EffectError {
             reason: reason.into(),
             unknown: true,
@@ -287,6 +287,20 @@ where
 }
 
 /// A two-thread runtime for the tests below.
+/// A reservation policy with short times for tests: `lease`, waiting up to `wait` for a
+/// key in flight elsewhere, giving up after `give_up`.
+#[cfg(test)]
+fn test_policy(lease: Duration, wait: Duration, give_up: Duration) -> ReservationPolicy {
+    ReservationPolicy {
+        lease,
+        in_flight: InFlight::Wait(wait),
+        raise_backoff: Duration::from_millis(30),
+        in_flight_give_up: give_up,
+        store_retry_for: Duration::from_millis(300),
+        ..ReservationPolicy::default()
+    }
+}
+
 #[cfg(test)]
 fn test_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -306,13 +320,21 @@ mod tests {
     use super::test_runtime as rt;
 
     fn quick() -> ReservationPolicy {
-        ReservationPolicy {
-            lease: Duration::from_millis(300),
-            in_flight: InFlight::Wait(Duration::from_secs(2)),
-            raise_backoff: Duration::from_millis(30),
-            in_flight_give_up: Duration::from_secs(3),
-            store_retry_for: Duration::from_millis(300),
-            ..ReservationPolicy::default()
+        super::test_policy(
+            Duration::from_millis(300),
+            Duration::from_secs(2),
+            Duration::from_secs(3),
+        )
+    }
+
+    /// An effect that counts its runs in `n` and answers `reply`.
+    fn counted<'a>(
+        n: &'a AtomicUsize,
+        reply: &'static [u8],
+    ) -> impl Fn() -> std::future::Ready<Result<Vec<u8>, EffectError>> + Copy + 'a {
+        move || {
+            n.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok(reply.to_vec()))
         }
     }
 
@@ -321,10 +343,7 @@ mod tests {
         rt().block_on(async {
             let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
-            let eff = || async {
-                n.fetch_add(1, Ordering::SeqCst);
-                Ok(b"r1".to_vec())
-            };
+            let eff = counted(&n, b"r1");
             assert_eq!(
                 run_once(&s, b"k", &quick(), eff).await,
                 Ok(EffectOutcome::Done(b"r1".to_vec()))
@@ -465,10 +484,7 @@ mod tests {
         rt().block_on(async {
             let s = MemoryIdempotencyStore::new();
             let n = AtomicUsize::new(0);
-            let eff = || async {
-                n.fetch_add(1, Ordering::SeqCst);
-                Ok(b"r".to_vec())
-            };
+            let eff = counted(&n, b"r");
             // A short outage is retried through.
             s.fail_next(2);
             assert_eq!(
@@ -504,14 +520,11 @@ mod real_store_tests {
     use std::sync::Arc;
 
     async fn suite(s: Arc<dyn IdempotencyStore>, ns: &str) {
-        let p = ReservationPolicy {
-            lease: Duration::from_millis(400),
-            in_flight: InFlight::Wait(Duration::from_secs(3)),
-            raise_backoff: Duration::from_millis(30),
-            in_flight_give_up: Duration::from_secs(5),
-            store_retry_for: Duration::from_millis(300),
-            ..ReservationPolicy::default()
-        };
+        let p = super::test_policy(
+            Duration::from_millis(400),
+            Duration::from_secs(3),
+            Duration::from_secs(5),
+        );
         let k = |s: &str| format!("{ns}{s}").into_bytes();
         let n = Arc::new(AtomicUsize::new(0));
         let eff = |r: &'static str| {

@@ -16,6 +16,9 @@
 //! transaction (see `sink::effects`).
 
 use futures::future::BoxFuture;
+
+/// What every store operation gives: a boxed future of its result.
+pub(crate) type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
 use std::collections::HashMap;
 #[cfg(test)]
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -56,7 +59,7 @@ pub trait IdempotencyStore: Send + Sync {
         key: &'a [u8],
         token: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Reservation, StoreError>>;
+    ) -> StoreFuture<'a, Reservation>;
 
     /// Mark `key` completed with `result`, kept for `ttl`. Called only after the effect
     /// succeeded; it overwrites whatever is there (a completed effect is completed).
@@ -68,22 +71,19 @@ pub trait IdempotencyStore: Send + Sync {
         key: &'a [u8],
         result: &'a [u8],
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    ) -> StoreFuture<'a, ()>;
 
     /// Drop the reservation of `key` if `token` still holds it (the effect failed).
     ///
     /// # Errors
     /// `StoreError` when the store cannot be reached.
-    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> StoreFuture<'a, ()>;
 
     /// The state of `key` now: `None` when free, else `InFlight` or `Completed`.
     ///
     /// # Errors
     /// `StoreError` when the store cannot be reached.
-    fn lookup<'a>(
-        &'a self,
-        key: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>>;
+    fn lookup<'a>(&'a self, key: &'a [u8]) -> StoreFuture<'a, Option<Reservation>>;
 }
 
 fn now_ms() -> u64 {
@@ -177,7 +177,7 @@ pub(crate) trait LocalMap: Send + Sync {
     ///
     /// # Errors
     /// [`StoreError`] when they cannot be made durable.
-    fn persist(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn persist(&self) -> StoreFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }
 }
@@ -188,7 +188,7 @@ impl<M: LocalMap> IdempotencyStore for M {
         key: &'a [u8],
         token: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+    ) -> StoreFuture<'a, Reservation> {
         Box::pin(async move {
             self.begin()?;
             loop {
@@ -211,7 +211,7 @@ impl<M: LocalMap> IdempotencyStore for M {
         key: &'a [u8],
         result: &'a [u8],
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             self.begin()?;
             self.put(
@@ -222,7 +222,7 @@ impl<M: LocalMap> IdempotencyStore for M {
         })
     }
 
-    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             self.begin()?;
             let cur = self.get(key)?;
@@ -238,10 +238,7 @@ impl<M: LocalMap> IdempotencyStore for M {
         })
     }
 
-    fn lookup<'a>(
-        &'a self,
-        key: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+    fn lookup<'a>(&'a self, key: &'a [u8]) -> StoreFuture<'a, Option<Reservation>> {
         Box::pin(async move {
             self.begin()?;
             Ok(self
@@ -399,7 +396,7 @@ impl LocalMap for SledIdempotencyStore {
         Ok(())
     }
 
-    fn persist(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn persist(&self) -> StoreFuture<'_, ()> {
         // Durable before the record's offset can be committed. sled's flush_async stalled
         // under many concurrent callers here; a blocking flush on the blocking pool does not.
         let tree = self.tree.clone();
@@ -521,7 +518,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         key: &'a [u8],
         token: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+    ) -> StoreFuture<'a, Reservation> {
         Box::pin(async move {
             let k = self.k(key);
             let mut val = vec![b'I'];
@@ -558,7 +555,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         key: &'a [u8],
         result: &'a [u8],
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut val = vec![b'C'];
             val.extend_from_slice(result);
@@ -572,7 +569,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         })
     }
 
-    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+    fn release<'a>(&'a self, key: &'a [u8], token: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut val = vec![b'I'];
             val.extend_from_slice(token.to_string().as_bytes());
@@ -583,10 +580,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         })
     }
 
-    fn lookup<'a>(
-        &'a self,
-        key: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Reservation>, StoreError>> {
+    fn lookup<'a>(&'a self, key: &'a [u8]) -> StoreFuture<'a, Option<Reservation>> {
         Box::pin(async move {
             let mut g = redis::cmd("GET");
             g.arg(self.k(key));

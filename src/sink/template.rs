@@ -297,23 +297,15 @@ fn field(record: &Record, ptr: &str, out: &mut Vec<u8>) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::processor::SourceMeta;
-    use bytes::Bytes;
 
     fn rec(value: &str) -> Record {
-        Record {
-            key: Some(Bytes::from_static(b"k\xff1")),
-            value: Some(Bytes::from(value.to_string())),
-            headers: vec![("msg-id".into(), Some(Bytes::from_static(b"m-1")))],
-            timestamp: Some(7),
-            json: None,
-            fields: None,
-            source: SourceMeta {
-                topic: "orders".into(),
-                partition: 3,
-                offset: 42,
-            },
-        }
+        Record::for_test(
+            b"k\xff1",
+            value,
+            &[("msg-id", b"m-1")],
+            ("orders", 3, 42),
+            7,
+        )
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! showing the source, each stage with its settings, the topics written, and the stores
 //! with their changelog topics.
 
-use super::{StageKind, Topology};
-use crate::processor::stages::{repartition_topic, Partitioning};
+use super::Topology;
 use crate::state::restore::changelog_topic;
+use crate::topology::stage::Link;
 use std::fmt::Write as _;
 
 /// Output format of [`Topology::describe_as`].
@@ -33,106 +33,18 @@ impl std::str::FromStr for DescribeFormat {
     }
 }
 
-/// One line of settings for a stage.
-fn settings(kind: &StageKind) -> String {
-    match kind {
-        StageKind::Dedup(d) => {
-            let mut s = format!(
-                "key={} ttl={} time={:?}",
-                d.key.describe(),
-                humantime::format_duration(
-                    std::time::Duration::from_millis(d.ttl_ms.max(0) as u64)
-                ),
-                d.time
-            );
-            if d.fingerprint {
-                match &d.fingerprint_fields {
-                    Some(f) => {
-                        let _ = write!(s, " fingerprint({})", f.describe());
-                    }
-                    None => s.push_str(" fingerprint"),
-                }
-                let _ = write!(s, " on_conflict={}", d.on_conflict.name());
-            }
-            if let Some(m) = d.max_keys {
-                let _ = write!(s, " max_keys={m}");
-            }
-            if let Some(t) = &d.duplicates_to {
-                let _ = write!(s, " duplicates_to={t}");
-            }
-            let (p, why) = d.effective_partitioning();
-            let _ = write!(s, " partitioning={} ({why})", p.name());
-            s
-        }
-        StageKind::Sink(k) => {
-            let mut s = format!("topics={}", k.topics.join(","));
-            if let Some(f) = &k.key {
-                let _ = write!(s, " key=`{}`", f.describe());
-            }
-            for (h, f) in &k.headers {
-                let _ = write!(s, " header[{h}]=`{}`", f.describe());
-            }
-            s
-        }
-        StageKind::Filter(f) => format!("when `{}`", f.predicate.describe()),
-        StageKind::Map(m) => {
-            let mut parts = Vec::new();
-            for (from, to) in &m.rename {
-                parts.push(format!("rename {from}->{to}"));
-            }
-            for (p, f) in &m.set {
-                parts.push(format!("set {p}=`{}`", f.describe()));
-            }
-            for p in &m.drop {
-                parts.push(format!("drop {p}"));
-            }
-            parts.join(" ")
-        }
-        StageKind::Route(r) => {
-            let mut parts: Vec<String> = r
-                .branches
-                .iter()
-                .map(|b| format!("`{}`->{}", b.when.describe(), b.topic))
-                .collect();
-            parts.push(format!(
-                "default->{}",
-                r.default.as_deref().unwrap_or("(dropped)")
-            ));
-            parts.join(" ")
-        }
-        // Its own description, less the `ExternalSink: <name>` head.
-        StageKind::External(e) => {
-            let full = e.describe("\u{1}");
-            full.split_once("\u{1} ")
-                .map_or(full.clone(), |(_, rest)| rest.to_string())
-        }
-        StageKind::Enrich(e) => format!(
-            "table={} key={} into={:?} on_missing={}",
-            e.table,
-            e.key.describe(),
-            e.into,
-            e.on_missing.name()
-        ),
-    }
-}
-
-fn kind_title(kind: &StageKind) -> &'static str {
-    match kind {
-        StageKind::Dedup(_) => "Dedup",
-        StageKind::Sink(_) => "Sink",
-        StageKind::Filter(_) => "Filter",
-        StageKind::Map(_) => "Map",
-        StageKind::Route(_) => "Route",
-        StageKind::Enrich(_) => "Enrich",
-        StageKind::External(_) => "ExternalSink",
-    }
-}
-
-fn stores_of(kind: &StageKind, name: &str) -> Vec<String> {
-    match kind {
-        StageKind::Dedup(_) => vec![name.to_string()],
-        _ => Vec::new(),
-    }
+/// A kind's title in the text form: its name with each word capitalized and the spaces
+/// left out (`dedup` -> `Dedup`, `external sink` -> `ExternalSink`).
+fn title(kind_name: &str) -> String {
+    kind_name
+        .split(' ')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 /// Escape text for a Mermaid label in double quotes.
@@ -175,22 +87,16 @@ impl Topology {
             );
         }
         for st in &self.stages {
-            if let StageKind::Dedup(d) = &st.kind {
-                if d.effective_partitioning().0 == Partitioning::Repartition {
-                    let _ = writeln!(
-                        s,
-                        "  Repartition: topic {} keyed by {}",
-                        repartition_topic(app, &st.name),
-                        d.key.describe()
-                    );
-                }
+            let kind = st.kind.spec();
+            for line in kind.describe_before(app, &st.name) {
+                let _ = writeln!(s, "  {line}");
             }
             let _ = writeln!(
                 s,
                 "  {}: {} {}",
-                kind_title(&st.kind),
+                title(st.kind.kind_name()),
                 st.name,
-                settings(&st.kind)
+                kind.settings()
             );
         }
         let topics: Vec<String> = self
@@ -202,7 +108,7 @@ impl Topology {
             let _ = writeln!(s, "  Topics written: {}", topics.join(", "));
         }
         for st in &self.stages {
-            for store in stores_of(&st.kind, &st.name) {
+            for store in st.kind.spec().stores(&st.name) {
                 let _ = writeln!(
                     s,
                     "  Store: {store} (stage {}) changelog {}",
@@ -261,12 +167,8 @@ impl Topology {
         let mut prev = src;
         for (i, st) in self.stages.iter().enumerate() {
             let id = format!("s{i}");
-            let label = format!(
-                "{} {}\n{}",
-                st.kind.kind_name(),
-                st.name,
-                settings(&st.kind)
-            );
+            let kind = st.kind.spec();
+            let label = format!("{} {}\n{}", st.kind.kind_name(), st.name, kind.settings());
             nodes.push(if dot {
                 format!(
                     "  {id} [shape=box, label=\"{}\"];",
@@ -276,36 +178,20 @@ impl Topology {
                 format!("  {id}[\"{}\"]", esc(&label).replace('\n', "<br/>"))
             });
             edges.push((prev.clone(), id.clone(), None));
-            match &st.kind {
-                StageKind::Route(r) => {
-                    for b in &r.branches {
-                        let t = topic_node(&b.topic, &mut nodes);
-                        edges.push((id.clone(), t, Some(b.when.describe())));
-                    }
-                    if let Some(d) = &r.default {
-                        let t = topic_node(d, &mut nodes);
-                        edges.push((id.clone(), t, Some("default".into())));
-                    }
-                }
-                StageKind::Enrich(e) => {
-                    if let Some((_, tid)) = table_ids.iter().find(|(n, _)| *n == e.table) {
-                        edges.push((tid.clone(), id.clone(), Some("lookup".into())));
-                    }
-                }
-                StageKind::Dedup(d) => {
-                    if let Some(side) = &d.duplicates_to {
-                        let t = topic_node(side, &mut nodes);
-                        edges.push((id.clone(), t, Some("duplicates".into())));
-                    }
-                }
-                other => {
-                    for t in other.output_topics() {
+            for link in kind.links() {
+                match link {
+                    Link::ToTopic(t, label) => {
                         let t = topic_node(&t, &mut nodes);
-                        edges.push((id.clone(), t, None));
+                        edges.push((id.clone(), t, label));
+                    }
+                    Link::FromTable(table, label) => {
+                        if let Some((_, tid)) = table_ids.iter().find(|(n, _)| *n == table) {
+                            edges.push((tid.clone(), id.clone(), Some(label.into())));
+                        }
                     }
                 }
             }
-            for (j, store) in stores_of(&st.kind, &st.name).into_iter().enumerate() {
+            for (j, store) in kind.stores(&st.name).into_iter().enumerate() {
                 let sid = format!("st{i}_{j}");
                 let cl = changelog_topic(app, &store);
                 nodes.push(if dot {

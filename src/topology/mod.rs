@@ -6,19 +6,19 @@
 
 mod builder;
 mod describe;
+pub(crate) mod stage;
 
 use crate::kafka::check_topic_name;
-pub use builder::{BuildError, TopologyBuilder};
+pub use builder::TopologyBuilder;
 pub use describe::DescribeFormat;
 
 use crate::error::Error;
-use crate::processor::route::{Route, RouteSpec};
-use crate::processor::stages::{Dedup, DedupSpec, SinkSpec, TopicSink};
-use crate::processor::transform::{Filter, FilterSpec, MapFields, MapSpec};
+use crate::processor::stages::DedupSpec;
 use crate::processor::Processor;
-use crate::processor::Record;
+use crate::topology::stage::BuildCx;
+pub(crate) use crate::topology::stage::StageKind;
 
-pub(crate) use crate::codec::{Format, ProtoFormat};
+pub(crate) use crate::codec::Format;
 pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 
 /// The source of a topology: one topic and its value format.
@@ -28,53 +28,6 @@ pub(crate) struct Source {
     pub(crate) topic: String,
     /// Value format.
     pub(crate) format: Format,
-}
-
-/// What a stage does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum StageKind {
-    /// Drop repeated records by key within a TTL.
-    Dedup(DedupSpec),
-    /// Write records to one or more topics.
-    Sink(SinkSpec),
-    /// Keep records a predicate accepts.
-    Filter(FilterSpec),
-    /// Set, rename and drop fields.
-    Map(MapSpec),
-    /// Send records to topics by predicate.
-    Route(RouteSpec),
-    /// Join records with a lookup table.
-    Enrich(EnrichSpec),
-    /// An effect outside Kafka (HTTP, PostgreSQL, Redis, file) with keyed idempotency.
-    External(Box<crate::sink::ExternalSinkSpec>),
-}
-
-impl StageKind {
-    /// The kind as written in topology files (`dedup`, `sink`, ...).
-    pub(crate) fn kind_name(&self) -> &'static str {
-        match self {
-            StageKind::Dedup(_) => "dedup",
-            StageKind::Sink(_) => "sink",
-            StageKind::Filter(_) => "filter",
-            StageKind::Map(_) => "map",
-            StageKind::Route(_) => "route",
-            StageKind::Enrich(_) => "enrich",
-            StageKind::External(_) => "external sink",
-        }
-    }
-
-    /// Topics this stage writes (sinks, routes, a dedup's duplicate topic), in order.
-    pub(crate) fn output_topics(&self) -> Vec<String> {
-        match self {
-            StageKind::Sink(k) => k.topics.clone(),
-            StageKind::Route(r) => r.topics(),
-            StageKind::Dedup(d) => d.duplicates_to.iter().cloned().collect(),
-            StageKind::Filter(_)
-            | StageKind::Map(_)
-            | StageKind::Enrich(_)
-            | StageKind::External(_) => Vec::new(),
-        }
-    }
 }
 
 /// A named stage.
@@ -142,12 +95,12 @@ impl Topology {
         &self.stages
     }
 
-    /// Names of the state stores, one per dedup stage.
+    /// Names of the state stores the stages declare (one per dedup stage), in stage
+    /// order.
     pub fn stores(&self) -> Vec<String> {
         self.stages
             .iter()
-            .filter(|s| matches!(s.kind, StageKind::Dedup(_)))
-            .map(|s| s.name.clone())
+            .flat_map(|s| s.kind.spec().stores(&s.name))
             .collect()
     }
 
@@ -174,20 +127,7 @@ impl Topology {
     pub(crate) fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();
         for s in &self.stages {
-            match &s.kind {
-                StageKind::Dedup(d) => d.key.json_pointers(&mut out),
-                StageKind::Enrich(e) => {
-                    e.key.json_pointers(&mut out);
-                    // The enrich fast path needs to know the target field is absent.
-                    if crate::processor::enrich::splice_field(&e.into).is_some()
-                        && !out.contains(&e.into)
-                    {
-                        out.push(e.into.clone());
-                    }
-                }
-                StageKind::External(e) => e.json_pointers(&mut out),
-                _ => {}
-            }
+            s.kind.spec().json_pointers(&mut out);
         }
         out
     }
@@ -208,50 +148,16 @@ impl Topology {
 
     /// New processor instances for one task (one source partition), in stage order.
     pub(crate) fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
-        let last = self.stages.len().saturating_sub(1);
-        let json = self.source.format == Format::Json;
-        let t = self.name.as_str();
         self.stages
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                let n = s.name.as_str();
-                let p: Box<dyn Processor> = match &s.kind {
-                    StageKind::Dedup(spec) => Box::new(
-                        Dedup::new(t, n, n, spec.clone()).holding_twins(
-                            self.stages[i + 1..]
-                                .iter()
-                                .any(|s| matches!(s.kind, StageKind::External(_))),
-                        ),
-                    ),
-                    StageKind::Sink(spec) => {
-                        Box::new(TopicSink::new(n, spec, json, i != last).with_codecs(
-                            self.source.format.clone(),
-                            spec.topics.iter().map(|t| self.topic_format(t)).collect(),
-                        ))
-                    }
-                    StageKind::Enrich(spec) => {
-                        Box::new(crate::processor::enrich::Enrich::new(t, n, spec.clone()))
-                    }
-                    StageKind::External(spec) => {
-                        Box::new(crate::sink::stage::ExternalSink::new(t, n, spec, i != last))
-                    }
-                    StageKind::Filter(spec) => Box::new(Filter::new(t, n, spec.clone(), json)),
-                    StageKind::Map(spec) => Box::new(MapFields::new(t, n, spec.clone())),
-                    StageKind::Route(spec) => Box::new(
-                        Route::new(t, n, spec.clone(), json, i != last).with_codecs(
-                            self.source.format.clone(),
-                            spec.topics()
-                                .into_iter()
-                                .map(|x| {
-                                    let f = self.topic_format(&x);
-                                    (x, f)
-                                })
-                                .collect(),
-                        ),
-                    ),
+            .map(|(index, s)| {
+                let cx = BuildCx {
+                    topology: self,
+                    index,
+                    name: &s.name,
                 };
-                (s.name.clone(), p)
+                (s.name.clone(), s.kind.spec().processor(&cx))
             })
             .collect()
     }

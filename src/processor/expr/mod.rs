@@ -57,10 +57,36 @@ pub(crate) struct Expr {
     value_fields: Option<Vec<String>>,
 }
 
+/// The expressions inside a list, map or struct literal, in order (a map entry's key
+/// before its value); none for any other expression.
+fn literal_parts(e: &cel::common::ast::Expr) -> Vec<&cel::common::ast::IdedExpr> {
+    use cel::common::ast::{EntryExpr, Expr as E};
+    fn entry(en: &EntryExpr) -> Vec<&cel::common::ast::IdedExpr> {
+        match en {
+            EntryExpr::StructField(f) => vec![&f.value],
+            EntryExpr::MapEntry(me) => vec![&me.key, &me.value],
+        }
+    }
+    match e {
+        E::List(l) => l.elements.iter().collect(),
+        // A map literal holds only map entries.
+        E::Map(m) => m
+            .entries
+            .iter()
+            .flat_map(|en| match &en.expr {
+                EntryExpr::MapEntry(_) => entry(&en.expr),
+                EntryExpr::StructField(_) => Vec::new(),
+            })
+            .collect(),
+        E::Struct(st) => st.entries.iter().flat_map(|en| entry(&en.expr)).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// Collect the top-level fields of `value` that `e` reads; `whole` is set when `value` is
 /// used in any other way (passed to a function, iterated, compared).
 fn value_fields(e: &cel::common::ast::IdedExpr, out: &mut Vec<String>, whole: &mut bool) {
-    use cel::common::ast::{EntryExpr, Expr as E, LiteralValue};
+    use cel::common::ast::{Expr as E, LiteralValue};
     let is_value = |x: &cel::common::ast::IdedExpr| matches!(&x.expr, E::Ident(n) if n == "value");
     let add = |f: &str, out: &mut Vec<String>| {
         if !out.iter().any(|o| o == f) {
@@ -109,26 +135,9 @@ fn value_fields(e: &cel::common::ast::IdedExpr, out: &mut Vec<String>, whole: &m
                 value_fields(x, out, whole);
             }
         }
-        E::List(l) => l.elements.iter().for_each(|x| value_fields(x, out, whole)),
-        E::Map(m) => {
-            for en in &m.entries {
-                if let EntryExpr::MapEntry(me) = &en.expr {
-                    value_fields(&me.key, out, whole);
-                    value_fields(&me.value, out, whole);
-                }
-            }
-        }
-        E::Struct(st) => {
-            for en in &st.entries {
-                match &en.expr {
-                    EntryExpr::StructField(f) => value_fields(&f.value, out, whole),
-                    EntryExpr::MapEntry(me) => {
-                        value_fields(&me.key, out, whole);
-                        value_fields(&me.value, out, whole);
-                    }
-                }
-            }
-        }
+        E::List(_) | E::Map(_) | E::Struct(_) => literal_parts(&e.expr)
+            .into_iter()
+            .for_each(|x| value_fields(x, out, whole)),
         E::Literal(_) | E::Unspecified => {}
     }
 }
@@ -297,7 +306,7 @@ fn free_vars(
     bound: &mut Vec<String>,
     out: &mut std::collections::BTreeSet<String>,
 ) {
-    use cel::common::ast::{EntryExpr, Expr as E};
+    use cel::common::ast::Expr as E;
     match &e.expr {
         E::Ident(n) => {
             if !bound.iter().any(|b| b == n) {
@@ -325,26 +334,9 @@ fn free_vars(
             }
             bound.truncate(n);
         }
-        E::List(l) => l.elements.iter().for_each(|x| free_vars(x, bound, out)),
-        E::Map(m) => {
-            for en in &m.entries {
-                if let EntryExpr::MapEntry(me) = &en.expr {
-                    free_vars(&me.key, bound, out);
-                    free_vars(&me.value, bound, out);
-                }
-            }
-        }
-        E::Struct(st) => {
-            for en in &st.entries {
-                match &en.expr {
-                    EntryExpr::StructField(f) => free_vars(&f.value, bound, out),
-                    EntryExpr::MapEntry(me) => {
-                        free_vars(&me.key, bound, out);
-                        free_vars(&me.value, bound, out);
-                    }
-                }
-            }
-        }
+        E::List(_) | E::Map(_) | E::Struct(_) => literal_parts(&e.expr)
+            .into_iter()
+            .for_each(|x| free_vars(x, bound, out)),
         E::Literal(_) | E::Unspecified => {}
     }
 }
@@ -370,25 +362,12 @@ pub(crate) use func::*;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::processor::SourceMeta;
 
     fn rec(value: &str) -> Record {
+        let headers: [(&str, &[u8]); 3] = [("h", b"v"), ("bin", &[0xff, 0x00]), ("h", b"second")];
         Record {
-            key: Some(Bytes::from_static(b"k1")),
-            value: Some(Bytes::from(value.to_string())),
-            headers: vec![
-                ("h".into(), Some(Bytes::from_static(b"v"))),
-                ("bin".into(), Some(Bytes::from_static(&[0xff, 0x00]))),
-                ("h".into(), Some(Bytes::from_static(b"second"))),
-            ],
-            timestamp: Some(1000),
             json: Some(serde_json::from_str(value).unwrap()),
-            fields: None,
-            source: SourceMeta {
-                topic: "in".into(),
-                partition: 2,
-                offset: 7,
-            },
+            ..Record::for_test(b"k1", value, &headers, ("in", 2, 7), 1000)
         }
     }
 
