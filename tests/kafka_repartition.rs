@@ -165,10 +165,8 @@ fn instances_come_and_go_and_every_id_comes_out_once_read_committed() {
         let p = kafka::TestProducer::new(&bs).unwrap();
         gharchive::publish_random_keys(&p, &input, 2000, 3).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as i64;
+        // In the GH Archive hours' era (see SYNTHETIC_EVENT_MS), not the wall clock.
+        let now = SYNTHETIC_EVENT_MS;
         let (mut distinct, mut sent) = (0u64, 0u64);
         let started = Instant::now();
         while sent < 100_000 {

@@ -189,6 +189,15 @@ impl Running {
     }
 }
 
+/// Event time for synthetic events published next to the GH Archive hours: 2015-01-01T02:00Z,
+/// right after the two hours. Stamped with the wall clock instead, they move a partition's
+/// stream time on by years, and the expiry sweep then deletes the GH events' marks (TTL 24 h
+/// plus grace, counted in stream time) while copies of those events may still be on their
+/// way: copies that arrive later pass again, as the dedup contract allows after expiry.
+/// (Seen under churn with a repartition hop, where routers deliver each source partition's
+/// records at their own pace.)
+pub const SYNTHETIC_EVENT_MS: i64 = 1_420_077_600_000;
+
 /// Start `onceflow run <topology> --set k=v ... [extra args]` with `env` added.
 pub fn start(
     names: &Names,
