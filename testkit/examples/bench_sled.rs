@@ -67,13 +67,14 @@ fn run_store(keys: usize) -> f64 {
         written += n;
     }
     backend.flush().unwrap();
+    report("store", per_tree * TREES, started)
+}
+
+/// Print and return the rate of `marks` written since `started`.
+fn report(name: &str, marks: usize, started: Instant) -> f64 {
     let secs = started.elapsed().as_secs_f64();
-    let rate = (per_tree * TREES) as f64 / secs;
-    println!(
-        "{:<16} marks={} seconds={secs:.3} marks_per_second={rate:.0}",
-        "store",
-        per_tree * TREES
-    );
+    let rate = marks as f64 / secs;
+    println!("{name:<16} marks={marks} seconds={secs:.3} marks_per_second={rate:.0}");
     rate
 }
 
@@ -148,13 +149,7 @@ fn run(name: &str, keys: usize, mode: sled::Mode, shape: Shape) -> f64 {
         written += n;
     }
     db.flush().unwrap();
-    let secs = started.elapsed().as_secs_f64();
-    let rate = (per_tree * TREES) as f64 / secs;
-    println!(
-        "{name:<16} marks={} seconds={secs:.3} marks_per_second={rate:.0}",
-        per_tree * TREES
-    );
-    rate
+    report(name, per_tree * TREES, started)
 }
 
 fn main() {
