@@ -218,11 +218,18 @@ impl CommitLog for KafkaLog<'_> {
         let tpl = self.offsets(offsets)?;
         match self.consumer.commit(&tpl, self.mode) {
             // The group is rebalancing (another member joined or left): the coordinator
-            // refuses commits of the old generation. at_least_once allows it: the next owner
-            // of a partition resumes from its last committed offset, and the records it
-            // reads again find their marks restored from the changelog.
+            // refuses commits of the old generation. Or the coordinator is away (a broker
+            // outage long enough for the session to time out revokes every partition while
+            // no coordinator answers). at_least_once allows both: the next owner of a
+            // partition resumes from its last committed offset, and the records it reads
+            // again find their marks (applied before this step) or restored from the
+            // changelog.
             Err(e) if e.rdkafka_error_code().is_some_and(rebalancing) => {
                 tracing::warn!(error = %e, ?offsets, "offset commit refused during a rebalance: the next owner resumes from the last committed offsets");
+                Ok(())
+            }
+            Err(e) if e.rdkafka_error_code().is_some_and(coordinator_away) => {
+                tracing::warn!(error = %e, ?offsets, "offset commit failed: no group coordinator answers (broker away); the next owner resumes from the last committed offsets");
                 Ok(())
             }
             other => other.map_err(Error::kafka("commit offsets")),
@@ -264,6 +271,22 @@ fn rebalancing(code: rdkafka::types::RDKafkaErrorCode) -> bool {
     )
 }
 
+/// Whether an offset commit failed because no group coordinator answered (the brokers are
+/// away, or the coordinator moved), which at_least_once rides out.
+fn coordinator_away(code: rdkafka::types::RDKafkaErrorCode) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::WaitingForCoordinator
+            | C::CoordinatorNotAvailable
+            | C::NotCoordinator
+            | C::CoordinatorLoadInProgress
+            | C::OperationTimedOut
+            | C::RequestTimedOut
+            | C::AllBrokersDown
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,6 +297,31 @@ mod tests {
         Error::Kafka {
             op: "commit transaction",
             source: KafkaError::MessageProduction(code),
+        }
+    }
+
+    /// scripts/fault-matrix, "broker SIGKILLed, back after 60 s" (at_least_once): the
+    /// session timed out during the outage, the revocation's offset commit failed with
+    /// `WaitingForCoordinator`, and the instance exited. Those failures are ridden out;
+    /// others still stop the instance.
+    #[test]
+    fn an_offset_commit_without_a_coordinator_is_ridden_out_other_failures_are_not() {
+        for code in [
+            C::WaitingForCoordinator,
+            C::CoordinatorNotAvailable,
+            C::NotCoordinator,
+        ] {
+            assert!(coordinator_away(code) && !rebalancing(code), "{code:?}");
+        }
+        for code in [C::IllegalGeneration, C::RebalanceInProgress] {
+            assert!(rebalancing(code), "{code:?}");
+        }
+        for code in [
+            C::OffsetOutOfRange,
+            C::GroupAuthorizationFailed,
+            C::InvalidCommitOffsetSize,
+        ] {
+            assert!(!coordinator_away(code) && !rebalancing(code), "{code:?}");
         }
     }
 
