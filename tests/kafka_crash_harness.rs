@@ -25,7 +25,10 @@ fn exactly_once_v2_survives_sigkill_at_failpoints_and_random_moments() {
 /// longer than the session timeout; the group gives its partitions to the others; then it
 /// continues. The new owners must wait for that transaction before restoring the
 /// changelog, or the marks in it are missed and later repeats pass again (the bug this
-/// test caught: duplicates in 3 of 6 runs).
+/// test caught: duplicates in 3 of 6 runs). It caught a second one later (CI, 1 run in
+/// ~6): a partition revoked right after a commit, before the writer persisted that
+/// commit's marks, got its store's changelog offset moved past them by an empty commit
+/// while it waited to restore (`state::empty_commit_tests`).
 #[test]
 fn exactly_once_v2_survives_zombies_stopped_inside_their_transaction() {
     let bs = common::bootstrap();

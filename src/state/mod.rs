@@ -329,6 +329,8 @@ mod tests {
         let mut committed: std::collections::BTreeMap<u8, u8> = Default::default();
         let mut staged: std::collections::BTreeMap<u8, Option<u8>> = Default::default();
         let mut offset = 0i64;
+        // The changelog offset the engine must hold after a sync.
+        let mut stored: Option<i64> = None;
         for op in ops {
             match op {
                 Op::Stage(k, v) => {
@@ -338,6 +340,11 @@ mod tests {
                 Op::Commit => {
                     offset += 1;
                     s.commit(Some(offset)).unwrap();
+                    // A commit with nothing staged writes no changelog record: the stored
+                    // offset stays.
+                    if !staged.is_empty() {
+                        stored = Some(offset);
+                    }
                     for (k, v) in std::mem::take(&mut staged) {
                         match v {
                             Some(v) => {
@@ -355,6 +362,7 @@ mod tests {
                 }
                 Op::Restore(batch) => {
                     offset += 1;
+                    stored = Some(offset);
                     for (k, v) in &batch {
                         match v {
                             Some(v) => {
@@ -386,9 +394,7 @@ mod tests {
                         .map(|(k, v)| (vec![*k], vec![*v]))
                         .collect();
                     proptest::prop_assert_eq!(all, want);
-                    if offset > 0 {
-                        proptest::prop_assert_eq!(engine.changelog_offset().unwrap(), Some(offset));
-                    }
+                    proptest::prop_assert_eq!(engine.changelog_offset().unwrap(), stored);
                     // A count known when closing survives a reopen where the engine keeps
                     // it; an empty engine always has a known count.
                     let known_before = s.known_len().is_some();
@@ -498,12 +504,12 @@ mod tests {
 mod empty_commit_tests {
     use super::*;
 
-    /// A commit with no writes but a changelog offset (every commit of a partition whose
-    /// records were all duplicates, or that got none, once it has written a changelog
-    /// record) stores the offset, but must hold no memory once persisted: a long-running
-    /// instance commits every 100 ms (exactly_once_v2), forever.
+    /// A commit with no writes (every commit of a partition whose records were all
+    /// duplicates, or that got none) must hold no memory once persisted: a long-running
+    /// instance commits every 100 ms (exactly_once_v2), forever. It leaves the stored
+    /// changelog offset alone: it wrote no changelog record.
     #[test]
-    fn empty_commits_leave_nothing_in_memory() {
+    fn empty_commits_leave_nothing_in_memory_and_the_offset_alone() {
         let backend = MemoryBackend::default();
         let writer = Writer::spawn();
         let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(writer));
@@ -523,7 +529,47 @@ mod empty_commit_tests {
         assert_eq!(s.get(b"k").unwrap(), Some(b"v".to_vec()));
         assert_eq!(s.known_len(), Some(1));
         s.sync().unwrap();
-        assert_eq!(s.engine().changelog_offset().unwrap(), Some(20_000));
+        assert_eq!(s.engine().changelog_offset().unwrap(), Some(1));
+    }
+
+    /// The bug the zombie crash test caught (exactly_once_v2, two instances): a partition
+    /// revoked right after a commit closes its store before the writer persisted that
+    /// commit's batch, so the batch is skipped and the engine keeps the older offset (the
+    /// next restore replays it). The partition comes back, and while it waits for its
+    /// restore, the other partitions' commits commit its store too, with nothing staged
+    /// and the producer's last changelog offset of that partition, from before the
+    /// revocation. Storing that offset would skip the lost batch at the restore: its marks
+    /// gone, its duplicates passing again.
+    #[test]
+    fn an_empty_commit_never_moves_the_offset_over_a_skipped_batch() {
+        for engine in ["memory", "sled"] {
+            let dir = tempfile::tempdir().unwrap();
+            let backend: Box<dyn StateBackend> = match engine {
+                "memory" => Box::new(MemoryBackend::default()),
+                _ => Box::new(SledBackend::open(dir.path()).unwrap()),
+            };
+            let writer = Writer::spawn();
+            let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(writer.clone()));
+            s.stage(b"a".to_vec(), Some(b"1".to_vec()));
+            s.commit(Some(10)).unwrap();
+            s.sync().unwrap();
+            // The revocation's commit, never written: the store closes first.
+            let hold = writer.hold();
+            s.stage(b"b".to_vec(), Some(b"1".to_vec()));
+            s.commit(Some(20)).unwrap();
+            drop(s);
+            drop(hold);
+            // Back again; a commit of the other partitions, nothing staged here.
+            let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(writer.clone()));
+            s.commit(Some(20)).unwrap();
+            s.sync().unwrap();
+            assert_eq!(
+                s.engine().changelog_offset().unwrap(),
+                Some(10),
+                "{engine}: the offset must stay before the skipped batch, so the restore replays it"
+            );
+            assert_eq!(s.get(b"b").unwrap(), None, "{engine}");
+        }
     }
 }
 

@@ -403,7 +403,13 @@ impl StagedStore {
         }
     }
 
-    /// Make the staged writes committed, as one batch with `changelog_offset`.
+    /// Make the staged writes committed, as one batch with `changelog_offset` (the
+    /// changelog position after this batch's records).
+    ///
+    /// Nothing staged: nothing is written and the stored offset stays, whatever
+    /// `changelog_offset` says. The batch wrote no changelog record, and an offset from
+    /// elsewhere could skip a batch that was never persisted (one skipped when the store
+    /// closed on a revocation): the restore must replay it.
     ///
     /// # Errors
     /// As [`KeyValueStore::write`] (for this batch or, written behind, an earlier one); the
@@ -413,7 +419,7 @@ impl StagedStore {
         let cap = self.pending.len().clamp(4096, 1 << 20);
         let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
         self.owned.clear();
-        if staged.ops.is_empty() && changelog_offset.is_none() {
+        if staged.ops.is_empty() {
             return match &self.behind {
                 Some(b) => b.error(self.inner.name()),
                 None => Ok(()),
@@ -451,7 +457,8 @@ impl StagedStore {
     }
 
     /// Make the batch sealed for commit `epoch` (if any: it must be the oldest) committed,
-    /// as one batch with `changelog_offset`; as [`StagedStore::commit`].
+    /// as one batch with `changelog_offset`; as [`StagedStore::commit`] (nothing sealed:
+    /// the stored offset stays).
     ///
     /// # Errors
     /// As [`StagedStore::commit`].
@@ -465,7 +472,7 @@ impl StagedStore {
             _ => None,
         }
         .unwrap_or_default();
-        if ops.is_empty() && changelog_offset.is_none() {
+        if ops.is_empty() {
             return match &self.behind {
                 Some(b) => b.error(self.inner.name()),
                 None => Ok(()),
