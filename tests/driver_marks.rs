@@ -287,3 +287,102 @@ fn a_record_too_large_for_the_producer_is_dead_lettered_and_leaves_no_mark() {
         );
     }
 }
+
+/// Held twins behind a repartition hop (issue 13): the first copy of an id and its twins
+/// come from different source partitions with different Kafka keys, meet on the key's
+/// repartition partition, and the first one's effect fails for good. Its mark is withdrawn
+/// at the commit, the first twin held against it passes and runs the effect, the other is
+/// a duplicate; the dead letter, the mark and the changelog name the original records.
+#[test]
+fn behind_a_hop_a_twin_from_another_partition_passes_once_the_first_is_dead_lettered() {
+    use onceflow::__testkit::partition_for;
+    use onceflow::headers::dlq_headers;
+    use onceflow::{Guarantee, Partitioning};
+    for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2] {
+        let rx = fails_id03_once();
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = HttpSpec::new(Secret::Inline(rx.url.clone()));
+        h.retries = 0;
+        h.timeout = Duration::from_secs(5);
+        let sink = ExternalSinkSpec::new(
+            EffectSpec::Http(h),
+            StoreSpec::Sled {
+                path: Some(dir.path().join("idem")),
+            },
+        );
+        let dedup = DedupSpec::new(KeySource::JsonPointer("/id".into()))
+            .with_partitioning(Partitioning::Repartition);
+        let t = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("dedup", dedup)
+            .external_sink("hook", sink)
+            .sink("out", "out")
+            .build()
+            .unwrap();
+        let mut d = TestDriver::new(t)
+            .guarantee(g)
+            .source_partitions(4)
+            .auto_commit(false);
+        let rec = |id: &str, key: &str, p: i32| id_rec(id).key(key).partition(p);
+        d.pipe(rec("id-01", "user-a", 0)).unwrap();
+        d.pipe(rec("id-03", "user-a", 0)).unwrap(); // 503: dead-lettered at the commit
+        d.pipe(rec("id-03", "session-9", 2)).unwrap(); // its twin: must run the effect
+        d.pipe(rec("id-03", "relay", 1)).unwrap(); // a duplicate of the twin
+        d.pipe(rec("id-02", "user-b", 3)).unwrap();
+        d.commit().unwrap();
+        assert_eq!(
+            rx.per_key()[&b"id-03".to_vec()],
+            vec![503, 200],
+            "{g:?}: one failed call, then the twin's"
+        );
+        // The dead letter names the first copy's original record (p0, offset 1).
+        let dl = d.dead_letters();
+        assert_eq!(dl.len(), 1, "{g:?}");
+        let hdr = |n: &str| {
+            dl[0]
+                .headers
+                .iter()
+                .rev()
+                .find(|(k, _)| k == n)
+                .and_then(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            hdr(dlq_headers::TOPIC).as_deref(),
+            Some(&b"in"[..]),
+            "{g:?}"
+        );
+        assert_eq!(
+            hdr(dlq_headers::PARTITION).as_deref(),
+            Some(&b"0"[..]),
+            "{g:?}"
+        );
+        assert_eq!(
+            hdr(dlq_headers::OFFSET).as_deref(),
+            Some(&b"1"[..]),
+            "{g:?}"
+        );
+        // The mark that stands is the twin's, named by its source record (p2, offset 0),
+        // in the store and changelog of the key's repartition partition, once.
+        let p = partition_for(b"id-03", 4);
+        let e = d.dedup_entry("dedup", p, b"id-03").unwrap().unwrap();
+        assert_eq!((e.source_partition, e.source_offset), (2, 0), "{g:?}");
+        let marks: Vec<bool> = d
+            .changelog("dedup", p)
+            .iter()
+            .filter(|r| r.key == b"id-03")
+            .map(|r| r.value.is_some())
+            .collect();
+        assert_eq!(marks, vec![true], "{g:?}");
+        let c = d.counts();
+        assert_eq!((c.duplicates, c.dead_lettered), (1, 1), "{g:?}");
+        // Later deliveries, from any partition, are duplicates: no call.
+        d.pipe(rec("id-03", "late", 3)).unwrap();
+        d.commit().unwrap();
+        assert_eq!(oks(&rx, "id-03"), 1, "{g:?}");
+        assert_eq!(d.output("out").len(), 3, "{g:?}");
+    }
+}
+
+fn id_rec(id: &str) -> TestRecord {
+    TestRecord::json(format!(r#"{{"id":"{id}"}}"#)).timestamp(1000)
+}
