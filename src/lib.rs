@@ -82,7 +82,7 @@ pub mod failpoints {
     pub use crate::runtime::commit::{
         commit_failpoints, AFTER_CHANGELOG, AFTER_FLUSH, AFTER_STATE, BEFORE_FLUSH,
         EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT, FAILPOINTS,
-        RESTORE_DURING,
+        RESTORE_DURING, STATE_WRITE,
     };
 }
 

@@ -251,17 +251,19 @@ fn a_graceful_stop_persists_the_state_and_a_restart_restores_nothing() {
 /// then holds a prefix of the batches with the changelog offset of the last one written, so
 /// the next start restores the rest from the changelog and every repeat is still a
 /// duplicate (were the stored offset ahead of the data, the repeats of the unpersisted
-/// marks would pass).
+/// marks would pass). The writer is slowed down (`state.write=delay`: 250 ms a chunk) so
+/// that it is behind at the stop: it used to be by itself, and no longer is.
 #[test]
 fn a_stop_that_leaves_marks_unpersisted_lets_no_repeat_through_at_the_next_start() {
     let no_wait = [("state.stop.persist.ms", "0".to_string())];
-    // The writer may still finish before the stop looks (a fast machine): try again with
-    // fresh names until a stop leaves marks behind.
+    let slow_writer = [("ONCEFLOW_FAILPOINTS", "state.write=delay@1")];
+    // Should the writer still finish before the stop looks, try again with fresh names
+    // until a stop leaves marks behind.
     for attempt in 1..=3 {
         let names = gharchive_names(4);
         let p = kafka::TestProducer::new(&bootstrap()).unwrap();
         onceflow_testkit::gharchive::publish(&p, &names.input, 0, 13).unwrap();
-        let run = start(&names, &no_wait, &[], &["--stop-at-end"]);
+        let run = start(&names, &no_wait, &slow_writer, &["--stop-at-end"]);
         let log = run.stderr.clone();
         let (st, out) = run.wait(T);
         let log = log.lock().unwrap().clone();

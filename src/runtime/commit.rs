@@ -108,6 +108,10 @@ pub const EOS_AFTER_COMMIT: &str = "eos.after_commit";
 /// Failpoint of the restore (not of a commit): a restore batch applied, the restore not
 /// finished.
 pub const RESTORE_DURING: &str = "restore.during";
+/// Failpoint of the state writer (not of a commit): a chunk of a committed batch about to be
+/// written to the engine. With `delay` the writer falls behind processing, so that a stop
+/// leaves committed marks unpersisted.
+pub const STATE_WRITE: &str = "state.write";
 
 /// Every failpoint name, to validate `ONCEFLOW_FAILPOINTS`.
 pub const FAILPOINTS: &[&str] = &[
@@ -120,6 +124,7 @@ pub const FAILPOINTS: &[&str] = &[
     EOS_BEFORE_COMMIT,
     EOS_AFTER_COMMIT,
     RESTORE_DURING,
+    STATE_WRITE,
 ];
 
 /// The failpoints of one guarantee's commit, in the order a commit passes them.

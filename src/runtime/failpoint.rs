@@ -5,8 +5,8 @@
 //! commit) or `pause` (log `failpoint <name>: paused` and stop here forever, so a test can
 //! SIGKILL the process at that exact moment) or `stop` (log `failpoint <name>: stopped` and
 //! send itself SIGSTOP; after a SIGCONT it goes on from there: a zombie in the making) or
-//! `delay` (sleep 250 ms at the n-th hit and every later one: a slow restore, for the
-//! tests of `/ready`); `@n` fires on the n-th hit (default 1).
+//! `delay` (sleep 250 ms at the n-th hit and every later one: a slow restore for the
+//! tests of `/ready`, a slow state writer for those of a stop); `@n` fires on the n-th hit (default 1).
 //! Off, a failpoint costs one relaxed atomic load.
 //!
 //! The names, and where in the commit each point is, are in [`super::commit`]

@@ -201,6 +201,7 @@ pub(super) fn write_job(job: Job) {
             }
             st.busy = true;
         }
+        crate::runtime::failpoint::hit(crate::runtime::commit::STATE_WRITE);
         let offset = if last { job.changelog_offset } else { None };
         // The count after this chunk, stored with it: always consistent with the data.
         let count = job.count.as_ref().map(|(base, deltas)| {
