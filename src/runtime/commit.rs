@@ -360,12 +360,6 @@ impl Protocol {
         self.pipeline.len()
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Whether a transaction is open.
-    pub(crate) fn transaction_open(&self) -> bool {
-        self.txn_open
-    }
-
     fn eos(&self) -> bool {
         self.guarantee == Guarantee::ExactlyOnceV2
     }

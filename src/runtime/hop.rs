@@ -60,12 +60,6 @@ impl Topics {
         &self.source
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// The repartition topic, with a hop.
-    pub(crate) fn repartition(&self) -> Option<&str> {
-        self.repartition.as_deref()
-    }
-
     /// The topics the consumer subscribes to.
     pub(crate) fn subscription(&self) -> Vec<&str> {
         std::iter::once(self.source.as_str())

@@ -182,12 +182,6 @@ impl Task {
         }
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Whether this is a router task ([`Task::router`]).
-    pub(crate) fn is_router(&self) -> bool {
-        self.router.is_some()
-    }
-
     /// The largest record (value, key and headers, in bytes) the task's producer accepts
     /// (librdkafka's `message.max.bytes`; default 1,000,000): a stage that would write a
     /// larger one refuses its source record, which goes to the dead-letter topic.
@@ -203,21 +197,9 @@ impl Task {
         self
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// The source partition.
-    pub(crate) fn partition(&self) -> i32 {
-        self.partition
-    }
-
     /// Offset of the next record to process: what the next commit stores for this partition.
     pub(crate) fn position(&self) -> Option<i64> {
         self.position
-    }
-
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Highest record time seen (ms), `i64::MIN` before the first record.
-    pub(crate) fn stream_time(&self) -> i64 {
-        self.stream_time
     }
 
     /// Totals since the task started.
@@ -235,12 +217,6 @@ impl Task {
         if let Some(c) = self.dlq_counters.get(stage) {
             c.increment(1);
         }
-    }
-
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// The task's stores.
-    pub(crate) fn stores(&self) -> &Stores {
-        &self.stores
     }
 
     /// Process one source record; outputs and dead letters are appended to `out`.
@@ -602,12 +578,6 @@ impl Task {
             all &= s.sync_until(deadline)?;
         }
         Ok(all)
-    }
-
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Number of staged (uncommitted) store writes.
-    pub(crate) fn pending_writes(&self) -> usize {
-        self.stores.values().map(|s| s.pending_len()).sum()
     }
 
     /// Read a committed-or-staged value from store `store`.

@@ -44,14 +44,6 @@ pub struct WriteBatch {
     pub(crate) changelog_offset: Option<i64>,
 }
 
-impl WriteBatch {
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Whether the batch has nothing to write.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.ops.is_empty() && self.changelog_offset.is_none()
-    }
-}
-
 /// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
 /// shared between the processing thread (reads) and the [`Writer`] (batches).
 pub trait KeyValueStore: Send + Sync {

@@ -134,12 +134,6 @@ impl Restorer {
         self.start
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// The end captured when the restore started.
-    pub(crate) fn end_offset(&self) -> i64 {
-        self.end
-    }
-
     #[cfg(test)]
     /// The offsets `[from, to)` of changelog records deleted before this store read them
     /// (the log start was beyond the store's checkpoint), if any; logged as a warning when

@@ -232,15 +232,6 @@ impl StagedStore {
         self.pending.insert_new(key, value);
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// As [`StagedStore::stage`], with shared buffers.
-    pub(crate) fn stage_bytes(&mut self, key: Bytes, value: Option<Bytes>) {
-        match self.pending.get_mut(&key) {
-            Some(v) => *v = value,
-            None => self.pending.insert_new(key, value),
-        }
-    }
-
     /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
     /// offset `owner` (a dedup mark): until the commit, [`StagedStore::withdraw`] can take
     /// it back if that record ends in the dead-letter topic.
@@ -323,7 +314,7 @@ impl StagedStore {
         self.pending.get(key).is_some()
     }
 
-    #[cfg_attr(not(test), allow(dead_code))] // used by tests and by `Task::pending_writes` (unused)
+    #[cfg(test)]
     /// Number of staged keys.
     pub(crate) fn pending_len(&self) -> usize {
         self.pending.len()

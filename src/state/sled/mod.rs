@@ -287,12 +287,6 @@ impl SledBackend {
             .open()
     }
 
-    #[allow(dead_code)] // crate-private and unused since issue 16 (public API): left to this file's owner to remove
-    /// Path of the database directory.
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The partitions of `store` that have a tree in this database, ascending. Read-only:
     /// for inspection tools, which must not create trees.
     pub(crate) fn stored_partitions(&self, store: &str) -> Vec<i32> {
