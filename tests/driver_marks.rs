@@ -19,6 +19,15 @@ use std::time::Duration;
 /// An HTTP sink with `retries: 0` behind a dedup stage on `/id`; the idempotency key is
 /// the dedup key.
 fn dedup_then_http(url: &str, dir: &tempfile::TempDir) -> Topology {
+    dedup_then_http_with(
+        DedupSpec::new(KeySource::JsonPointer("/id".into())),
+        url,
+        dir,
+    )
+}
+
+/// As [`dedup_then_http`], with the dedup stage `dedup`.
+fn dedup_then_http_with(dedup: DedupSpec, url: &str, dir: &tempfile::TempDir) -> Topology {
     let mut h = HttpSpec::new(Secret::Inline(url.to_string()));
     h.retries = 0;
     h.timeout = Duration::from_secs(5);
@@ -30,10 +39,7 @@ fn dedup_then_http(url: &str, dir: &tempfile::TempDir) -> Topology {
     );
     TopologyBuilder::new("t")
         .source("in", Format::Json)
-        .dedup(
-            "dedup",
-            DedupSpec::new(KeySource::JsonPointer("/id".into())),
-        )
+        .dedup("dedup", dedup)
         .external_sink("hook", spec)
         .sink("out", "out")
         .build()
@@ -301,24 +307,9 @@ fn behind_a_hop_a_twin_from_another_partition_passes_once_the_first_is_dead_lett
     for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnceV2] {
         let rx = fails_id03_once();
         let dir = tempfile::tempdir().unwrap();
-        let mut h = HttpSpec::new(Secret::Inline(rx.url.clone()));
-        h.retries = 0;
-        h.timeout = Duration::from_secs(5);
-        let sink = ExternalSinkSpec::new(
-            EffectSpec::Http(h),
-            StoreSpec::Sled {
-                path: Some(dir.path().join("idem")),
-            },
-        );
         let dedup = DedupSpec::new(KeySource::JsonPointer("/id".into()))
             .with_partitioning(Partitioning::Repartition);
-        let t = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .dedup("dedup", dedup)
-            .external_sink("hook", sink)
-            .sink("out", "out")
-            .build()
-            .unwrap();
+        let t = dedup_then_http_with(dedup, &rx.url, &dir);
         let mut d = TestDriver::new(t)
             .guarantee(g)
             .source_partitions(4)
