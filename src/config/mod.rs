@@ -27,6 +27,9 @@ pub(crate) const ENV_PREFIX: &str = "ONCEFLOW__";
 /// (below `ONCEFLOW__BOOTSTRAP__SERVERS`).
 pub(crate) const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
 
+/// librdkafka's default `message.max.bytes`: the largest record a producer accepts.
+pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
+
 /// Keys that were renamed: (old, new).
 const RENAMED: &[(&str, &str)] = &[("metrics.address", "http.address")];
 
@@ -206,7 +209,7 @@ impl Config {
         if application_id.is_empty() {
             return Err(bad("application.id", "must not be empty".into()));
         }
-        if let Err(r) = crate::kafka::check_topic_name(&application_id) {
+        if let Err(r) = crate::names::check_topic_name(&application_id) {
             return Err(bad(
                 "application.id",
                 format!("it prefixes internal topic names: {r}"),
@@ -245,7 +248,7 @@ impl Config {
         let dlq_topic = match get("dlq.topic") {
             t if t.is_empty() => format!("{application_id}.dlq"),
             t => {
-                crate::kafka::check_topic_name(&t).map_err(|r| bad("dlq.topic", r))?;
+                crate::names::check_topic_name(&t).map_err(|r| bad("dlq.topic", r))?;
                 t
             }
         };
@@ -277,7 +280,7 @@ impl Config {
             id if id.is_empty() => (host_name(), false),
             id => (id, true),
         };
-        if let Err(r) = crate::kafka::check_topic_name(&format!("{application_id}-{instance_id}")) {
+        if let Err(r) = crate::names::check_topic_name(&format!("{application_id}-{instance_id}")) {
             return Err(bad(
                 "instance.id",
                 format!("it is part of the transactional.id: {r}"),
@@ -395,7 +398,7 @@ impl Config {
             .get("message.max.bytes")
             .or_else(|| self.kafka.get("message.max.bytes"))
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(crate::processor::DEFAULT_MAX_RECORD_BYTES)
+            .unwrap_or(DEFAULT_MAX_RECORD_BYTES)
     }
 
     /// Whether `processing.guarantee` is exactly_once_v2.

@@ -108,8 +108,7 @@ pub(crate) struct Context<'a> {
     pub(crate) max_record_bytes: usize,
 }
 
-/// librdkafka's default `message.max.bytes`: the largest record a producer accepts.
-pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
+pub(crate) use crate::config::DEFAULT_MAX_RECORD_BYTES;
 
 /// The size librdkafka counts against `message.max.bytes` for `record` (value, key and
 /// headers; each header counted with a few bytes of framing, so slightly over).

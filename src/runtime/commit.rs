@@ -2,7 +2,7 @@
 //!
 //! [`Protocol`] drives the tasks ([`Task`]) and a log ([`CommitLog`]) through one commit.
 //! The Kafka runtime's log is the output producer and the source consumer
-//! (`runtime::log::KafkaLog`); the broker-free [`crate::testing::TestDriver`] has an
+//! (`runtime::log::KafkaLog`); the broker-free [`crate::TestDriver`] has an
 //! in-memory log. Both run this code, so the driver tests check the protocol the runtime
 //! runs, and the driver can crash at every failpoint ([`TestDriver::crash_at`]).
 //!
@@ -87,7 +87,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 #[cfg(doc)]
-use crate::testing::TestDriver;
+use crate::TestDriver;
 
 /// Failpoint: at_least_once, outputs sent, not yet acknowledged.
 pub const BEFORE_FLUSH: &str = "commit.before_flush";

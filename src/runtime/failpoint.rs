@@ -79,6 +79,7 @@ pub(crate) fn init_from_env() -> crate::Result<()> {
     }
     let _ = POINTS.set(points);
     ENABLED.store(true, Ordering::Relaxed);
+    crate::state::set_before_chunk(|| hit(super::commit::STATE_WRITE));
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! A task: one source partition's processors and state stores, driven one record at a time.
 //!
 //! The same `Task` runs under the Kafka runtime and under the broker-free
-//! [`crate::testing::TestDriver`]. It never writes to a store directly: stages stage their
+//! [`crate::TestDriver`]. It never writes to a store directly: stages stage their
 //! writes, and [`Task::commit_state`] applies them only when the caller says the outputs
 //! they stand for are durable. [`Task::abort`] drops them.
 

@@ -21,6 +21,7 @@ mod sled;
 mod staged;
 pub(crate) mod table;
 mod writer;
+pub(crate) use writer::set_before_chunk;
 
 pub(crate) use self::lock::StateDirLock;
 pub use self::memory::MemoryBackend;

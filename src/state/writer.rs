@@ -2,6 +2,18 @@
 //! store to its engine, in order, with back-pressure when a store falls too far behind.
 
 use super::*;
+use std::sync::OnceLock;
+
+/// Called before the writer writes each chunk, when set: the runtime installs its
+/// `state.write` failpoint here (`runtime::failpoint`), so that this module knows nothing
+/// of failpoints. Unset, a chunk costs one atomic load.
+static BEFORE_CHUNK: OnceLock<fn()> = OnceLock::new();
+
+/// Set the hook the writer calls before each chunk (once per process; later calls are
+/// ignored).
+pub(crate) fn set_before_chunk(hook: fn()) {
+    let _ = BEFORE_CHUNK.set(hook);
+}
 
 /// How far the writer got with one store's batches.
 #[derive(Debug, Default)]
@@ -201,7 +213,9 @@ pub(super) fn write_job(job: Job) {
             }
             st.busy = true;
         }
-        crate::runtime::failpoint::hit(crate::runtime::commit::STATE_WRITE);
+        if let Some(hook) = BEFORE_CHUNK.get() {
+            hook();
+        }
         let offset = if last { job.changelog_offset } else { None };
         // The count after this chunk, stored with it: always consistent with the data.
         let count = job.count.as_ref().map(|(base, deltas)| {

@@ -8,7 +8,7 @@ mod builder;
 mod describe;
 pub(crate) mod stage;
 
-use crate::kafka::check_topic_name;
+use crate::names::check_topic_name;
 pub use builder::TopologyBuilder;
 pub use describe::DescribeFormat;
 

@@ -8,7 +8,7 @@
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
 use crate::codec::Format;
-use crate::kafka::check_topic_name;
+use crate::names::check_topic_name;
 use crate::processor::fingerprint::FingerprintFields;
 use crate::processor::key::KeySource;
 use crate::processor::stages::{

@@ -9,7 +9,7 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
-use crate::kafka::check_topic_name;
+use crate::names::check_topic_name;
 use crate::processor::expr::Predicate;
 use crate::processor::route::{Route, RouteBranch, RouteSpec};
 use crate::processor::Processor;

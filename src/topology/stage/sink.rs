@@ -7,7 +7,7 @@
 //! ```
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, ReadStage, StageKind, StageKindSpec};
-use crate::kafka::check_topic_name;
+use crate::names::check_topic_name;
 use crate::processor::expr::BytesFn;
 use crate::processor::stages::{SinkSpec, TopicSink};
 use crate::processor::Processor;
