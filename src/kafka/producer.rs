@@ -4,6 +4,7 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::processor::OutRecord;
+use crate::state::restore::ChangelogWrite;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
@@ -162,25 +163,18 @@ impl OutputProducer {
         self.send_record(record)
     }
 
-    /// Queue one changelog record (`value` `None`: a tombstone) for `partition` of `topic`,
-    /// stamped `timestamp_ms`, from borrowed bytes; as [`OutputProducer::send`].
+    /// Queue one changelog record `write` (its `value` `None`: a tombstone) to `topic`,
+    /// from borrowed bytes; as [`OutputProducer::send`].
     ///
     /// # Errors
     /// As [`OutputProducer::send`].
-    pub(crate) fn send_changelog(
-        &self,
-        topic: &str,
-        partition: i32,
-        key: &[u8],
-        value: Option<&[u8]>,
-        timestamp_ms: i64,
-    ) -> Result<()> {
+    pub(crate) fn send_changelog(&self, topic: &str, write: &ChangelogWrite<'_>) -> Result<()> {
         let mut record: BaseRecord<'_, [u8], [u8], usize> =
             BaseRecord::with_opaque_to(topic, EPOCH_SLOTS)
-                .key(key)
-                .partition(partition)
-                .timestamp(timestamp_ms);
-        if let Some(v) = value {
+                .key(write.key)
+                .partition(write.partition)
+                .timestamp(write.timestamp_ms);
+        if let Some(v) = write.value {
             record = record.payload(v);
         }
         self.send_record(record)

@@ -83,6 +83,7 @@ use crate::config::Guarantee;
 use crate::error::{Error, Result};
 use crate::processor::OutRecord;
 use crate::runtime::Task;
+use crate::state::restore::ChangelogWrite;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
@@ -162,19 +163,11 @@ pub(crate) trait CommitLog {
     /// A record that could not be delivered (the commit stops: nothing after it happens).
     fn outputs_acked(&mut self, epoch: u64, wait: bool) -> Result<bool>;
 
-    /// Queue one changelog record of `store`'s `partition` (`value` `None`: a tombstone),
-    /// stamped `timestamp_ms`.
+    /// Queue one changelog record: `write.store`'s changelog, partition `write.partition`.
     ///
     /// # Errors
     /// As [`CommitLog::send_output`].
-    fn send_changelog(
-        &mut self,
-        store: &str,
-        partition: i32,
-        key: &[u8],
-        value: Option<&[u8]>,
-        timestamp_ms: i64,
-    ) -> Result<()>;
+    fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()>;
 
     /// Whether every changelog record sent is acknowledged; with `wait`, wait until it is.
     ///
@@ -600,17 +593,9 @@ impl Protocol {
             head.outputs_ms = ms_since(head.sealed_at);
             Self::point(log, AFTER_FLUSH)?;
             let (epoch, now_ms) = (head.epoch, head.now_ms);
-            let mut sent = 0usize;
-            let mut result = Ok(());
-            for (p, t) in tasks.iter() {
-                t.for_each_sealed_write(epoch, |store, k, v| {
-                    if result.is_ok() {
-                        result = log.send_changelog(store, *p, k, v, now_ms);
-                        sent += 1;
-                    }
-                });
-            }
-            result?;
+            let sent = send_changelogs(log, tasks, now_ms, |t, f| {
+                t.for_each_sealed_write(epoch, f);
+            })?;
             head.changelog_sent = true;
             head.changelog_records = sent;
             return Ok(Progress::Stepped);
@@ -664,17 +649,7 @@ impl Protocol {
         for t in tasks.values_mut() {
             t.punctuate(now_ms)?;
         }
-        let mut sent = 0usize;
-        let mut result = Ok(());
-        for (p, t) in tasks.iter() {
-            t.for_each_staged_write(|store, k, v| {
-                if result.is_ok() {
-                    result = log.send_changelog(store, *p, k, v, now_ms);
-                    sent += 1;
-                }
-            });
-        }
-        result?;
+        let sent = send_changelogs(log, tasks, now_ms, |t, f| t.for_each_staged_write(f))?;
         steps.changelog_ms = ms_since(t0);
         steps.changelog_records = sent;
         Self::point(log, EOS_AFTER_CHANGELOG)?;
@@ -816,4 +791,34 @@ fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Resu
         t.commit_state(|store| log.changelog_end(store, *p))?;
     }
     Ok(())
+}
+
+/// Send, stamped `now_ms`, every write that `writes` yields for each task to the changelog
+/// of the task's partition (the changelog step of both protocols); returns how many.
+///
+/// # Errors
+/// The first write the log refuses; nothing after it is sent.
+fn send_changelogs(
+    log: &mut dyn CommitLog,
+    tasks: &BTreeMap<i32, Task>,
+    now_ms: i64,
+    writes: impl Fn(&Task, &mut dyn FnMut(&str, &[u8], Option<&[u8]>)),
+) -> Result<usize> {
+    let mut sent = 0usize;
+    let mut result = Ok(());
+    for (p, t) in tasks {
+        writes(t, &mut |store, key, value| {
+            if result.is_ok() {
+                result = log.send_changelog(ChangelogWrite {
+                    store,
+                    partition: *p,
+                    key,
+                    value,
+                    timestamp_ms: now_ms,
+                });
+                sent += 1;
+            }
+        });
+    }
+    result.map(|()| sent)
 }

@@ -6,6 +6,7 @@ use crate::kafka::consumer::SourceConsumer;
 use crate::kafka::producer::OutputProducer;
 use crate::processor::OutRecord;
 use crate::runtime::commit::CommitLog;
+use crate::state::restore::ChangelogWrite;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerGroupMetadata};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::BTreeMap;
@@ -132,19 +133,15 @@ impl CommitLog for KafkaLog<'_> {
         self.producer.send(rec).map_err(|e| self.fenced_or(e))
     }
 
-    fn send_changelog(
-        &mut self,
-        store: &str,
-        partition: i32,
-        key: &[u8],
-        value: Option<&[u8]>,
-        timestamp_ms: i64,
-    ) -> Result<()> {
-        let topic = self.changelogs.get(store).ok_or_else(|| {
-            Error::state(store, "no changelog topic for this store (internal error)")
+    fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()> {
+        let topic = self.changelogs.get(write.store).ok_or_else(|| {
+            Error::state(
+                write.store,
+                "no changelog topic for this store (internal error)",
+            )
         })?;
         self.producer
-            .send_changelog(topic, partition, key, value, timestamp_ms)
+            .send_changelog(topic, &write)
             .map_err(|e| self.fenced_or(e))
     }
 

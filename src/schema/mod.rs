@@ -375,6 +375,23 @@ impl Reader {
         }
     }
 
+    /// As [`Reader::entries`], for a map keyed by field names: each key is read as a field
+    /// path ([`Reader::field_path`]) and handed to `read` (`None` when it was bad, the
+    /// problem kept), so that `read` can still check the entry's value.
+    pub(crate) fn path_entries(
+        &mut self,
+        f: &Fields<'_>,
+        field: &str,
+        place: &str,
+        what: &str,
+        mut read: impl FnMut(&mut Self, Option<String>, &Node) -> Option<()>,
+    ) -> bool {
+        self.entries(f, field, place, what, |c, k, kpos, v| {
+            let path = c.field_path(k, kpos, place, field);
+            read(c, path, v)
+        })
+    }
+
     /// Read each entry of map field `field` of `f`, if given, with `read` (see
     /// [`Self::each_entry`]). Whether it is absent or every entry was read.
     pub(crate) fn entries(

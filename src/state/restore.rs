@@ -33,6 +33,23 @@ pub struct ChangelogRecord {
     pub offset: i64,
 }
 
+/// One changelog record a commit sends, borrowed from a staged write: `store`'s
+/// `partition`, raw key, encoded value (`None`: a tombstone), stamped `timestamp_ms` (the
+/// commit's time, in ms since the epoch).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChangelogWrite<'a> {
+    /// The store the write belongs to (its changelog topic is derived from it).
+    pub(crate) store: &'a str,
+    /// The store's partition, which is also the changelog partition.
+    pub(crate) partition: i32,
+    /// The store key, raw bytes.
+    pub(crate) key: &'a [u8],
+    /// The encoded value, `None` for a tombstone.
+    pub(crate) value: Option<&'a [u8]>,
+    /// The record timestamp, ms since the epoch.
+    pub(crate) timestamp_ms: i64,
+}
+
 /// Name of the changelog topic of `store` in application `app`.
 pub fn changelog_topic(app: &str, store: &str) -> String {
     format!("{app}-{store}-changelog")

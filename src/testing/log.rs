@@ -1,6 +1,7 @@
 //! The driver's log: what a broker holds, in memory, under the runtime's commit protocol.
 
 use super::*;
+use crate::state::restore::ChangelogWrite;
 
 /// A changelog record sent and not yet durable: (store, partition), key, value.
 pub(super) type InFlightChangelog = ((String, i32), Vec<u8>, Option<Vec<u8>>);
@@ -89,18 +90,11 @@ impl CommitLog for MemoryLog {
         Ok(true)
     }
 
-    fn send_changelog(
-        &mut self,
-        store: &str,
-        partition: i32,
-        key: &[u8],
-        value: Option<&[u8]>,
-        _timestamp_ms: i64,
-    ) -> Result<()> {
+    fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()> {
         self.in_flight_changelog.push((
-            (store.to_string(), partition),
-            key.to_vec(),
-            value.map(<[u8]>::to_vec),
+            (write.store.to_string(), write.partition),
+            write.key.to_vec(),
+            write.value.map(<[u8]>::to_vec),
         ));
         Ok(())
     }

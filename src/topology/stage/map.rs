@@ -71,25 +71,23 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         );
         return None;
     }
-    ok &= c.entries(
+    ok &= c.path_entries(
         f,
         "set",
         place,
         "a map of field to expression",
-        |c, k, kpos, v| {
-            let path = c.field_path(k, kpos, place, "set");
+        |c, path, v| {
             let func: Option<Computed> = c.func(v, place, "set");
             spec.set.push((path?, func?));
             Some(())
         },
     );
-    ok &= c.entries(
+    ok &= c.path_entries(
         f,
         "rename",
         place,
         "a map of old name to new name",
-        |c, k, kpos, v| {
-            let from = c.field_path(k, kpos, place, "rename");
+        |c, from, v| {
             let to = c
                 .string(v, place, "rename")
                 .and_then(|t| c.field_path(&t, v.pos, place, "rename"));
