@@ -1,6 +1,6 @@
 //! The Kafka runtime's wiring: clients, tasks and the run loop that owns them.
 //!
-//! One thread runs the loop and owns every piece of state (`Engine`): tasks, stores,
+//! One thread runs the loop and owns every piece of state (`RunLoop`): tasks, stores,
 //! clients, the commit protocol. Nothing is shared with callbacks, so no lock is taken per
 //! record: rebalances arrive as events over a channel (`kafka::consumer`) and are carried
 //! out between two `poll`s (`rebalance.rs`). The ordered steps of a commit, for both
@@ -112,7 +112,7 @@ const CHECK_EVERY: usize = 64;
 const MAX_UNCOMMITTED: usize = 200_000;
 
 /// Everything the run loop owns.
-struct Engine {
+struct RunLoop {
     /// The commit protocol (guarantee, open transaction, records since the last commit).
     protocol: Protocol,
     topology: Topology,
@@ -131,7 +131,7 @@ struct Engine {
     /// restore consumer so that it is dropped (and done) first.
     batch_freer: crate::kafka::batch::Freer,
     restore_consumer: BaseConsumer,
-    /// read_uncommitted client for changelog high watermarks (see [`Engine::plan_restores`]).
+    /// read_uncommitted client for changelog high watermarks (see [`RunLoop::plan_restores`]).
     watermarks: BaseConsumer,
     /// The consumer group metadata of the current assignment, captured when it was made
     /// (exactly_once_v2): offsets sent with it are refused by the group coordinator once
@@ -144,7 +144,7 @@ struct Engine {
     open_txn_waits: BTreeSet<i32>,
     /// Changelog topic of each store.
     changelogs: BTreeMap<String, String>,
-    /// Published for `/health` and `/ready` (see [`Engine::publish_status`]).
+    /// Published for `/health` and `/ready` (see [`RunLoop::publish_status`]).
     status: Option<Arc<super::Status>>,
     /// The assignment changed since the status was last published.
     status_dirty: bool,
@@ -176,7 +176,7 @@ struct Engine {
     writer_hold: Option<crate::state::WriterHold>,
 }
 
-/// The [`KafkaLog`] of an engine, borrowing its fields one by one (so the protocol and the
+/// The [`KafkaLog`] of a run loop, borrowing its fields one by one (so the protocol and the
 /// tasks can be borrowed mutably next to it).
 macro_rules! kafka_log {
     ($e:expr, $consumer:expr, $mode:expr) => {
@@ -202,7 +202,7 @@ mod routing;
 #[path = "topics.rs"]
 mod topics;
 
-impl Engine {
+impl RunLoop {
     fn tpl_of(topic: &str, partitions: &[i32], at: Option<Offset>) -> Result<TopicPartitionList> {
         let mut tpl = TopicPartitionList::new();
         for p in partitions {
@@ -426,7 +426,7 @@ impl App {
             tracing::info!(transactional_id = %self.config.transactional_id(), "transactions initialised");
         }
         let hop = self.hop(partitions)?;
-        let mut e = Engine {
+        let mut e = RunLoop {
             protocol: Protocol::new(self.config.processing_guarantee, self.topology.name()),
             topology,
             config: self.config.clone(),
@@ -553,7 +553,7 @@ const LINK_PROBE_EVERY: Duration = Duration::from_secs(1);
 /// (or, with `stop_at_end`, the end of every assigned partition).
 fn run_loop(
     consumer: &SourceConsumer,
-    e: &mut Engine,
+    e: &mut RunLoop,
     events: &mpsc::Receiver<RebalanceEvent>,
     opts: &RunOptions,
 ) -> Result<()> {

@@ -12,7 +12,7 @@
 //!   instances may own them already, so the open transaction is aborted and the staged
 //!   state dropped.
 
-use super::{Engine, KafkaLog};
+use super::{KafkaLog, RunLoop};
 use crate::config::Guarantee;
 use crate::error::Result;
 use crate::kafka::consumer::{apply_assign, apply_revoke, RebalanceEvent, SourceConsumer};
@@ -20,7 +20,7 @@ use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::TopicPartitionList;
 use std::sync::mpsc;
 
-impl Engine {
+impl RunLoop {
     /// Carry out every rebalance announced so far.
     ///
     /// # Errors
@@ -95,7 +95,7 @@ impl Engine {
                 self.closed_counts.add(&c);
                 for r in t.restorers() {
                     let topic = self.changelogs[r.store()].clone();
-                    if let Ok(tpl) = Engine::tpl_one(&topic, *p, None) {
+                    if let Ok(tpl) = RunLoop::tpl_one(&topic, *p, None) {
                         let _ = self.restore_consumer.incremental_unassign(&tpl);
                     }
                 }
@@ -179,7 +179,7 @@ impl Engine {
     }
 }
 
-/// Carry out, without the engine, the rebalances announced and not handled (the loop
+/// Carry out, without the run loop, the rebalances announced and not handled (the loop
 /// ended on an error): librdkafka waits for them, and closing the consumer would too.
 pub(super) fn settle(consumer: &SourceConsumer, events: &mpsc::Receiver<RebalanceEvent>) {
     while let Ok(ev) = events.try_recv() {

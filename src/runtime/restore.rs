@@ -1,7 +1,7 @@
 //! Restore on assignment: planning (when a partition's changelog may be read, and to
 //! which end) and the bounded restore steps of the run loop.
 
-use super::{Engine, RestoreRecord, RESTORE_BATCH};
+use super::{RestoreRecord, RunLoop, RESTORE_BATCH};
 use crate::error::{Error, Result};
 use crate::kafka::batch::consume_batch;
 use crate::kafka::consumer::SourceConsumer;
@@ -11,7 +11,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-impl Engine {
+impl RunLoop {
     /// Capture the changelog ends of newly assigned partitions and start their restores.
     ///
     /// A partition's previous owner may still have a transaction open: an instance still

@@ -1,7 +1,7 @@
-//! The engine's side of the repartition hop (see `runtime::hop`): task ids of a rebalance,
+//! The run loop's side of the repartition hop (see `runtime::hop`): task ids of a rebalance,
 //! creating router or stateful tasks, the end of input with two topics, the purge.
 
-use super::Engine;
+use super::RunLoop;
 use crate::error::{Error, Result};
 use crate::kafka::consumer::{RebalanceEvent, SourceConsumer};
 use crate::runtime::hop::{Purger, PURGE_INTERVAL};
@@ -24,7 +24,7 @@ pub(super) struct Hop {
     pub(crate) pending: Vec<(i32, i64)>,
 }
 
-impl Engine {
+impl RunLoop {
     /// The task ids of a rebalance event's partitions.
     pub(super) fn ids_of(&self, ev: &RebalanceEvent) -> Vec<i32> {
         let tpl = match ev {

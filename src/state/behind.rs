@@ -14,7 +14,7 @@ pub(super) struct Behind {
     /// Sequence number of the last batch handed to the writer.
     pub(super) seq: u64,
     /// Which keys not held in memory may be in the engine.
-    pub(super) filter: Filter,
+    pub(super) filter: KeyFilter,
     pub(super) filter_hash: ahash::RandomState,
     /// Number of keys in the committed state, when known (the engine was empty at open).
     pub(super) known_len: Option<u64>,
@@ -32,7 +32,7 @@ impl Behind {
             shared: Arc::new(Shared::default()),
             resident: Resident::new(),
             seq: 0,
-            filter: Filter::Unknown,
+            filter: KeyFilter::Unknown,
             filter_hash: ahash::RandomState::new(),
             known_len: None,
             resident_max: RESIDENT_ENTRIES,
@@ -48,9 +48,9 @@ impl Behind {
         self.resident = Resident::new();
         let empty = matches!(engine.scan(None, 1), Ok(v) if v.is_empty());
         self.filter = if empty {
-            Filter::Overlay
+            KeyFilter::Overlay
         } else {
-            Filter::Unknown
+            KeyFilter::Unknown
         };
         self.known_len = if empty {
             Some(0)
@@ -62,9 +62,9 @@ impl Behind {
     /// Whether `key`, not held in memory, may be in the engine.
     pub(super) fn may_be_in_engine(&self, key: &[u8]) -> bool {
         match &self.filter {
-            Filter::Unknown => true,
-            Filter::Overlay => false,
-            Filter::Hashes(f) => f.contains(&self.filter_hash.hash_one(key)),
+            KeyFilter::Unknown => true,
+            KeyFilter::Overlay => false,
+            KeyFilter::Hashes(f) => f.contains(&self.filter_hash.hash_one(key)),
         }
     }
 
@@ -97,16 +97,16 @@ impl Behind {
                     Some(was) => Some(was),
                     None => match filter {
                         // Every key put since the engine was empty is in memory.
-                        Filter::Overlay => Some(false),
+                        KeyFilter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        Filter::Hashes(f) => Some(
+                        KeyFilter::Hashes(f) => Some(
                             f.contains(&filter_hash.hash_one(&k[..])) && engine.get(k)?.is_some(),
                         ),
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
-                        Filter::Unknown => None,
+                        KeyFilter::Unknown => None,
                     },
                 };
                 match existed {
@@ -115,7 +115,7 @@ impl Behind {
                 }
             }
             if v.is_some() {
-                if let Filter::Hashes(f) = filter {
+                if let KeyFilter::Hashes(f) = filter {
                     f.insert(filter_hash.hash_one(&k[..]));
                 }
             }
@@ -153,7 +153,7 @@ impl Behind {
     /// # Errors
     /// The engine's read error.
     pub(super) fn trim_filter(&mut self, engine: &dyn KeyValueStore) -> Result<()> {
-        let Filter::Hashes(f) = &self.filter else {
+        let KeyFilter::Hashes(f) = &self.filter else {
             return Ok(());
         };
         let Some(live) = self.known_len else {
@@ -183,7 +183,7 @@ impl Behind {
             }
             after = chunk.last().map(|(k, _)| k.clone());
         }
-        self.filter = Filter::Hashes(fresh);
+        self.filter = KeyFilter::Hashes(fresh);
         Ok(())
     }
 
@@ -208,14 +208,14 @@ impl Behind {
                     Some(b) if b.seq <= persisted => {}
                     _ => break,
                 }
-                if matches!(self.filter, Filter::Overlay) {
+                if matches!(self.filter, KeyFilter::Overlay) {
                     // Keys are about to leave memory: from now on remember their hashes.
                     let mut f = HashFilter::default();
                     f.reserve(self.resident.len());
                     for (k, _) in self.resident.iter() {
                         f.insert(self.filter_hash.hash_one(&k[..]));
                     }
-                    self.filter = Filter::Hashes(f);
+                    self.filter = KeyFilter::Hashes(f);
                 }
                 self.resident.pop_front();
             }

@@ -587,7 +587,7 @@ mod filter_growth_tests {
             s.commit(Some(i64::from(i) + 1)).unwrap();
         }
         let held = match &s.behind.as_ref().unwrap().filter {
-            Filter::Hashes(f) => f.len(),
+            KeyFilter::Hashes(f) => f.len(),
             _ => 0,
         };
         assert!(held <= 64, "{held} hashes held for 10 live keys");

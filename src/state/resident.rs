@@ -25,7 +25,7 @@ pub(super) type HashFilter =
     std::collections::HashSet<u64, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// Which keys that are not held in memory a write-behind store's engine may hold.
-pub(super) enum Filter {
+pub(super) enum KeyFilter {
     /// The engine had data when the store was opened: any key.
     Unknown,
     /// The engine was empty when opened and no batch has left memory since: every key put

@@ -531,7 +531,7 @@ impl StagedStore {
         if let Some(b) = &mut self.behind {
             let n = n.min(b.resident_max);
             b.resident.reserve(n);
-            if let Filter::Hashes(f) = &mut b.filter {
+            if let KeyFilter::Hashes(f) = &mut b.filter {
                 f.reserve(n);
             }
         }
