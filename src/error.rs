@@ -12,9 +12,7 @@ pub(crate) enum Fault {
     User,
     /// A system outside onceflow: the broker, the disk, a sink.
     External,
-    /// A bug in onceflow.
-    #[allow(dead_code)]
-    // nothing classifies an error as onceflow's own bug yet (issue 16, item 4)
+    /// A bug in onceflow ([`Error::Internal`]).
     Internal,
 }
 
@@ -102,6 +100,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// onceflow broke one of its own invariants (a bug, not the input's or a system's
+    /// fault); the message says which. The run stops; a restart resumes from the last commit.
+    #[error("internal error (a bug in onceflow, please report it): {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -116,6 +118,7 @@ impl Error {
             | Error::Io { .. }
             | Error::TransactionOutcomeUnknown(_)
             | Error::Fenced(_) => Fault::External,
+            Error::Internal(_) => Fault::Internal,
         }
     }
 
@@ -226,7 +229,8 @@ mod tests {
     use super::*;
 
     /// A config or topology error is the user's (exit 2, like errors found before the run);
-    /// a broker or disk failure is outside onceflow (exit 1, a restart resumes).
+    /// a broker or disk failure is outside onceflow (exit 1, a restart resumes); a broken
+    /// invariant is onceflow's own bug (exit 1, asks for a report).
     #[test]
     fn who_is_at_fault_sets_the_exit_code() {
         let user = Error::Config("commit.interval.ms: not a number".into());
@@ -237,5 +241,10 @@ mod tests {
         assert_eq!(disk.fault().exit_code(), 1);
         assert!(disk.fault().hint().contains("restart"));
         assert_ne!(Fault::User.hint(), Fault::External.hint());
+        let bug = Error::Internal("store dedup: no changelog topic".into());
+        assert_eq!(bug.fault(), Fault::Internal);
+        assert_eq!(bug.fault().exit_code(), 1);
+        assert!(bug.fault().hint().contains("bug"));
+        assert!(bug.to_string().contains("no changelog topic"), "{bug}");
     }
 }

@@ -134,12 +134,10 @@ impl CommitLog for KafkaLog<'_> {
     }
 
     fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()> {
-        let topic = self.changelogs.get(write.store).ok_or_else(|| {
-            Error::state(
-                write.store,
-                "no changelog topic for this store (internal error)",
-            )
-        })?;
+        let topic = self
+            .changelogs
+            .get(write.store)
+            .ok_or_else(|| Error::Internal(format!("store {}: no changelog topic", write.store)))?;
         self.producer
             .send_changelog(topic, &write)
             .map_err(|e| self.fenced_or(e))

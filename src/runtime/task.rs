@@ -230,10 +230,10 @@ impl Task {
         out: &mut Vec<OutRecord>,
     ) -> Result<()> {
         if self.is_restoring() {
-            return Err(Error::state(
-                format!("{}/{}", self.topic, self.partition),
-                "a record reached a partition that is still restoring (internal error)",
-            ));
+            return Err(Error::Internal(format!(
+                "a record of {}/{} reached it while it is still restoring",
+                self.topic, self.partition
+            )));
         }
         let offset = record.source.offset;
         if let Some(r) = &self.router {
