@@ -100,9 +100,6 @@ pub(crate) struct Context<'a> {
     pub(crate) tables: &'a crate::state::table::Tables,
     /// Wall-clock time in ms (the test driver's mock clock under test).
     pub(crate) wall_clock_ms: i64,
-    /// The partition's stream time: the highest record timestamp seen (ms).
-    #[allow(dead_code)] // no built-in stage reads it since issue 16 made it crate-private
-    pub(crate) stream_time_ms: i64,
     /// The largest record the producer accepts, in bytes (librdkafka's
     /// `message.max.bytes`, default [`DEFAULT_MAX_RECORD_BYTES`]); see [`Context::emit`].
     pub(crate) max_record_bytes: usize,

@@ -24,7 +24,6 @@ macro_rules! task_context {
             counts: &mut $task.counts,
             tables: &$task.tables,
             wall_clock_ms: $wall_ms,
-            stream_time_ms: $task.stream_time,
             max_record_bytes: $task.max_record_bytes,
         }
     };
@@ -56,7 +55,6 @@ pub struct Task {
     stores: Stores,
     dlq_topic: String,
     position: Option<i64>,
-    stream_time: i64,
     counts: Counts,
     cur: Vec<Record>,
     next: Vec<Record>,
@@ -120,7 +118,6 @@ impl Task {
             stores,
             dlq_topic: dlq_topic.to_string(),
             position: None,
-            stream_time: i64::MIN,
             counts: Counts::default(),
             cur: Vec::with_capacity(4),
             next: Vec::with_capacity(4),
@@ -166,7 +163,6 @@ impl Task {
             stores: Stores::new(),
             dlq_topic: String::new(),
             position: None,
-            stream_time: i64::MIN,
             counts: Counts::default(),
             cur: Vec::new(),
             next: Vec::new(),
@@ -243,9 +239,6 @@ impl Task {
             return Ok(());
         }
         self.counts.records_in += 1;
-        if let Some(ts) = record.timestamp {
-            self.stream_time = self.stream_time.max(ts);
-        }
         // The source record as read, kept for the dead-letter topic (clones share bytes).
         let original = (record.key.clone(), record.value.clone(), record.timestamp);
         let headers = record.headers.clone();
