@@ -89,29 +89,8 @@ pub mod failpoints {
 /// Internals that the workspace's own tests, benchmarks and crash harness (`tests/`,
 /// `testkit/`) drive directly. Not part of the API: no stability, no documentation.
 #[doc(hidden)]
-pub mod __testkit {
-    pub use crate::kafka::admin::Admin;
-    pub use crate::kafka::batch::consume_batch;
-    pub use crate::kafka::retry::retry;
-    pub use crate::logging::init as init_logging;
-    pub use crate::processor::dedup::DedupEntry;
-    pub use crate::processor::repartition::partition_for;
-    pub use crate::processor::stages::{repartition_topic, SWEEP_BATCH};
-    pub use crate::runtime::commit::MAX_IN_FLIGHT;
-    pub use crate::runtime::Task;
-    pub use crate::sink::effects::Effector;
-    pub use crate::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-    pub use crate::sink::{idempotency_scope, redis_prefix};
-    pub use crate::state::restore::{changelog_topic, ChangelogRecord, Restorer};
-    pub use crate::state::table::{apply_records, MemoryTable, TableEngine, TableRecord, Tables};
-    pub use crate::state::{MemoryBackend, SledBackend, StateBackend};
-
-    /// Build the processors of `topology`'s stages (what a task does on assignment) and
-    /// return how many there are; for tests that only check it does not panic.
-    pub fn instantiate(topology: &crate::Topology) -> usize {
-        topology.instantiate().len()
-    }
-}
+#[path = "testkit.rs"]
+pub mod __testkit;
 
 /// The allocator of every program that links onceflow (feature `mimalloc`, on by
 /// default; turn default features off to keep your own `#[global_allocator]`). onceflow

@@ -7,14 +7,11 @@
 
 mod sink_support;
 
-use onceflow::__testkit::Effector;
+use onceflow::__testkit::{completed_key_seen, run_with_inbox};
 use onceflow::__testkit::{idempotency_scope, redis_prefix};
-use onceflow::__testkit::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-use onceflow::{EffectSpec, PostgresSpec, Secret};
+use onceflow::{EffectSpec, PostgresSpec, Secret, StoreSpec};
 use onceflow::{Format, TopologyBuilder};
-use onceflow::{Record, SourceMeta};
 use sink_support::{postgres_url, redis_url};
-use std::time::Duration;
 
 /// Two (topology, sink, key) triples that plain concatenation confused.
 fn pairs(tag: &str) -> Vec<[(String, String, Vec<u8>); 2]> {
@@ -80,49 +77,32 @@ fn scopes_of_names_build_allows_are_unchanged() {
 #[test]
 fn colliding_pairs_stay_apart_in_sled() {
     let dir = tempfile::tempdir().unwrap();
+    let store = StoreSpec::Sled {
+        path: Some(dir.path().to_path_buf()),
+    };
     let rt = tokio::runtime::Runtime::new().unwrap();
     for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
-        let a = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t1, &s1)).unwrap();
-        let b = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t2, &s2)).unwrap();
-        rt.block_on(async {
-            a.complete(&k1, b"done by the first", Duration::from_secs(60))
-                .await
-                .unwrap();
-            assert_eq!(
-                b.lookup(&k2).await.unwrap(),
-                None,
-                "{t2}/{s2} sees the key of {t1}/{s1}"
-            );
-        });
+        let seen = rt
+            .block_on(completed_key_seen(&store, (&t1, &s1, &k1), (&t2, &s2, &k2)))
+            .unwrap();
+        assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
     }
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_redis() {
     let Some(url) = redis_url() else { return };
+    // Each scope's default prefix, `redis_prefix(&idempotency_scope(..))`.
+    let store = StoreSpec::Redis {
+        url: Secret::Inline(url),
+        prefix: None,
+    };
     let rt = tokio::runtime::Runtime::new().unwrap();
     for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        rt.block_on(async {
-            let store = |t: String, s: String| {
-                let url = url.clone();
-                async move {
-                    let prefix = redis_prefix(&idempotency_scope(&t, &s));
-                    RedisIdempotencyStore::connect(&url, prefix.as_bytes(), Duration::from_secs(2))
-                        .await
-                        .unwrap()
-                }
-            };
-            let a = store(t1.clone(), s1.clone()).await;
-            let b = store(t2.clone(), s2.clone()).await;
-            a.complete(&k1, b"done by the first", Duration::from_secs(60))
-                .await
-                .unwrap();
-            assert_eq!(
-                b.lookup(&k2).await.unwrap(),
-                None,
-                "{t2}/{s2} sees the key of {t1}/{s1}"
-            );
-        });
+        let seen = rt
+            .block_on(completed_key_seen(&store, (&t1, &s1, &k1), (&t2, &s2, &k2)))
+            .unwrap();
+        assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
     }
 }
 
@@ -136,35 +116,18 @@ fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
         sql: "SELECT 1".into(),
         params: vec![],
     });
-    let eff = Effector::new("pg", &spec, Duration::from_secs(5)).unwrap();
-    let record = Record {
-        key: None,
-        value: Some(r#"{"id":5}"#.into()),
-        headers: vec![],
-        timestamp: Some(0),
-        json: None,
-        fields: None,
-        source: SourceMeta {
-            topic: "in".into(),
-            partition: 0,
-            offset: 0,
-        },
-    };
-    let prep = eff.prepare(&record).unwrap();
+    let value = br#"{"id":5}"#;
     for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
         rt.block_on(async {
-            let first = eff
-                .run_with_inbox(&table, &idempotency_scope(&t1, &s1), &k1, &prep)
+            let first = run_with_inbox(&spec, value, &table, &idempotency_scope(&t1, &s1), &k1)
                 .await
                 .unwrap();
-            assert_eq!(first.label(), "done");
-            let second = eff
-                .run_with_inbox(&table, &idempotency_scope(&t2, &s2), &k2, &prep)
+            assert_eq!(first, "done");
+            let second = run_with_inbox(&spec, value, &table, &idempotency_scope(&t2, &s2), &k2)
                 .await
                 .unwrap();
             assert_eq!(
-                second.label(),
-                "done",
+                second, "done",
                 "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
             );
         });

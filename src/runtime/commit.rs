@@ -265,7 +265,7 @@ pub(crate) enum Outcome {
 }
 
 /// at_least_once commits in flight at most; sealing one more first waits for the oldest.
-pub const MAX_IN_FLIGHT: usize = 4;
+pub(crate) const MAX_IN_FLIGHT: usize = 4;
 
 /// An at_least_once commit in flight: sealed, its steps not all done.
 struct InFlight {

@@ -11,4 +11,4 @@ pub(crate) mod task;
 
 pub use app::{App, RunOptions, RunSummary};
 pub(crate) use status::Status;
-pub use task::Task;
+pub(crate) use task::Task;

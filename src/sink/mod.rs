@@ -461,7 +461,7 @@ impl ExternalSinkSpec {
 /// `%25`, `%2F`, `%3A`, so that topology `T` / sink `hook` and topology `T/hook:k` /
 /// sink `s` get different scopes whatever their keys (names allowed by `build()` are left
 /// as they are, so existing keys stay found).
-pub fn idempotency_scope(topology: &str, sink: &str) -> String {
+pub(crate) fn idempotency_scope(topology: &str, sink: &str) -> String {
     fn escaped(name: &str, out: &mut String) {
         for c in name.chars() {
             match c {
@@ -481,7 +481,7 @@ pub fn idempotency_scope(topology: &str, sink: &str) -> String {
 
 /// The default prefix of a sink's Redis idempotency keys: `onceflow:<scope>:` (see
 /// [`idempotency_scope`]); a key is the prefix followed by its bytes.
-pub fn redis_prefix(scope: &str) -> String {
+pub(crate) fn redis_prefix(scope: &str) -> String {
     format!("onceflow:{scope}:")
 }
 

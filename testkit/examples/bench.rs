@@ -18,7 +18,7 @@
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
 //!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
-//! 3. Without a broker: `Task`s (one per partition) over the same N pre-built records,
+//! 3. Without a broker: tasks (one per partition, `onceflow::__testkit::drive_tasks`) over the same N pre-built records,
 //!    with the sled backend and with the memory backend, committing state every 10,000
 //!    records (plus an fsync for sled); decisions/s and the ratio sled/memory.
 //!
@@ -49,12 +49,11 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::Admin;
-use onceflow::__testkit::{MemoryBackend, SledBackend, StateBackend};
 use onceflow::Topology;
-use onceflow::{__testkit::repartition_topic, Partitioning};
-use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
+use onceflow::{__testkit::drive_tasks, __testkit::repartition_topic, Partitioning};
+use onceflow::{App, RunOptions, RunSummary};
 use onceflow::{Counts, Record, SourceMeta};
+use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -66,8 +65,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{
     cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys, median,
-    now_ms, onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res,
-    Settings, PARTITIONS, VALUE_LEN,
+    onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res, Settings,
+    PARTITIONS, VALUE_LEN,
 };
 
 const TARGET_RATIO: f64 = 0.8;
@@ -370,36 +369,14 @@ fn prebuilt_records(ds: &Dataset, topic: &str) -> Vec<Record> {
         .collect()
 }
 
-/// Drive one `Task` per partition over the pre-built records, committing state every
-/// `STATE_COMMIT_EVERY` records. Returns the counts and the seconds taken.
-fn dedup_alone(ds: &Dataset, backend: &dyn StateBackend) -> Res<(Counts, f64)> {
+/// Drive one task per partition over the pre-built records (`onceflow::__testkit::drive_tasks`)
+/// with their stores in sled under `sled_dir` (in memory when `None`), committing state
+/// every `STATE_COMMIT_EVERY` records. Returns the counts and the seconds taken.
+fn dedup_alone(ds: &Dataset, sled_dir: Option<&std::path::Path>) -> Res<(Counts, f64)> {
     let topology = dedup_topology("bench.in", "bench.out")?;
-    let mut tasks: Vec<Task> = (0..PARTITIONS as i32)
-        .map(|p| Task::new(&topology, p, backend, "bench.dlq"))
-        .collect::<Result<_, _>>()?;
     let records = prebuilt_records(ds, "bench.in");
-    let mut out = Vec::with_capacity(4);
-    let started = Instant::now();
-    for (i, r) in records.into_iter().enumerate() {
-        let p = r.source.partition as usize;
-        tasks[p].process(r, now_ms(), &mut out)?;
-        out.clear();
-        if (i + 1) % STATE_COMMIT_EVERY == 0 {
-            for t in tasks.iter_mut() {
-                t.commit_state(|_| None)?;
-            }
-            backend.flush()?;
-        }
-    }
-    for t in tasks.iter_mut() {
-        t.commit_state(|_| None)?;
-    }
-    backend.flush()?;
-    let seconds = started.elapsed().as_secs_f64();
-    let mut counts = Counts::default();
-    for t in &tasks {
-        counts.add(t.counts());
-    }
+    let (counts, seconds, _) =
+        drive_tasks(&topology, sled_dir, &[], records, STATE_COMMIT_EVERY, None)?;
     if counts.passed as usize != ds.distinct || counts.dead_lettered != 0 {
         return Err(format!(
             "dedup alone: passed={} dead_lettered={}, expected passed={}",
@@ -638,9 +615,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
 
     for round in 1..=s.rounds {
         let dir = tempfile::tempdir()?;
-        let sled = SledBackend::open(dir.path())?;
-        let (c, secs) = dedup_alone(&ds, &sled)?;
-        drop(sled);
+        let (c, secs) = dedup_alone(&ds, Some(dir.path()))?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, sled: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
@@ -648,7 +623,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         );
         res.sled.push(dps);
 
-        let (c, secs) = dedup_alone(&ds, &MemoryBackend::default())?;
+        let (c, secs) = dedup_alone(&ds, None)?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, memory: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",

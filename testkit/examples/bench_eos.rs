@@ -37,8 +37,8 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::Admin;
 use onceflow::{App, RunOptions, RunSummary};
+use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;

@@ -11,8 +11,8 @@
 //! ```
 //! The broker address comes from ONCEFLOW_BOOTSTRAP_SERVERS (default 127.0.0.1:9092).
 
-use onceflow::__testkit::Admin;
 use onceflow::Config;
+use onceflow_testkit::kafka::Admin;
 use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::process::ExitCode;

@@ -265,7 +265,51 @@ pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
         &[("bootstrap.servers".into(), bootstrap.into())],
         std::iter::empty(),
     )?;
-    onceflow::__testkit::Admin::new(&cfg)?.delete_group(group)
+    onceflow::__testkit::delete_group(&cfg, group)
+}
+
+/// Admin requests (topics, partition counts) through onceflow's own admin client, with the
+/// bootstrap servers and `kafka.*` properties of a config; each request connects anew.
+pub struct Admin(onceflow::Config);
+
+impl Admin {
+    /// Admin requests with `cfg`'s bootstrap servers and `kafka.*` properties.
+    ///
+    /// # Errors
+    /// None yet: the client is made (and a refused property reported) per request.
+    pub fn new(cfg: &onceflow::Config) -> Result<Admin> {
+        Ok(Admin(cfg.clone()))
+    }
+
+    /// Create `topic` with `partitions` partitions and topic `configs` unless it exists.
+    /// Returns whether it was created.
+    ///
+    /// # Errors
+    /// A refused property or creation.
+    pub fn ensure_topic(
+        &self,
+        topic: &str,
+        partitions: usize,
+        configs: &[(&str, &str)],
+    ) -> Result<bool> {
+        onceflow::__testkit::create_topic(&self.0, topic, partitions, configs)
+    }
+
+    /// Delete `topics` (missing ones are fine).
+    ///
+    /// # Errors
+    /// A refused property or deletion.
+    pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+        onceflow::__testkit::delete_topics(&self.0, topics)
+    }
+
+    /// The number of partitions of `topic`, `None` if it does not exist.
+    ///
+    /// # Errors
+    /// A refused property; metadata that cannot be fetched.
+    pub fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
+        onceflow::__testkit::partition_count(&self.0, topic)
+    }
 }
 
 /// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is

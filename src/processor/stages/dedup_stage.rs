@@ -69,7 +69,7 @@ impl Partitioning {
 
 /// The internal topic a repartitioned dedup stage routes its input through:
 /// `<application.id>-<stage>-repartition`.
-pub fn repartition_topic(application_id: &str, stage: &str) -> String {
+pub(crate) fn repartition_topic(application_id: &str, stage: &str) -> String {
     format!("{application_id}-{stage}-repartition")
 }
 
@@ -175,7 +175,7 @@ impl DedupSpec {
 }
 
 /// Entries the expiry sweep looks at per commit and store partition.
-pub const SWEEP_BATCH: usize = 1000;
+pub(crate) const SWEEP_BATCH: usize = 1000;
 
 struct StageMetrics {
     passed: metrics::Counter,
