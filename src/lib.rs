@@ -36,21 +36,26 @@ pub mod metrics;
 pub use codec::{Format, ProtoFormat};
 pub use config::{Config, Guarantee, LogFormat};
 pub use error::{Error, RecordError, Result};
+pub use processor::dedup::DedupEntry;
+pub use processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
 pub use processor::fingerprint::FingerprintFields;
 pub use processor::key::KeySource;
+pub use processor::record::{OutRecord, Record, SourceMeta};
 pub use processor::route::{RouteBranch, RouteSpec};
-pub use processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
+pub use processor::stages::dedup_stage::{ConflictPolicy, DedupSpec, Partitioning, TimeSource};
+pub use processor::stages::topic_sink::SinkSpec;
 pub use processor::transform::MapSpec;
-pub use processor::{Counts, OutRecord, Record, SourceMeta};
-pub use runtime::{App, RunOptions, RunSummary};
+pub use processor::Counts;
+pub use runtime::app::{App, RunOptions, RunSummary};
+pub use sink::protocol::{InFlight, OnStoreError, ReservationPolicy};
 pub use sink::{
-    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, InFlight, OnStoreError, PostgresSpec,
-    RedisSpec, ReservationPolicy, Secret, StoreSpec,
+    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, PostgresSpec, RedisSpec, Secret, StoreSpec,
 };
+pub use state::restore::ChangelogRecord;
 pub use testing::{TestDriver, TestRecord};
-pub use topology::{
-    DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
-};
+pub use topology::builder::TopologyBuilder;
+pub use topology::describe::DescribeFormat;
+pub use topology::Topology;
 
 /// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
 /// builder and its stage specs, the config, the run entry points, the test driver, records
@@ -69,7 +74,7 @@ pub mod prelude {
 /// The names of the headers onceflow writes on the records it emits.
 pub mod headers {
     pub use crate::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
-    pub use crate::processor::stages::{
+    pub use crate::processor::stages::dedup_stage::{
         DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
     };
     pub use crate::runtime::task::dlq_headers;

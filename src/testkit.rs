@@ -5,13 +5,13 @@
 //! a restore, read a store back), so that the types behind it stay crate-private.
 
 use crate::error::{Error, Result};
-use crate::processor::{Counts, Record, SourceMeta};
+use crate::processor::{Counts, Record};
 use crate::runtime::Task;
 use crate::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
 use crate::sink::{EffectSpec, StoreSpec};
 use crate::state::table::{MemoryTable, TableEngine, TableRecord, Tables};
 use crate::state::{MemoryBackend, SledBackend, StateBackend};
-use crate::{Config, Format, LogFormat, OutRecord, Topology};
+use crate::{ChangelogRecord, Config, Format, LogFormat, OutRecord, Topology};
 use bytes::Bytes;
 use rdkafka::consumer::BaseConsumer;
 use rdkafka::error::KafkaError;
@@ -19,9 +19,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-pub use crate::processor::dedup::DedupEntry;
-pub use crate::state::restore::ChangelogRecord;
 
 /// Entries the expiry sweep of a dedup stage tombstones at most per commit.
 pub const SWEEP_BATCH: usize = crate::processor::stages::SWEEP_BATCH;
@@ -144,13 +141,12 @@ pub fn read_batch(
 
 // ------------------------------------------------------------------------ state
 
-/// A table row for [`drive_tasks`]: partition, offset, key, value (`None`: a tombstone).
-pub type TableRow = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
-
 /// Process `records` through one task per source partition of `topology` (as many as the
-/// highest partition among them), timed. Stores and `tables` (name, rows in log order,
-/// loaded before the clock starts, with the format the topology gives the table) live in
-/// sled under `sled_dir`, or in memory. State is committed (and the backend flushed) every
+/// highest partition among them), each record at the next offset of its partition, timed
+/// (the records are made source records before the clock starts). Stores and `tables`
+/// (name, rows in log order as (partition, offset, key, value), loaded before the clock
+/// starts, with the format the topology gives the table) live in sled under `sled_dir`, or
+/// in memory. State is committed (and the backend flushed) every
 /// `commit_every` records (0: never) and at the end. Each record is processed at wall
 /// clock `wall_clock_ms`, or the clock's time when `None`.
 ///
@@ -162,8 +158,8 @@ pub type TableRow = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
 pub fn drive_tasks(
     topology: &Topology,
     sled_dir: Option<&Path>,
-    tables: &[(&str, Vec<TableRow>)],
-    records: Vec<Record>,
+    tables: &[(&str, Vec<(i32, i64, Option<Vec<u8>>, Option<Vec<u8>>)>)],
+    records: Vec<crate::TestRecord>,
     commit_every: usize,
     wall_clock_ms: Option<i64>,
 ) -> Result<(Counts, f64, usize)> {
@@ -197,6 +193,16 @@ pub fn drive_tasks(
         crate::state::table::apply_records(engine.as_ref(), &format, &rows)?;
         loaded.insert(name.to_string(), engine);
     }
+    let topic: Arc<str> = topology.source().topic.as_str().into();
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let records: Vec<Record> = records
+        .into_iter()
+        .map(|r| {
+            let offset = next.entry(r.source_partition()).or_default();
+            *offset += 1;
+            r.into_record(topic.clone(), *offset - 1)
+        })
+        .collect();
     let partitions = records.iter().map(|r| r.source.partition + 1).max();
     let mut tasks: Vec<Task> = (0..partitions.unwrap_or(0))
         .map(|p| Ok(Task::new(topology, p, backend, DLQ)?.with_tables(loaded.clone())))
@@ -453,19 +459,9 @@ pub async fn run_with_inbox(
     key: &[u8],
 ) -> std::result::Result<&'static str, String> {
     let eff = crate::sink::effects::Effector::new("pg", effect, Duration::from_secs(5))?;
-    let record = Record {
-        key: None,
-        value: Some(Bytes::copy_from_slice(value)),
-        headers: vec![],
-        timestamp: Some(0),
-        json: None,
-        fields: None,
-        source: SourceMeta {
-            topic: "in".into(),
-            partition: 0,
-            offset: 0,
-        },
-    };
+    let record = crate::TestRecord::json(value)
+        .timestamp(0)
+        .into_record("in".into(), 0);
     let prep = eff.prepare(&record)?;
     Ok(eff.run_with_inbox(table, scope, key, &prep).await?.label())
 }

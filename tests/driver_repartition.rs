@@ -116,12 +116,23 @@ fn source_partitioning_lets_copies_on_two_partitions_pass() {
 
 #[test]
 fn kafka_key_defaults_to_source_partitioning() {
-    let spec = DedupSpec::new(KeySource::KafkaKey);
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Source);
-    let spec = DedupSpec::new(KeySource::Header("msg-id".into()));
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Repartition);
+    // The partitioning in effect shows as the driver's repartition topic (none: source).
+    let repartition_topic = |spec: DedupSpec| {
+        let t = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("dedup", spec)
+            .sink("out", "out")
+            .build()
+            .unwrap();
+        TestDriver::new(t).repartition_topic().map(str::to_string)
+    };
+    assert_eq!(repartition_topic(DedupSpec::new(KeySource::KafkaKey)), None);
+    assert_eq!(
+        repartition_topic(DedupSpec::new(KeySource::Header("msg-id".into()))).as_deref(),
+        Some("test-dedup-repartition")
+    );
     let spec = DedupSpec::new(KeySource::ValueHash).with_partitioning(Partitioning::Source);
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Source);
+    assert_eq!(repartition_topic(spec), None);
 }
 
 #[test]

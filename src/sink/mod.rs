@@ -39,8 +39,7 @@ pub(crate) mod template;
 
 use crate::codec::Format;
 use crate::processor::key::KeySource;
-pub use protocol::OnStoreError;
-pub use protocol::{InFlight, ReservationPolicy};
+pub(crate) use protocol::{InFlight, OnStoreError, ReservationPolicy};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 pub(crate) use template::Template;

@@ -75,6 +75,28 @@ impl TestRecord {
         self.partition = p;
         self
     }
+
+    /// This record as the source record at `offset` of its partition of `topic`.
+    pub(crate) fn into_record(self, topic: std::sync::Arc<str>, offset: i64) -> Record {
+        Record {
+            key: self.key,
+            value: self.value,
+            headers: self.headers,
+            timestamp: self.timestamp,
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic,
+                partition: self.partition,
+                offset,
+            },
+        }
+    }
+
+    /// The source partition.
+    pub(crate) fn source_partition(&self) -> i32 {
+        self.partition
+    }
 }
 
 /// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
@@ -265,19 +287,7 @@ impl TestDriver {
 
     /// `r` as the source record at `offset` of its partition.
     fn source_record(&self, r: TestRecord, offset: i64) -> Record {
-        Record {
-            key: r.key,
-            value: r.value,
-            headers: r.headers,
-            timestamp: r.timestamp,
-            json: None,
-            fields: None,
-            source: SourceMeta {
-                topic: self.topology.source().topic.as_str().into(),
-                partition: r.partition,
-                offset,
-            },
-        }
+        r.into_record(self.topology.source().topic.as_str().into(), offset)
     }
 
     /// Pipe one record; returns its offset in its source partition.

@@ -49,10 +49,11 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
+use onceflow::__testkit::{changelog_topic, drive_tasks, repartition_topic};
+use onceflow::Partitioning;
 use onceflow::Topology;
-use onceflow::{__testkit::drive_tasks, __testkit::repartition_topic, Partitioning};
 use onceflow::{App, RunOptions, RunSummary};
-use onceflow::{Counts, Record, SourceMeta};
+use onceflow::{Counts, TestRecord};
 use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -188,18 +189,11 @@ fn onceflow_run_config(bootstrap: &str, app_id: &str, state_dir: &str) -> Res<on
 
 /// Record, for the cleanup, the topics and group that the run of `app_id` creates (dead
 /// letters, changelogs).
-fn record_onceflow_topics(
-    bootstrap: &str,
-    input: &str,
-    output: &str,
-    app_id: &str,
-    created: &mut Created,
-) -> Res<()> {
+fn record_onceflow_topics(bootstrap: &str, app_id: &str, created: &mut Created) -> Res<()> {
     let cfg = onceflow_run_config(bootstrap, app_id, "unused")?;
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
-    let app = App::new(cfg, dedup_topology(input, output)?);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok(())
 }
 
@@ -344,27 +338,14 @@ fn child_main(spec: &str, bootstrap: &str) -> Res<()> {
 
 // ------------------------------------------------------------------------ (3) dedup alone
 
-fn prebuilt_records(ds: &Dataset, topic: &str) -> Vec<Record> {
-    let topic: Arc<str> = topic.into();
-    let mut next = [0i64; PARTITIONS];
+fn prebuilt_records(ds: &Dataset) -> Vec<TestRecord> {
     ds.events
         .iter()
         .map(|e| {
-            let offset = next[e.partition as usize];
-            next[e.partition as usize] += 1;
-            Record {
-                key: Some(e.id.clone()),
-                value: Some(e.value.clone()),
-                headers: Vec::new(),
-                timestamp: Some(e.timestamp),
-                json: None,
-                fields: None,
-                source: SourceMeta {
-                    topic: topic.clone(),
-                    partition: e.partition,
-                    offset,
-                },
-            }
+            TestRecord::json(e.value.to_vec())
+                .key(e.id.to_vec())
+                .timestamp(e.timestamp)
+                .partition(e.partition)
         })
         .collect()
 }
@@ -374,7 +355,7 @@ fn prebuilt_records(ds: &Dataset, topic: &str) -> Vec<Record> {
 /// every `STATE_COMMIT_EVERY` records. Returns the counts and the seconds taken.
 fn dedup_alone(ds: &Dataset, sled_dir: Option<&std::path::Path>) -> Res<(Counts, f64)> {
     let topology = dedup_topology("bench.in", "bench.out")?;
-    let records = prebuilt_records(ds, "bench.in");
+    let records = prebuilt_records(ds);
     let (counts, seconds, _) =
         drive_tasks(&topology, sled_dir, &[], records, STATE_COMMIT_EVERY, None)?;
     if counts.passed as usize != ds.distinct || counts.dead_lettered != 0 {
@@ -589,7 +570,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         let app = format!("bench-dedup-{}-{round}", s.run_id);
         admin.ensure_topic(&out, PARTITIONS, &keep)?;
         created.topics.push(out.clone());
-        record_onceflow_topics(&s.bootstrap, &input, &out, &app, created)?;
+        record_onceflow_topics(&s.bootstrap, &app, created)?;
         let child = run_child(&["onceflow", &input, &out, &app])?;
         println!(
             "round {round} (b) onceflow: {} {}",
@@ -664,7 +645,7 @@ fn run_guarantee(
     created.topics.push(repartition_topic(app_id, "dedup"));
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, topology);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok(app.run(RunOptions {
         stop_at_end: true,
         ..Default::default()

@@ -31,20 +31,22 @@
 mod support;
 
 use bytes::Bytes;
-use onceflow::__testkit::{drive_tasks, TableRow};
+use onceflow::__testkit::drive_tasks;
 use onceflow::KeySource;
+use onceflow::TestRecord;
 use onceflow::{App, RunOptions, RunSummary};
 use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
-use onceflow::{Record, SourceMeta};
 use onceflow_testkit::kafka;
 use onceflow_testkit::kafka::Admin;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 use support::{
     cleanup, env_usize, init_logging, median, onceflow_config, rate_list, topic_records, Created,
     Res, Settings, PARTITIONS,
 };
+
+/// A row of a lookup table: partition, offset, key, value.
+type TableRow = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
 
 struct Order {
     key: Bytes,
@@ -134,26 +136,13 @@ fn run_app(
     Ok((summary, startup))
 }
 
-fn records_for_tasks(data: &[Order], topic: &str) -> Vec<Record> {
-    let topic: Arc<str> = topic.into();
-    let mut next = [0i64; PARTITIONS];
+fn records_for_tasks(data: &[Order]) -> Vec<TestRecord> {
     data.iter()
         .map(|o| {
-            let off = next[o.partition as usize];
-            next[o.partition as usize] += 1;
-            Record {
-                key: Some(o.key.clone()),
-                value: Some(o.value.clone()),
-                headers: Vec::new(),
-                timestamp: Some(0),
-                json: None,
-                fields: None,
-                source: SourceMeta {
-                    topic: topic.clone(),
-                    partition: o.partition,
-                    offset: off,
-                },
-            }
+            TestRecord::json(o.value.to_vec())
+                .key(o.key.to_vec())
+                .timestamp(0)
+                .partition(o.partition)
         })
         .collect()
 }
@@ -166,7 +155,7 @@ fn tasks_rate(
     topology: &Topology,
     sled_dir: Option<&std::path::Path>,
     tables: &[(&str, Vec<TableRow>)],
-    records: &[Record],
+    records: &[TestRecord],
 ) -> Res<(f64, usize)> {
     let (_, seconds, written) =
         drive_tasks(topology, sled_dir, tables, records.to_vec(), 0, Some(0))?;
@@ -197,7 +186,7 @@ fn run(s: &Settings, customers: usize, created: &mut Created) -> Res<()> {
     );
 
     // (3) first: no broker, the stage cost alone.
-    let records = records_for_tasks(&data, "orders");
+    let records = records_for_tasks(&data);
     let pass = passthrough_topology("orders", "out")?;
     let enrich = enrich_topology("orders", "customers", "out")?;
     let tables = [("customers", customer_rows(customers))];

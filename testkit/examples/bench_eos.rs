@@ -37,6 +37,7 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
+use onceflow::__testkit::changelog_topic;
 use onceflow::{App, RunOptions, RunSummary};
 use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -119,7 +120,7 @@ fn app(
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, dedup_topology(input, output)?);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok((app, state))
 }
 

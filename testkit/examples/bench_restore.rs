@@ -60,10 +60,10 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::DedupEntry;
-use onceflow::__testkit::{changelog_topic, read_batch, read_state, ChangelogRecord};
+use onceflow::__testkit::{changelog_topic, read_batch, read_state};
 use onceflow::__testkit::{time_restore_apply, time_restore_path};
 use onceflow::{App, RunOptions, RunSummary};
+use onceflow::{ChangelogRecord, DedupEntry};
 use onceflow_testkit::kafka::Admin;
 use onceflow_testkit::kafka::TestProducer;
 use prost::Message as _;

@@ -31,7 +31,7 @@ pub enum ConflictPolicy {
 
 impl ConflictPolicy {
     /// Name as written in topology files: `drop`, `pass`, `dead_letter`, `duplicates_to`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ConflictPolicy::Pass => "pass",
             ConflictPolicy::Drop => "drop",
@@ -59,7 +59,7 @@ pub enum Partitioning {
 
 impl Partitioning {
     /// Name as written in topology files: `source` or `repartition`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Partitioning::Source => "source",
             Partitioning::Repartition => "repartition",
@@ -133,7 +133,7 @@ impl DedupSpec {
     }
 
     /// The partitioning that applies, and why (for `validate` and `describe`).
-    pub fn effective_partitioning(&self) -> (Partitioning, &'static str) {
+    pub(crate) fn effective_partitioning(&self) -> (Partitioning, &'static str) {
         match (self.partitioning, &self.key) {
             (Some(Partitioning::Source), KeySource::KafkaKey) => (
                 Partitioning::Source,
