@@ -33,29 +33,30 @@ pub mod deploy;
 pub mod dsl;
 pub mod metrics;
 
+// The public types, by the part of the library that defines them.
 pub use codec::{Format, ProtoFormat};
 pub use config::{Config, Guarantee, LogFormat};
 pub use error::{Error, RecordError, Result};
-pub use processor::dedup::DedupEntry;
-pub use processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
-pub use processor::fingerprint::FingerprintFields;
-pub use processor::key::KeySource;
-pub use processor::record::{OutRecord, Record, SourceMeta};
-pub use processor::route::{RouteBranch, RouteSpec};
-pub use processor::stages::dedup_stage::{ConflictPolicy, DedupSpec, Partitioning, TimeSource};
-pub use processor::stages::topic_sink::SinkSpec;
-pub use processor::transform::MapSpec;
-pub use processor::Counts;
+pub use processor::{
+    dedup::DedupEntry,
+    enrich::{EnrichSpec, MissingPolicy, TableSpec},
+    fingerprint::FingerprintFields,
+    key::KeySource,
+    record::{OutRecord, Record, SourceMeta},
+    route::{RouteBranch, RouteSpec},
+    stages::dedup_stage::{ConflictPolicy, DedupSpec, Partitioning, TimeSource},
+    stages::topic_sink::SinkSpec,
+    transform::MapSpec,
+    Counts,
+};
 pub use runtime::app::{App, RunOptions, RunSummary};
-pub use sink::protocol::{InFlight, OnStoreError, ReservationPolicy};
 pub use sink::{
+    protocol::{InFlight, OnStoreError, ReservationPolicy},
     EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, PostgresSpec, RedisSpec, Secret, StoreSpec,
 };
 pub use state::restore::ChangelogRecord;
 pub use testing::{TestDriver, TestRecord};
-pub use topology::builder::TopologyBuilder;
-pub use topology::describe::DescribeFormat;
-pub use topology::Topology;
+pub use topology::{builder::TopologyBuilder, describe::DescribeFormat, Topology};
 
 /// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
 /// builder and its stage specs, the config, the run entry points, the test driver, records
@@ -73,12 +74,14 @@ pub mod prelude {
 
 /// The names of the headers onceflow writes on the records it emits.
 pub mod headers {
-    pub use crate::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
-    pub use crate::processor::stages::dedup_stage::{
-        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+    pub use crate::{
+        processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC},
+        processor::stages::dedup_stage::{
+            DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+        },
+        runtime::task::dlq_headers,
+        sink::stage::{OUTCOME_HEADER, RESULT_HEADER},
     };
-    pub use crate::runtime::task::dlq_headers;
-    pub use crate::sink::stage::{OUTCOME_HEADER, RESULT_HEADER};
 }
 
 /// The failpoints of the commit protocol: the points at which [`TestDriver::crash_at`]
@@ -86,7 +89,7 @@ pub mod headers {
 pub mod failpoints {
     pub use crate::runtime::commit::{
         commit_failpoints, AFTER_CHANGELOG, AFTER_FLUSH, AFTER_STATE, BEFORE_FLUSH,
-        EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT, FAILPOINTS,
+        EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT,
         RESTORE_DURING, STATE_WRITE,
     };
 }

@@ -7,11 +7,13 @@
 use crate::error::{Error, Result};
 use crate::processor::{Counts, Record};
 use crate::runtime::Task;
+use crate::sink::effects::Effector;
+use crate::sink::protocol::EffectOutcome;
 use crate::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-use crate::sink::{EffectSpec, StoreSpec};
+use crate::sink::{idempotency_scope, redis_prefix, ExternalSinkSpec, StoreSpec};
 use crate::state::table::{MemoryTable, TableEngine, TableRecord, Tables};
 use crate::state::{MemoryBackend, SledBackend, StateBackend};
-use crate::{ChangelogRecord, Config, Format, LogFormat, OutRecord, Topology};
+use crate::{ChangelogRecord, Config, Format, OutRecord, Topology};
 use bytes::Bytes;
 use rdkafka::consumer::BaseConsumer;
 use rdkafka::error::KafkaError;
@@ -43,22 +45,7 @@ pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
     crate::processor::repartition::partition_for(key, partitions)
 }
 
-/// The idempotency scope of sink `sink` in topology `topology` (`<topology>/<sink>`).
-pub fn idempotency_scope(topology: &str, sink: &str) -> String {
-    crate::sink::idempotency_scope(topology, sink)
-}
-
-/// The default prefix of the Redis idempotency keys of `scope`.
-pub fn redis_prefix(scope: &str) -> String {
-    crate::sink::redis_prefix(scope)
-}
-
 // ------------------------------------------------------------------------ process
-
-/// Install onceflow's log subscriber (filtered by `ONCEFLOW_LOG`).
-pub fn init_logging(format: LogFormat) {
-    crate::logging::init(format);
-}
 
 /// Run `f` until it succeeds or fails with an error that is not transient, as onceflow
 /// retries its own Kafka requests.
@@ -92,20 +79,20 @@ pub fn create_topic(
     crate::kafka::admin::Admin::new(cfg)?.ensure_topic(topic, partitions, configs)
 }
 
-/// Delete `topics` (missing ones are fine).
+/// Delete what a run left: `topics`, then consumer `groups` with their committed offsets
+/// (missing ones are fine).
 ///
 /// # Errors
-/// As [`create_topic`].
-pub fn delete_topics(cfg: &Config, topics: &[&str]) -> Result<()> {
-    crate::kafka::admin::Admin::new(cfg)?.delete_topics(topics)
-}
-
-/// Delete consumer group `group` with its committed offsets (a missing group is fine).
-///
-/// # Errors
-/// As [`create_topic`]; `NonEmptyGroup` while members are active.
-pub fn delete_group(cfg: &Config, group: &str) -> Result<()> {
-    crate::kafka::admin::Admin::new(cfg)?.delete_group(group)
+/// As [`create_topic`]; `NonEmptyGroup` while a group's members are active.
+pub fn delete(cfg: &Config, topics: &[&str], groups: &[&str]) -> Result<()> {
+    let admin = crate::kafka::admin::Admin::new(cfg)?;
+    if !topics.is_empty() {
+        admin.delete_topics(topics)?;
+    }
+    for group in groups {
+        admin.delete_group(group)?;
+    }
+    Ok(())
 }
 
 /// The number of partitions of `topic`, `None` if it does not exist.
@@ -256,14 +243,18 @@ fn restore_steps(
     steps
 }
 
-/// The apply side of a restore of `store` without Kafka: the changelog `records` of each
-/// partition (index = partition) applied by its restore, `per_step` records a step shared
-/// among the partitions, written synchronously into a fresh sled database under `dir`.
-/// Returns the seconds taken (the steps are built before the clock starts).
+/// A restore of `store` without Kafka, timed: the changelog `records` of each partition
+/// (index = partition), `per_step` records a step shared among the partitions as the run
+/// loop takes them, into a fresh sled database under `dir`. Without `topology`, the apply
+/// side alone: each partition's restore writes its steps synchronously (the steps are
+/// built, owned, before the clock starts). With it, the runtime's restore path: one task of
+/// `topology` per partition restoring record by record into write-behind stores, with the
+/// state writer held (as during a restore). Returns the seconds taken.
 ///
 /// # Errors
 /// A store failure; a partition whose restore did not finish.
-pub fn time_restore_apply(
+pub fn time_restore(
+    topology: Option<&Topology>,
     dir: &Path,
     store: &str,
     records: &[Vec<ChangelogRecord>],
@@ -271,61 +262,38 @@ pub fn time_restore_apply(
 ) -> Result<f64> {
     use crate::state::restore::Restorer;
     let backend = SledBackend::open(dir)?;
-    let mut engines = Vec::with_capacity(records.len());
-    let mut restorers = Vec::with_capacity(records.len());
-    for (p, recs) in records.iter().enumerate() {
-        let e = backend.open(store, p as i32)?;
-        restorers.push(Restorer::plan(
-            store,
-            p as i32,
-            e.as_ref(),
-            0,
-            recs.len() as i64,
-        )?);
-        engines.push(e);
-    }
-    // Owned, as the run loop gets its records from the consumer.
-    let steps: Vec<(usize, Vec<ChangelogRecord>, i64)> = restore_steps(records, per_step)
-        .into_iter()
-        .map(|(p, recs, position)| (p, recs.to_vec(), position))
-        .collect();
-    let started = Instant::now();
-    for (p, recs, position) in steps {
-        restorers[p].apply(engines[p].as_ref(), recs, position)?;
-    }
-    if let Some(r) = restorers.iter().find(|r| !r.is_done()) {
-        return Err(Error::state(
-            store,
-            format!("partition {} not done", r.partition()),
-        ));
-    }
-    backend.flush()?;
-    Ok(started.elapsed().as_secs_f64())
-}
-
-/// The runtime's restore path without Kafka: one task of `topology` per partition of
-/// `records` (index = partition) restoring `store` record by record, one step of
-/// `per_step` records shared among the partitions at a time, into write-behind stores over
-/// sled under `dir` with the state writer held (as during a restore). Returns the seconds
-/// taken.
-///
-/// # Errors
-/// A store failure; a partition whose restore did not finish.
-pub fn time_restore_path(
-    topology: &Topology,
-    dir: &Path,
-    store: &str,
-    records: &[Vec<ChangelogRecord>],
-    per_step: usize,
-) -> Result<f64> {
-    let backend = SledBackend::open(dir)?;
+    let steps = restore_steps(records, per_step);
+    let not_done = |p: usize| Error::state(store, format!("partition {p} not done"));
+    let Some(topology) = topology else {
+        let mut engines = Vec::with_capacity(records.len());
+        let mut restorers = Vec::with_capacity(records.len());
+        for (p, recs) in records.iter().enumerate() {
+            let e = backend.open(store, p as i32)?;
+            let end = recs.len() as i64;
+            restorers.push(Restorer::plan(store, p as i32, e.as_ref(), 0, end)?);
+            engines.push(e);
+        }
+        // Owned, as the run loop gets its records from the consumer.
+        let steps: Vec<(usize, Vec<ChangelogRecord>, i64)> = steps
+            .into_iter()
+            .map(|(p, recs, position)| (p, recs.to_vec(), position))
+            .collect();
+        let started = Instant::now();
+        for (p, recs, position) in steps {
+            restorers[p].apply(engines[p].as_ref(), recs, position)?;
+        }
+        if let Some(r) = restorers.iter().find(|r| !r.is_done()) {
+            return Err(not_done(r.partition() as usize));
+        }
+        backend.flush()?;
+        return Ok(started.elapsed().as_secs_f64());
+    };
     let mut tasks = Vec::with_capacity(records.len());
     for (p, recs) in records.iter().enumerate() {
         let mut t = Task::new(topology, p as i32, &backend, "dlq")?;
         t.plan_restore(store, 0, recs.len() as i64)?;
         tasks.push(t);
     }
-    let steps = restore_steps(records, per_step);
     let hold = backend.writer().map(|w| w.hold());
     let started = Instant::now();
     for (p, chunk, position) in steps {
@@ -336,7 +304,7 @@ pub fn time_restore_path(
     }
     let secs = started.elapsed().as_secs_f64();
     if let Some(p) = tasks.iter().position(Task::is_restoring) {
-        return Err(Error::state(store, format!("partition {p} not done")));
+        return Err(not_done(p));
     }
     drop(hold);
     Ok(secs)
@@ -398,70 +366,62 @@ pub fn time_store_writes(
 
 // ------------------------------------------------------------------------ sinks
 
-/// Complete key `a.2` in the idempotency scope of topology `a.0` / sink `a.1`, then look
-/// key `b.2` up in that of `b.0` / `b.1`, in the store `store` names (sled with an absolute
-/// path, or Redis with its default prefix unless one is given). Returns whether the lookup
-/// found a record.
+/// Whether a key completed in one idempotency scope is seen in another: complete key
+/// `a.2` under the scope of topology `a.0` / sink `a.1` (`<topology>/<sink>`), then look
+/// key `b.2` up under the scope of `b.0` / `b.1`, in the idempotency store of `sink` (sled
+/// with an absolute path; Redis with each scope's default prefix unless one is given; a
+/// PostgreSQL inbox, where both keys run `sink`'s postgres effect for a record with value
+/// `{"id":5}`, and the second is seen when it is skipped as a duplicate).
 ///
 /// # Errors
-/// Another kind of store, or a store failure.
-pub async fn completed_key_seen(
-    store: &StoreSpec,
+/// Another kind of store; a store or effect failure; a first inbox effect that did not run.
+pub async fn key_seen_across_scopes(
+    sink: &ExternalSinkSpec,
     a: (&str, &str, &[u8]),
     b: (&str, &str, &[u8]),
 ) -> std::result::Result<bool, String> {
-    let open = |topology: &str, sink: &str| {
-        let scope = crate::sink::idempotency_scope(topology, sink);
-        async move {
-            Ok::<Box<dyn IdempotencyStore>, String>(match store {
-                StoreSpec::Sled { path: Some(path) } => {
-                    Box::new(SledIdempotencyStore::open(path, &scope).map_err(|e| e.0)?)
-                }
-                StoreSpec::Redis { url, prefix } => {
-                    let prefix = prefix
-                        .clone()
-                        .unwrap_or_else(|| crate::sink::redis_prefix(&scope));
-                    Box::new(
-                        RedisIdempotencyStore::connect(
-                            &url.resolve()?,
-                            prefix.as_bytes(),
-                            Duration::from_secs(2),
-                        )
-                        .await
-                        .map_err(|e| e.0)?,
-                    )
-                }
-                other => return Err(format!("no idempotency store to open: {other:?}")),
-            })
+    let scope = |(topology, name, _): (&str, &str, &[u8])| idempotency_scope(topology, name);
+    if let StoreSpec::Postgres { table } = &sink.store {
+        let eff = Effector::new("pg", &sink.effect, Duration::from_secs(5))?;
+        let record = crate::TestRecord::json(r#"{"id":5}"#)
+            .timestamp(0)
+            .into_record("in".into(), 0);
+        let prep = eff.prepare(&record)?;
+        let first = eff.run_with_inbox(table, &scope(a), a.2, &prep).await?;
+        if first.label() != "done" {
+            return Err(format!("the first effect was {}", first.label()));
         }
+        return match eff.run_with_inbox(table, &scope(b), b.2, &prep).await? {
+            EffectOutcome::Done(_) => Ok(false),
+            EffectOutcome::SkippedDuplicate(_) => Ok(true),
+            other => Err(format!("the second effect was {}", other.label())),
+        };
+    }
+    let open = |scope: String| async move {
+        Ok::<Box<dyn IdempotencyStore>, String>(match &sink.store {
+            StoreSpec::Sled { path: Some(path) } => {
+                Box::new(SledIdempotencyStore::open(path, &scope).map_err(|e| e.0)?)
+            }
+            StoreSpec::Redis { url, prefix } => {
+                let prefix = prefix.clone().unwrap_or_else(|| redis_prefix(&scope));
+                Box::new(
+                    RedisIdempotencyStore::connect(
+                        &url.resolve()?,
+                        prefix.as_bytes(),
+                        Duration::from_secs(2),
+                    )
+                    .await
+                    .map_err(|e| e.0)?,
+                )
+            }
+            other => return Err(format!("no idempotency store to open: {other:?}")),
+        })
     };
-    let first = open(a.0, a.1).await?;
-    let second = open(b.0, b.1).await?;
+    let first = open(scope(a)).await?;
+    let second = open(scope(b)).await?;
     first
         .complete(a.2, b"done by the first", Duration::from_secs(60))
         .await
         .map_err(|e| e.0)?;
     Ok(second.lookup(b.2).await.map_err(|e| e.0)?.is_some())
-}
-
-/// Run the PostgreSQL effect `effect` for a record with value `value` (source `in`/0/0,
-/// timestamp 0) under inbox row (`scope`, `key`) of inbox table `table`, as a sink with a
-/// postgres idempotency store does. Returns the outcome's label: `done`, or
-/// `skipped_duplicate` when that row existed.
-///
-/// # Errors
-/// The effect cannot be set up or fails.
-pub async fn run_with_inbox(
-    effect: &EffectSpec,
-    value: &[u8],
-    table: &str,
-    scope: &str,
-    key: &[u8],
-) -> std::result::Result<&'static str, String> {
-    let eff = crate::sink::effects::Effector::new("pg", effect, Duration::from_secs(5))?;
-    let record = crate::TestRecord::json(value)
-        .timestamp(0)
-        .into_record("in".into(), 0);
-    let prep = eff.prepare(&record)?;
-    Ok(eff.run_with_inbox(table, scope, key, &prep).await?.label())
 }

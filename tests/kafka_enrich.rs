@@ -26,7 +26,6 @@ fn start(config: &Config, topology: &Topology) -> Run {
     let opts = RunOptions {
         stop_at_end: false,
         shutdown: shutdown.clone(),
-        status: None,
     };
     Run {
         shutdown,

@@ -4,12 +4,12 @@
 //! and topology `a/b` / sink `c` and topology `a` / sink `b/c` the same sled tree and inbox
 //! scope: the second effect was skipped as done. Here: such topology names are refused by
 //! `build()`, and the scope itself keeps them apart in sled, Redis and the PostgreSQL inbox.
+//! (That the scopes of names `build()` allows are unchanged is a unit test in `src/sink`.)
 
 mod sink_support;
 
-use onceflow::__testkit::{completed_key_seen, run_with_inbox};
-use onceflow::__testkit::{idempotency_scope, redis_prefix};
-use onceflow::{EffectSpec, PostgresSpec, Secret, StoreSpec};
+use onceflow::__testkit::key_seen_across_scopes;
+use onceflow::{EffectSpec, ExternalSinkSpec, FileSpec, PostgresSpec, Secret, StoreSpec};
 use onceflow::{Format, TopologyBuilder};
 use sink_support::{postgres_url, redis_url};
 
@@ -64,26 +64,29 @@ fn a_topology_name_that_could_forge_a_scope_is_refused() {
     );
 }
 
-#[test]
-fn scopes_of_names_build_allows_are_unchanged() {
-    // Existing keys must stay found after an upgrade.
-    assert_eq!(idempotency_scope("orders-a", "hook"), "orders-a/hook");
-    assert_eq!(
-        redis_prefix(&idempotency_scope("t", "hook")),
-        "onceflow:t/hook:"
-    );
+/// A sink keeping its keys in `store`; its effect (a file line) never runs here.
+fn with_store(store: StoreSpec) -> ExternalSinkSpec {
+    let effect = EffectSpec::File(FileSpec {
+        path: "unused".into(),
+        line: "{value}".into(),
+    });
+    ExternalSinkSpec::new(effect, store)
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_sled() {
     let dir = tempfile::tempdir().unwrap();
-    let store = StoreSpec::Sled {
+    let sink = with_store(StoreSpec::Sled {
         path: Some(dir.path().to_path_buf()),
-    };
+    });
     let rt = tokio::runtime::Runtime::new().unwrap();
     for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
         let seen = rt
-            .block_on(completed_key_seen(&store, (&t1, &s1, &k1), (&t2, &s2, &k2)))
+            .block_on(key_seen_across_scopes(
+                &sink,
+                (&t1, &s1, &k1),
+                (&t2, &s2, &k2),
+            ))
             .unwrap();
         assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
     }
@@ -92,15 +95,19 @@ fn colliding_pairs_stay_apart_in_sled() {
 #[test]
 fn colliding_pairs_stay_apart_in_redis() {
     let Some(url) = redis_url() else { return };
-    // Each scope's default prefix, `redis_prefix(&idempotency_scope(..))`.
-    let store = StoreSpec::Redis {
+    // Each scope's default prefix, `onceflow:<topology>/<sink>:`.
+    let sink = with_store(StoreSpec::Redis {
         url: Secret::Inline(url),
         prefix: None,
-    };
+    });
     let rt = tokio::runtime::Runtime::new().unwrap();
     for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
         let seen = rt
-            .block_on(completed_key_seen(&store, (&t1, &s1, &k1), (&t2, &s2, &k2)))
+            .block_on(key_seen_across_scopes(
+                &sink,
+                (&t1, &s1, &k1),
+                (&t2, &s2, &k2),
+            ))
             .unwrap();
         assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
     }
@@ -116,20 +123,20 @@ fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
         sql: "SELECT 1".into(),
         params: vec![],
     });
-    let value = br#"{"id":5}"#;
+    let sink = ExternalSinkSpec::new(spec, StoreSpec::Postgres { table });
     for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        rt.block_on(async {
-            let first = run_with_inbox(&spec, value, &table, &idempotency_scope(&t1, &s1), &k1)
-                .await
-                .unwrap();
-            assert_eq!(first, "done");
-            let second = run_with_inbox(&spec, value, &table, &idempotency_scope(&t2, &s2), &k2)
-                .await
-                .unwrap();
-            assert_eq!(
-                second, "done",
-                "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
-            );
-        });
+        // The first effect runs (an error otherwise); the second is not skipped as a
+        // duplicate of it.
+        let seen = rt
+            .block_on(key_seen_across_scopes(
+                &sink,
+                (&t1, &s1, &k1),
+                (&t2, &s2, &k2),
+            ))
+            .unwrap();
+        assert!(
+            !seen,
+            "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
+        );
     }
 }

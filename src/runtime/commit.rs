@@ -114,7 +114,7 @@ pub const RESTORE_DURING: &str = "restore.during";
 pub const STATE_WRITE: &str = "state.write";
 
 /// Every failpoint name, to validate `ONCEFLOW_FAILPOINTS`.
-pub const FAILPOINTS: &[&str] = &[
+pub(crate) const FAILPOINTS: &[&str] = &[
     BEFORE_FLUSH,
     AFTER_FLUSH,
     AFTER_CHANGELOG,

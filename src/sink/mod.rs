@@ -608,3 +608,18 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
             .expect("cannot start the sink runtime")
     })
 }
+
+#[cfg(test)]
+mod scope_tests {
+    use super::{idempotency_scope, redis_prefix};
+
+    #[test]
+    fn scopes_of_names_build_allows_are_unchanged() {
+        // Existing keys must stay found after an upgrade.
+        assert_eq!(idempotency_scope("orders-a", "hook"), "orders-a/hook");
+        assert_eq!(
+            redis_prefix(&idempotency_scope("t", "hook")),
+            "onceflow:t/hook:"
+        );
+    }
+}

@@ -221,11 +221,6 @@ impl TestDriver {
         self
     }
 
-    /// Name of the dead-letter topic.
-    pub fn dlq_topic(&self) -> &str {
-        &self.dlq_topic
-    }
-
     /// The task of `partition`; a new task is first restored from the in-memory changelog,
     /// from its store's checkpoint to the changelog's end, as on assignment.
     fn task(&mut self, partition: i32) -> Result<&mut Task> {
@@ -548,11 +543,6 @@ impl TestDriver {
         self.clock_ms += by.as_millis() as i64;
     }
 
-    /// The mock wall clock (ms).
-    pub fn wall_clock_ms(&self) -> i64 {
-        self.clock_ms
-    }
-
     /// Durable outputs written to `topic`, in order (at_least_once: acknowledged;
     /// exactly_once_v2: committed, what a read_committed consumer sees).
     pub fn output(&self, topic: &str) -> Vec<&OutRecord> {
@@ -613,13 +603,12 @@ impl TestDriver {
 // ---- Lookup tables (enrich): an in-memory table topic per table, loaded like the runtime
 // loads a table topic (from the stored offsets to the end, before each piped record). ----
 
-/// The driver's tables: engines, their topics' records, and load counts.
+/// The driver's tables: engines and their topics' records.
 #[derive(Default)]
 struct TableState {
     handles: crate::state::table::Tables,
     engines: BTreeMap<String, std::sync::Arc<crate::state::table::MemoryTable>>,
     logs: BTreeMap<String, BTreeMap<i32, Vec<crate::state::table::TableRecord>>>,
-    loaded: u64,
 }
 
 impl TestDriver {
@@ -665,7 +654,7 @@ impl TestDriver {
     ///
     /// # Errors
     /// A table engine failure.
-    pub fn sync_tables(&mut self) -> Result<()> {
+    pub(crate) fn sync_tables(&mut self) -> Result<()> {
         for spec in self.topology.tables() {
             let engine = &self.tables.engines[&spec.name];
             let offsets = crate::state::table::TableEngine::offsets(engine.as_ref())?;
@@ -678,16 +667,10 @@ impl TestDriver {
                 batch.extend(log.iter().skip(from).cloned());
             }
             if !batch.is_empty() {
-                self.tables.loaded += batch.len() as u64;
                 crate::state::table::apply_records(engine.as_ref(), &spec.format, &batch)?;
             }
         }
         Ok(())
-    }
-
-    /// Table topic records applied to tables so far (a wiped table loads its topic again).
-    pub fn table_records_loaded(&self) -> u64 {
-        self.tables.loaded
     }
 
     /// The row of `key` in table `table`, as JSON text.

@@ -81,7 +81,7 @@ impl Topology {
     }
 
     /// The topology's name (a metric label).
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 

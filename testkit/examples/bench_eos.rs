@@ -297,7 +297,6 @@ fn latency_round(
     let opts = RunOptions {
         stop_at_end: false,
         shutdown: shutdown.clone(),
-        status: None,
     };
     let runner = std::thread::spawn(move || {
         let r = app.run(opts);

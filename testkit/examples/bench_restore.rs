@@ -31,11 +31,11 @@
 //!    - (c) sled alone, no Kafka: the restores' apply over the same records, pre-built,
 //!      20,000 per step shared among the partitions as the run loop takes them, written
 //!      synchronously into a fresh sled store: what persisting costs (done behind, later;
-//!      `onceflow::__testkit::time_restore_apply`).
+//!      `onceflow::__testkit::time_restore`).
 //!    - (c') the restore path alone, no Kafka: the runtime's tasks restoring record by
 //!      record over the same steps, into write-behind stores with the state writer held
 //!      (as during a restore): what a restore adds to reading
-//!      (`onceflow::__testkit::time_restore_path`).
+//!      (`onceflow::__testkit::time_restore` with the topology).
 //!
 //!    The medians, the ratios restore/A and the target (b'/A >= 0.8) are reported, and the
 //!    whole run split into start-up (to the first "restore starting"), restore phase and
@@ -60,8 +60,8 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
+use onceflow::__testkit::time_restore;
 use onceflow::__testkit::{changelog_topic, read_batch, read_state};
-use onceflow::__testkit::{time_restore_apply, time_restore_path};
 use onceflow::{App, RunOptions, RunSummary};
 use onceflow::{ChangelogRecord, DedupEntry};
 use onceflow_testkit::kafka::Admin;
@@ -760,13 +760,13 @@ fn run(s: &Settings, log: &RestoreLog, created: &mut Created) -> Res<Results> {
             continue;
         }
         let dir = tempfile::tempdir()?;
-        let secs = time_restore_apply(dir.path(), STORE, &records, RESTORE_BATCH)?;
+        let secs = time_restore(None, dir.path(), STORE, &records, RESTORE_BATCH)?;
         let rps = s.records as f64 / secs;
         println!("round {round} (c) restore apply alone, sled: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
         res.sled.push(rps);
         let dir = tempfile::tempdir()?;
         let topology = dedup_topology(&names.input, &names.output)?;
-        let secs = time_restore_path(&topology, dir.path(), STORE, &records, RESTORE_BATCH)?;
+        let secs = time_restore(Some(&topology), dir.path(), STORE, &records, RESTORE_BATCH)?;
         let rps = s.records as f64 / secs;
         println!("round {round} (c') restore path alone, write-behind stores: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
         res.memory.push(rps);

@@ -270,7 +270,7 @@ pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
         &[("bootstrap.servers".into(), bootstrap.into())],
         std::iter::empty(),
     )?;
-    onceflow::__testkit::delete_group(&cfg, group)
+    onceflow::__testkit::delete(&cfg, &[], &[group])
 }
 
 /// Admin requests (topics, partition counts) through onceflow's own admin client, with the
@@ -305,7 +305,7 @@ impl Admin {
     /// # Errors
     /// A refused property or deletion.
     pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
-        onceflow::__testkit::delete_topics(&self.0, topics)
+        onceflow::__testkit::delete(&self.0, topics, &[])
     }
 
     /// The number of partitions of `topic`, `None` if it does not exist.
