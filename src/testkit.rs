@@ -57,12 +57,6 @@ pub fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
     crate::kafka::retry::retry(what, f)
 }
 
-/// Build the processors of `topology`'s stages (what a task does on assignment) and
-/// return how many there are; for tests that only check it does not panic.
-pub fn instantiate(topology: &Topology) -> usize {
-    topology.instantiate().len()
-}
-
 // ------------------------------------------------------------------------ admin
 
 /// Create `topic` with `partitions` partitions and topic `configs` unless it exists, with
@@ -129,7 +123,8 @@ pub fn read_batch(
 // ------------------------------------------------------------------------ state
 
 /// Process `records` through one task per source partition of `topology` (as many as the
-/// highest partition among them), each record at the next offset of its partition, timed
+/// highest partition among them, at least one: with no record, it only builds a task's
+/// processors and stores, as on assignment, and commits), each record at the next offset of its partition, timed
 /// (the records are made source records before the clock starts). Stores and `tables`
 /// (name, rows in log order as (partition, offset, key, value), loaded before the clock
 /// starts, with the format the topology gives the table) live in sled under `sled_dir`, or
@@ -191,7 +186,7 @@ pub fn drive_tasks(
         })
         .collect();
     let partitions = records.iter().map(|r| r.source.partition + 1).max();
-    let mut tasks: Vec<Task> = (0..partitions.unwrap_or(0))
+    let mut tasks: Vec<Task> = (0..partitions.unwrap_or(1))
         .map(|p| Ok(Task::new(topology, p, backend, DLQ)?.with_tables(loaded.clone())))
         .collect::<Result<_>>()?;
     let commit = |tasks: &mut [Task]| -> Result<()> {
