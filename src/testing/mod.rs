@@ -99,7 +99,8 @@ impl TestRecord {
     }
 }
 
-/// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
+/// Runs a topology without a broker. Each partition gets a task (its processors, as
+/// under [`App::run`](crate::App::run)) over in-memory stores;
 /// outputs become visible when committed (by default after every piped record).
 ///
 /// The driver commits with the runtime's own commit protocol (`runtime/commit.rs`; its failpoints are [`crate::failpoints`])
@@ -400,8 +401,8 @@ impl TestDriver {
     }
 
     /// at_least_once: hold every acknowledgement until a commit must wait for it (more
-    /// than [`crate::runtime::commit::MAX_IN_FLIGHT`] in flight) or [`Self::acknowledge`]
-    /// is called, so commits stay in flight, sealed, while records go on being processed,
+    /// in flight than the runtime allows, `MAX_IN_FLIGHT` in `runtime/commit.rs`) or
+    /// [`Self::acknowledge`] is called, so commits stay in flight, sealed, while records go on being processed,
     /// as in the runtime (default off: each commit completes at once).
     pub fn pipelined(mut self, on: bool) -> Self {
         self.log.hold_acks = on;

@@ -103,8 +103,8 @@ pub struct DedupSpec {
     /// duplicates are dropped.
     pub duplicates_to: Option<String>,
     /// How the key meets the partitioning; `None` (the default) means `Source` for
-    /// `key: kafka_key` and `Repartition` for every other key (see
-    /// [`DedupSpec::effective_partitioning`]).
+    /// `key: kafka_key` and `Repartition` for every other key ([`Topology::describe`](crate::Topology::describe)
+    /// shows the partitioning in effect and why).
     pub partitioning: Option<Partitioning>,
 }
 
