@@ -18,6 +18,11 @@ const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOn
 fn by_id(partitioning: Option<Partitioning>) -> Topology {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
     spec.partitioning = partitioning;
+    with_dedup(spec)
+}
+
+/// Source `in`, dedup stage `dedup` with `spec`, sink to `out`.
+fn with_dedup(spec: DedupSpec) -> Topology {
     TopologyBuilder::new("t")
         .source("in", Format::Json)
         .dedup("dedup", spec)
@@ -118,13 +123,9 @@ fn source_partitioning_lets_copies_on_two_partitions_pass() {
 fn kafka_key_defaults_to_source_partitioning() {
     // The partitioning in effect shows as the driver's repartition topic (none: source).
     let repartition_topic = |spec: DedupSpec| {
-        let t = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .dedup("dedup", spec)
-            .sink("out", "out")
-            .build()
-            .unwrap();
-        TestDriver::new(t).repartition_topic().map(str::to_string)
+        TestDriver::new(with_dedup(spec))
+            .repartition_topic()
+            .map(str::to_string)
     };
     assert_eq!(repartition_topic(DedupSpec::new(KeySource::KafkaKey)), None);
     assert_eq!(
@@ -219,13 +220,9 @@ fn dedup_entries_name_the_original_source_record() {
         let mut spec =
             DedupSpec::new(KeySource::JsonPointer("/id".into())).with_duplicates_to("dups");
         spec.partitioning = Some(Partitioning::Repartition);
-        let topology = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .dedup("dedup", spec)
-            .sink("out", "out")
-            .build()
-            .unwrap();
-        let mut d = TestDriver::new(topology).guarantee(g).source_partitions(4);
+        let mut d = TestDriver::new(with_dedup(spec))
+            .guarantee(g)
+            .source_partitions(4);
         let p1 = partition_for(b"e-1", 4);
         // The first copy sits at offset 2 of a source partition other than p1, behind two
         // records routed elsewhere: on the repartition topic it is at offset 0 of p1.

@@ -64,6 +64,22 @@ fn a_topology_name_that_could_forge_a_scope_is_refused() {
     );
 }
 
+/// In `sink`'s idempotency store, the second key of each pair is not seen once the first
+/// is completed, each under its own (topology, sink) scope.
+fn assert_apart(sink: &ExternalSinkSpec, pairs: Vec<[(String, String, Vec<u8>); 2]>) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for [(t1, s1, k1), (t2, s2, k2)] in pairs {
+        let seen = rt
+            .block_on(key_seen_across_scopes(
+                sink,
+                (&t1, &s1, &k1),
+                (&t2, &s2, &k2),
+            ))
+            .unwrap();
+        assert!(!seen, "{t2}/{s2} sees the key completed by {t1}/{s1}");
+    }
+}
+
 /// A sink keeping its keys in `store`; its effect (a file line) never runs here.
 fn with_store(store: StoreSpec) -> ExternalSinkSpec {
     let effect = EffectSpec::File(FileSpec {
@@ -79,17 +95,7 @@ fn colliding_pairs_stay_apart_in_sled() {
     let sink = with_store(StoreSpec::Sled {
         path: Some(dir.path().to_path_buf()),
     });
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
-        let seen = rt
-            .block_on(key_seen_across_scopes(
-                &sink,
-                (&t1, &s1, &k1),
-                (&t2, &s2, &k2),
-            ))
-            .unwrap();
-        assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
-    }
+    assert_apart(&sink, pairs(""));
 }
 
 #[test]
@@ -100,43 +106,22 @@ fn colliding_pairs_stay_apart_in_redis() {
         url: Secret::Inline(url),
         prefix: None,
     });
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        let seen = rt
-            .block_on(key_seen_across_scopes(
-                &sink,
-                (&t1, &s1, &k1),
-                (&t2, &s2, &k2),
-            ))
-            .unwrap();
-        assert!(!seen, "{t2}/{s2} sees the key of {t1}/{s1}");
-    }
+    assert_apart(&sink, pairs(&tag()));
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
     let Some(url) = postgres_url() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let table = "onceflow_inbox_scopes".to_string();
     let spec = EffectSpec::Postgres(PostgresSpec {
         url: Secret::Inline(url),
         sql: "SELECT 1".into(),
         params: vec![],
     });
-    let sink = ExternalSinkSpec::new(spec, StoreSpec::Postgres { table });
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        // The first effect runs (an error otherwise); the second is not skipped as a
-        // duplicate of it.
-        let seen = rt
-            .block_on(key_seen_across_scopes(
-                &sink,
-                (&t1, &s1, &k1),
-                (&t2, &s2, &k2),
-            ))
-            .unwrap();
-        assert!(
-            !seen,
-            "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
-        );
-    }
+    // Each first effect runs (an error otherwise); a second one skipped as a duplicate of
+    // it would be a key seen across scopes.
+    assert_apart(
+        &ExternalSinkSpec::new(spec, StoreSpec::Postgres { table }),
+        pairs(&tag()),
+    );
 }
