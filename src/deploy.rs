@@ -108,11 +108,11 @@ pub(crate) fn run(topology: Topology, args: &RunArgs) -> ExitCode {
     }
     let shutdown = Arc::new(AtomicBool::new(false));
     watch_signals(shutdown.clone());
-    match App::new(config, topology).run(RunOptions {
+    let opts = RunOptions {
         stop_at_end: args.stop_at_end,
         shutdown,
-        status: Some(status),
-    }) {
+    };
+    match App::new(config, topology).run_with_status(opts, Some(status)) {
         Ok(summary) => {
             println!("{}", summary.line());
             ExitCode::SUCCESS

@@ -123,7 +123,7 @@ impl Error {
     }
 
     /// Shorthand for a [`Error::Kafka`] naming the operation.
-    pub fn kafka(op: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> Error {
+    pub(crate) fn kafka(op: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> Error {
         move |source| Error::Kafka { op, source }
     }
 

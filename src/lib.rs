@@ -34,24 +34,30 @@ pub mod deploy;
 pub mod dsl;
 pub mod metrics;
 
+// The public types, by the part of the library that defines them.
 pub use codec::{Format, ProtoFormat};
 pub use config::{Config, Guarantee, LogFormat};
 pub use error::{Error, RecordError, Result};
-pub use processor::fingerprint::FingerprintFields;
-pub use processor::key::KeySource;
-pub use processor::route::{RouteBranch, RouteSpec};
-pub use processor::stages::{ConflictPolicy, DedupSpec, Partitioning, SinkSpec, TimeSource};
-pub use processor::transform::MapSpec;
-pub use processor::{Counts, OutRecord, Record, SourceMeta};
-pub use runtime::{App, RunOptions, RunSummary};
+pub use processor::{
+    dedup::DedupEntry,
+    enrich::{EnrichSpec, MissingPolicy, TableSpec},
+    fingerprint::FingerprintFields,
+    key::KeySource,
+    record::{OutRecord, Record, SourceMeta},
+    route::{RouteBranch, RouteSpec},
+    stages::dedup_stage::{ConflictPolicy, DedupSpec, Partitioning, TimeSource},
+    stages::topic_sink::SinkSpec,
+    transform::MapSpec,
+    Counts,
+};
+pub use runtime::app::{App, RunOptions, RunSummary};
 pub use sink::{
-    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, InFlight, OnStoreError, PostgresSpec,
-    RedisSpec, ReservationPolicy, Secret, StoreSpec,
+    protocol::{InFlight, OnStoreError, ReservationPolicy},
+    EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, PostgresSpec, RedisSpec, Secret, StoreSpec,
 };
+pub use state::restore::ChangelogRecord;
 pub use testing::{TestDriver, TestRecord};
-pub use topology::{
-    DescribeFormat, EnrichSpec, MissingPolicy, TableSpec, Topology, TopologyBuilder,
-};
+pub use topology::{builder::TopologyBuilder, describe::DescribeFormat, Topology};
 
 /// What a program using onceflow needs, for `use onceflow::prelude::*;`: the topology
 /// builder and its stage specs, the config, the run entry points, the test driver, records
@@ -69,12 +75,14 @@ pub mod prelude {
 
 /// The names of the headers onceflow writes on the records it emits.
 pub mod headers {
-    pub use crate::processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
-    pub use crate::processor::stages::{
-        DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+    pub use crate::{
+        processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC},
+        processor::stages::dedup_stage::{
+            DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
+        },
+        runtime::task::dlq_headers,
+        sink::stage::{OUTCOME_HEADER, RESULT_HEADER},
     };
-    pub use crate::runtime::task::dlq_headers;
-    pub use crate::sink::stage::{OUTCOME_HEADER, RESULT_HEADER};
 }
 
 /// The failpoints of the commit protocol: the points at which [`TestDriver::crash_at`]
@@ -82,7 +90,7 @@ pub mod headers {
 pub mod failpoints {
     pub use crate::runtime::commit::{
         commit_failpoints, AFTER_CHANGELOG, AFTER_FLUSH, AFTER_STATE, BEFORE_FLUSH,
-        EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT, FAILPOINTS,
+        EOS_AFTER_CHANGELOG, EOS_AFTER_COMMIT, EOS_AFTER_PRODUCE, EOS_BEFORE_COMMIT,
         RESTORE_DURING, STATE_WRITE,
     };
 }
@@ -90,29 +98,8 @@ pub mod failpoints {
 /// Internals that the workspace's own tests, benchmarks and crash harness (`tests/`,
 /// `testkit/`) drive directly. Not part of the API: no stability, no documentation.
 #[doc(hidden)]
-pub mod __testkit {
-    pub use crate::kafka::admin::Admin;
-    pub use crate::kafka::batch::consume_batch;
-    pub use crate::kafka::retry::retry;
-    pub use crate::logging::init as init_logging;
-    pub use crate::processor::dedup::DedupEntry;
-    pub use crate::processor::repartition::partition_for;
-    pub use crate::processor::stages::{repartition_topic, SWEEP_BATCH};
-    pub use crate::runtime::commit::MAX_IN_FLIGHT;
-    pub use crate::runtime::Task;
-    pub use crate::sink::effects::Effector;
-    pub use crate::sink::store::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-    pub use crate::sink::{idempotency_scope, redis_prefix};
-    pub use crate::state::restore::{changelog_topic, ChangelogRecord, Restorer};
-    pub use crate::state::table::{apply_records, MemoryTable, TableEngine, TableRecord, Tables};
-    pub use crate::state::{MemoryBackend, SledBackend, StateBackend};
-
-    /// Build the processors of `topology`'s stages (what a task does on assignment) and
-    /// return how many there are; for tests that only check it does not panic.
-    pub fn instantiate(topology: &crate::Topology) -> usize {
-        topology.instantiate().len()
-    }
-}
+#[path = "testkit.rs"]
+pub mod __testkit;
 
 /// The allocator of every program that links onceflow (feature `mimalloc`, on by
 /// default; turn default features off to keep your own `#[global_allocator]`). onceflow

@@ -9,7 +9,7 @@ use std::io::IsTerminal;
 
 /// Install the global subscriber. A second call (or another subscriber already set) is a
 /// no-op.
-pub fn init(format: LogFormat) {
+pub(crate) fn init(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

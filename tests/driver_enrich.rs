@@ -194,33 +194,51 @@ fn unusable_table_rows_are_removed_not_served_stale() {
 
 #[test]
 fn table_comes_back_from_its_topic_after_a_wipe() {
-    let mut d = driver(MissingPolicy::Pass, "/customer");
-    for i in 0..5 {
-        customer(&mut d, &format!("c{i}"), Some(&format!(r#"{{"n":{i}}}"#)));
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    // Table topic records applied so far: the sum of `onceflow_table_records_total` (a
+    // snapshot takes the counts since the last one).
+    fn loaded(snapshotter: &Snapshotter, total: &mut u64) -> u64 {
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            if let DebugValue::Counter(n) = value {
+                if key.key().name() == onceflow::metrics::TABLE_RECORDS {
+                    *total += n;
+                }
+            }
+        }
+        *total
     }
-    d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
-    assert_eq!(d.table_records_loaded(), 5);
-    // Kept state: the table resumes from its stored offsets (nothing is read twice).
-    d.crash();
-    customer(&mut d, "c3", Some(r#"{"n":33}"#));
-    d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
-    assert_eq!(d.table_records_loaded(), 6);
-    // Wiped state: the table is loaded again from the start of its topic.
-    d.wipe_state();
-    assert_eq!(
-        d.table_row("customers", b"c3").unwrap().as_deref(),
-        Some(r#"{"n":33}"#)
-    );
-    assert_eq!(d.table_records_loaded(), 12);
-    d.pipe(TestRecord::json(r#"{"customer_id":"c4"}"#)).unwrap();
-    assert_eq!(
-        d.output_values("orders.enriched"),
-        vec![
-            r#"{"customer_id":"c3","customer":{"n":3}}"#,
-            r#"{"customer_id":"c3","customer":{"n":33}}"#,
-            r#"{"customer_id":"c4","customer":{"n":4}}"#,
-        ]
-    );
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let mut total = 0;
+    metrics::with_local_recorder(&recorder, || {
+        let mut d = driver(MissingPolicy::Pass, "/customer");
+        for i in 0..5 {
+            customer(&mut d, &format!("c{i}"), Some(&format!(r#"{{"n":{i}}}"#)));
+        }
+        d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
+        assert_eq!(loaded(&snapshotter, &mut total), 5);
+        // Kept state: the table resumes from its stored offsets (nothing is read twice).
+        d.crash();
+        customer(&mut d, "c3", Some(r#"{"n":33}"#));
+        d.pipe(TestRecord::json(r#"{"customer_id":"c3"}"#)).unwrap();
+        assert_eq!(loaded(&snapshotter, &mut total), 6);
+        // Wiped state: the table is loaded again from the start of its topic.
+        d.wipe_state();
+        assert_eq!(
+            d.table_row("customers", b"c3").unwrap().as_deref(),
+            Some(r#"{"n":33}"#)
+        );
+        assert_eq!(loaded(&snapshotter, &mut total), 12);
+        d.pipe(TestRecord::json(r#"{"customer_id":"c4"}"#)).unwrap();
+        assert_eq!(
+            d.output_values("orders.enriched"),
+            vec![
+                r#"{"customer_id":"c3","customer":{"n":3}}"#,
+                r#"{"customer_id":"c3","customer":{"n":33}}"#,
+                r#"{"customer_id":"c4","customer":{"n":4}}"#,
+            ]
+        );
+    });
 }
 
 #[test]

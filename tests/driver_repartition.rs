@@ -18,6 +18,11 @@ const GUARANTEES: [Guarantee; 2] = [Guarantee::AtLeastOnce, Guarantee::ExactlyOn
 fn by_id(partitioning: Option<Partitioning>) -> Topology {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
     spec.partitioning = partitioning;
+    with_dedup(spec)
+}
+
+/// Source `in`, dedup stage `dedup` with `spec`, sink to `out`.
+fn with_dedup(spec: DedupSpec) -> Topology {
     TopologyBuilder::new("t")
         .source("in", Format::Json)
         .dedup("dedup", spec)
@@ -116,12 +121,19 @@ fn source_partitioning_lets_copies_on_two_partitions_pass() {
 
 #[test]
 fn kafka_key_defaults_to_source_partitioning() {
-    let spec = DedupSpec::new(KeySource::KafkaKey);
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Source);
-    let spec = DedupSpec::new(KeySource::Header("msg-id".into()));
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Repartition);
+    // The partitioning in effect shows as the driver's repartition topic (none: source).
+    let repartition_topic = |spec: DedupSpec| {
+        TestDriver::new(with_dedup(spec))
+            .repartition_topic()
+            .map(str::to_string)
+    };
+    assert_eq!(repartition_topic(DedupSpec::new(KeySource::KafkaKey)), None);
+    assert_eq!(
+        repartition_topic(DedupSpec::new(KeySource::Header("msg-id".into()))).as_deref(),
+        Some("test-dedup-repartition")
+    );
     let spec = DedupSpec::new(KeySource::ValueHash).with_partitioning(Partitioning::Source);
-    assert_eq!(spec.effective_partitioning().0, Partitioning::Source);
+    assert_eq!(repartition_topic(spec), None);
 }
 
 #[test]
@@ -208,13 +220,9 @@ fn dedup_entries_name_the_original_source_record() {
         let mut spec =
             DedupSpec::new(KeySource::JsonPointer("/id".into())).with_duplicates_to("dups");
         spec.partitioning = Some(Partitioning::Repartition);
-        let topology = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .dedup("dedup", spec)
-            .sink("out", "out")
-            .build()
-            .unwrap();
-        let mut d = TestDriver::new(topology).guarantee(g).source_partitions(4);
+        let mut d = TestDriver::new(with_dedup(spec))
+            .guarantee(g)
+            .source_partitions(4);
         let p1 = partition_for(b"e-1", 4);
         // The first copy sits at offset 2 of a source partition other than p1, behind two
         // records routed elsewhere: on the repartition topic it is at offset 0 of p1.

@@ -108,7 +108,7 @@ fn put_tombstone_put_of_one_key_restore_in_log_order() {
             .map(|r| {
                 r.value.as_ref().map(|v| {
                     use prost::Message;
-                    onceflow::__testkit::DedupEntry::decode(v.as_slice())
+                    onceflow::DedupEntry::decode(v.as_slice())
                         .unwrap()
                         .first_seen_ms
                 })

@@ -296,7 +296,8 @@ fn apply(text: &str, m: &Mutation) -> String {
     s
 }
 
-/// Parse as YAML and as TOML; whatever compiles must also describe itself.
+/// Parse as YAML and as TOML; whatever compiles must also describe itself and build the
+/// processors of a task (what a task does on assignment).
 fn must_not_panic(text: &str) {
     for name in ["fuzz.yaml", "fuzz.toml"] {
         if let Ok(t) = dsl::parse(name, text) {
@@ -307,7 +308,7 @@ fn must_not_panic(text: &str) {
             ] {
                 let _ = t.describe_as(f, "app");
             }
-            let _ = onceflow::__testkit::instantiate(&t);
+            let _ = onceflow::__testkit::drive_tasks(&t, None, &[], vec![], 0, Some(0));
         }
     }
 }

@@ -13,8 +13,8 @@ mod fault_proxy;
 
 use common::*;
 use fault_proxy::{api, ProxiedBroker};
-use onceflow::__testkit::Admin;
 use onceflow::Config;
+use onceflow_testkit::kafka::Admin;
 use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

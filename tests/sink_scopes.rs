@@ -4,17 +4,14 @@
 //! and topology `a/b` / sink `c` and topology `a` / sink `b/c` the same sled tree and inbox
 //! scope: the second effect was skipped as done. Here: such topology names are refused by
 //! `build()`, and the scope itself keeps them apart in sled, Redis and the PostgreSQL inbox.
+//! (That the scopes of names `build()` allows are unchanged is a unit test in `src/sink`.)
 
 mod sink_support;
 
-use onceflow::__testkit::Effector;
-use onceflow::__testkit::{idempotency_scope, redis_prefix};
-use onceflow::__testkit::{IdempotencyStore, RedisIdempotencyStore, SledIdempotencyStore};
-use onceflow::{EffectSpec, PostgresSpec, Secret};
+use onceflow::__testkit::key_seen_across_scopes;
+use onceflow::{EffectSpec, ExternalSinkSpec, FileSpec, PostgresSpec, Secret, StoreSpec};
 use onceflow::{Format, TopologyBuilder};
-use onceflow::{Record, SourceMeta};
 use sink_support::{postgres_url, redis_url};
-use std::time::Duration;
 
 /// Two (topology, sink, key) triples that plain concatenation confused.
 fn pairs(tag: &str) -> Vec<[(String, String, Vec<u8>); 2]> {
@@ -67,106 +64,64 @@ fn a_topology_name_that_could_forge_a_scope_is_refused() {
     );
 }
 
-#[test]
-fn scopes_of_names_build_allows_are_unchanged() {
-    // Existing keys must stay found after an upgrade.
-    assert_eq!(idempotency_scope("orders-a", "hook"), "orders-a/hook");
-    assert_eq!(
-        redis_prefix(&idempotency_scope("t", "hook")),
-        "onceflow:t/hook:"
-    );
+/// In `sink`'s idempotency store, the second key of each pair is not seen once the first
+/// is completed, each under its own (topology, sink) scope.
+fn assert_apart(sink: &ExternalSinkSpec, pairs: Vec<[(String, String, Vec<u8>); 2]>) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for [(t1, s1, k1), (t2, s2, k2)] in pairs {
+        let seen = rt
+            .block_on(key_seen_across_scopes(
+                sink,
+                (&t1, &s1, &k1),
+                (&t2, &s2, &k2),
+            ))
+            .unwrap();
+        assert!(!seen, "{t2}/{s2} sees the key completed by {t1}/{s1}");
+    }
+}
+
+/// A sink keeping its keys in `store`; its effect (a file line) never runs here.
+fn with_store(store: StoreSpec) -> ExternalSinkSpec {
+    let effect = EffectSpec::File(FileSpec {
+        path: "unused".into(),
+        line: "{value}".into(),
+    });
+    ExternalSinkSpec::new(effect, store)
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_sled() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs("") {
-        let a = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t1, &s1)).unwrap();
-        let b = SledIdempotencyStore::open(dir.path(), &idempotency_scope(&t2, &s2)).unwrap();
-        rt.block_on(async {
-            a.complete(&k1, b"done by the first", Duration::from_secs(60))
-                .await
-                .unwrap();
-            assert_eq!(
-                b.lookup(&k2).await.unwrap(),
-                None,
-                "{t2}/{s2} sees the key of {t1}/{s1}"
-            );
-        });
-    }
+    let sink = with_store(StoreSpec::Sled {
+        path: Some(dir.path().to_path_buf()),
+    });
+    assert_apart(&sink, pairs(""));
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_redis() {
     let Some(url) = redis_url() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        rt.block_on(async {
-            let store = |t: String, s: String| {
-                let url = url.clone();
-                async move {
-                    let prefix = redis_prefix(&idempotency_scope(&t, &s));
-                    RedisIdempotencyStore::connect(&url, prefix.as_bytes(), Duration::from_secs(2))
-                        .await
-                        .unwrap()
-                }
-            };
-            let a = store(t1.clone(), s1.clone()).await;
-            let b = store(t2.clone(), s2.clone()).await;
-            a.complete(&k1, b"done by the first", Duration::from_secs(60))
-                .await
-                .unwrap();
-            assert_eq!(
-                b.lookup(&k2).await.unwrap(),
-                None,
-                "{t2}/{s2} sees the key of {t1}/{s1}"
-            );
-        });
-    }
+    // Each scope's default prefix, `onceflow:<topology>/<sink>:`.
+    let sink = with_store(StoreSpec::Redis {
+        url: Secret::Inline(url),
+        prefix: None,
+    });
+    assert_apart(&sink, pairs(&tag()));
 }
 
 #[test]
 fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
     let Some(url) = postgres_url() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let table = "onceflow_inbox_scopes".to_string();
     let spec = EffectSpec::Postgres(PostgresSpec {
         url: Secret::Inline(url),
         sql: "SELECT 1".into(),
         params: vec![],
     });
-    let eff = Effector::new("pg", &spec, Duration::from_secs(5)).unwrap();
-    let record = Record {
-        key: None,
-        value: Some(r#"{"id":5}"#.into()),
-        headers: vec![],
-        timestamp: Some(0),
-        json: None,
-        fields: None,
-        source: SourceMeta {
-            topic: "in".into(),
-            partition: 0,
-            offset: 0,
-        },
-    };
-    let prep = eff.prepare(&record).unwrap();
-    for [(t1, s1, k1), (t2, s2, k2)] in pairs(&tag()) {
-        rt.block_on(async {
-            let first = eff
-                .run_with_inbox(&table, &idempotency_scope(&t1, &s1), &k1, &prep)
-                .await
-                .unwrap();
-            assert_eq!(first.label(), "done");
-            let second = eff
-                .run_with_inbox(&table, &idempotency_scope(&t2, &s2), &k2, &prep)
-                .await
-                .unwrap();
-            assert_eq!(
-                second.label(),
-                "done",
-                "{t2}/{s2}'s effect was skipped as a duplicate of {t1}/{s1}'s"
-            );
-        });
-    }
+    // Each first effect runs (an error otherwise); a second one skipped as a duplicate of
+    // it would be a key seen across scopes.
+    assert_apart(
+        &ExternalSinkSpec::new(spec, StoreSpec::Postgres { table }),
+        pairs(&tag()),
+    );
 }

@@ -94,7 +94,7 @@ pub(crate) fn changelog_mismatches(
 }
 
 /// A blocking admin client.
-pub struct Admin {
+pub(crate) struct Admin {
     client: AdminClient<DefaultClientContext>,
     timeout: Duration,
 }
@@ -104,7 +104,7 @@ impl Admin {
     ///
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
-    pub fn new(cfg: &Config) -> Result<Admin> {
+    pub(crate) fn new(cfg: &Config) -> Result<Admin> {
         // A metadata request must never create the topic it asks about (brokers with
         // auto.create.topics.enable would create it with default settings).
         let client = crate::kafka::client_config(
@@ -125,7 +125,7 @@ impl Admin {
     /// # Errors
     /// [`Error::Kafka`] when metadata cannot be fetched (broker unreachable), after the
     /// retries of transient errors.
-    pub fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
+    pub(crate) fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
         retry(&format!("metadata of topic {topic}"), || {
             self.partition_count_once(topic)
         })
@@ -165,7 +165,7 @@ impl Admin {
     /// # Errors
     /// [`Error::Broker`] when the broker refuses the creation for any reason other than
     /// the topic already existing.
-    pub fn ensure_topic(
+    pub(crate) fn ensure_topic(
         &self,
         topic: &str,
         partitions: usize,
@@ -361,7 +361,7 @@ impl Admin {
     ///
     /// # Errors
     /// [`Error::Broker`] when the broker refuses.
-    pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+    pub(crate) fn delete_topics(&self, topics: &[&str]) -> Result<()> {
         retry("delete topics", || {
             let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
             let res = futures::executor::block_on(self.client.delete_topics(topics, &opts))
@@ -406,7 +406,7 @@ impl Admin {
     /// [`Error::BrokerCode`] when the broker refuses (`NonEmptyGroup` while members are
     /// active), after the retries of transient errors (`NotCoordinator` on a broker that
     /// was just started).
-    pub fn delete_group(&self, group: &str) -> Result<()> {
+    pub(crate) fn delete_group(&self, group: &str) -> Result<()> {
         retry(&format!("delete group {group}"), || {
             // A short request timeout: on a just-started broker librdkafka may wait for
             // a group coordinator that is being elected for the whole timeout; a new

@@ -16,30 +16,30 @@ use rdkafka::types::RDKafkaErrorCode;
 use std::time::Duration;
 
 /// One record of a batch, borrowed until the batch ends.
-pub struct BatchRecord<'a> {
+pub(crate) struct BatchRecord<'a> {
     msg: &'a rd::rd_kafka_message_t,
 }
 
 impl<'a> BatchRecord<'a> {
     /// The partition.
-    pub fn partition(&self) -> i32 {
+    pub(crate) fn partition(&self) -> i32 {
         self.msg.partition
     }
 
     /// The offset.
-    pub fn offset(&self) -> i64 {
+    pub(crate) fn offset(&self) -> i64 {
         self.msg.offset
     }
 
     /// The key, `None` when the record has none.
-    pub fn key(&self) -> Option<&'a [u8]> {
+    pub(crate) fn key(&self) -> Option<&'a [u8]> {
         // SAFETY: librdkafka guarantees `key_len` bytes at `key` while the message lives;
         // the message outlives 'a (it is destroyed when the batch ends).
         unsafe { bytes_at(self.msg.key, self.msg.key_len) }
     }
 
     /// The value, `None` for a tombstone.
-    pub fn payload(&self) -> Option<&'a [u8]> {
+    pub(crate) fn payload(&self) -> Option<&'a [u8]> {
         // SAFETY: as for `key`.
         unsafe { bytes_at(self.msg.payload, self.msg.len) }
     }
@@ -73,7 +73,7 @@ unsafe fn bytes_at<'a>(ptr: *mut std::ffi::c_void, len: usize) -> Option<&'a [u8
 
 /// Records taken from a consumer in one call, destroyed (returned to librdkafka) when the
 /// batch is dropped. The records borrow from the batch, so they cannot outlive it.
-pub struct Batch(Vec<*mut rd::rd_kafka_message_t>);
+pub(crate) struct Batch(Vec<*mut rd::rd_kafka_message_t>);
 
 // SAFETY: a batch owns its messages exclusively (librdkafka hands each out once); they are
 // plain memory that any thread may read, and destroying them is thread-safe.
@@ -96,14 +96,14 @@ impl Batch {
     }
 
     /// Whether nothing was taken.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
     /// The records in queue order (per partition, log order): `Ok` for a record, `Err` for
     /// an error librdkafka reports in the stream (a fetch error, a partition end when
     /// `enable.partition.eof` is on).
-    pub fn records(&self) -> impl Iterator<Item = Result<BatchRecord<'_>, KafkaError>> {
+    pub(crate) fn records(&self) -> impl Iterator<Item = Result<BatchRecord<'_>, KafkaError>> {
         self.0.iter().map(|&m| {
             // SAFETY: a message returned by librdkafka, alive until the batch drops.
             let msg = unsafe { &*m };
@@ -125,7 +125,7 @@ impl Batch {
 ///
 /// # Errors
 /// [`KafkaError`] when librdkafka refuses the call (no consumer queue).
-pub fn consume_batch(
+pub(crate) fn consume_batch(
     consumer: &BaseConsumer,
     timeout: Duration,
     max: usize,

@@ -64,7 +64,7 @@ pub(crate) fn is_retriable(e: &Error) -> bool {
 /// # Errors
 /// The first error that is not transient, or the last transient one once the budget is
 /// spent.
-pub fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
+pub(crate) fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
     retry_for(what, DEFAULT_BUDGET, f)
 }
 

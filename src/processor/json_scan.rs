@@ -13,7 +13,7 @@ use std::fmt;
 
 /// The value found at a pointer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Scalar {
+pub(crate) enum Scalar {
     /// No such field.
     Missing,
     /// JSON null.

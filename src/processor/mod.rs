@@ -18,7 +18,7 @@ pub(crate) mod route;
 pub(crate) mod stages;
 pub(crate) mod transform;
 
-pub use record::{OutRecord, Record, SourceMeta};
+pub(crate) use record::{OutRecord, Record, SourceMeta};
 
 use crate::error::{Error, RecordError};
 use crate::state::StagedStore;
@@ -74,7 +74,7 @@ pub struct Counts {
 
 impl Counts {
     /// Add another set of counts into this one.
-    pub fn add(&mut self, o: &Counts) {
+    pub(crate) fn add(&mut self, o: &Counts) {
         self.records_in += o.records_in;
         self.passed += o.passed;
         self.duplicates += o.duplicates;

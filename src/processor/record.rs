@@ -34,7 +34,7 @@ pub struct Record {
     pub json: Option<serde_json::Value>,
     /// Values picked by JSON pointer when the source was decoded without a tree: the
     /// pointers (shared by all records of a task) and the value found at each.
-    pub fields: Option<(Arc<[String]>, Vec<super::json_scan::Scalar>)>,
+    pub(crate) fields: Option<(Arc<[String]>, Vec<super::json_scan::Scalar>)>,
     /// Where the record came from.
     pub source: SourceMeta,
 }

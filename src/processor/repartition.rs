@@ -58,7 +58,7 @@ pub(crate) fn murmur2(data: &[u8]) -> i32 {
 
 /// The partition of `key` among `partitions` (≥ 1), as Kafka's default partitioner picks it:
 /// `(murmur2(key) & 0x7fffffff) % partitions`.
-pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
+pub(crate) fn partition_for(key: &[u8], partitions: i32) -> i32 {
     let n = partitions.max(1);
     (murmur2(key) & 0x7fff_ffff) % n
 }

@@ -47,9 +47,6 @@ pub struct RunOptions {
     /// Set to true to stop gracefully (SIGTERM/SIGINT): finish the record in hand, commit,
     /// close the stores.
     pub shutdown: Arc<AtomicBool>,
-    /// Where the run publishes its health and restore progress (for `/health` and
-    /// `/ready`); none by default.
-    pub status: Option<Arc<super::Status>>,
 }
 
 /// What a run did.
@@ -395,15 +392,28 @@ impl App {
     /// good, a store failure, [`Error::Fenced`]). Nothing of the failed batch is committed:
     /// a restart processes it again.
     pub fn run(&self, opts: RunOptions) -> Result<RunSummary> {
-        let status = opts.status.clone();
-        let result = self.run_inner(opts);
+        self.run_with_status(opts, None)
+    }
+
+    /// As [`App::run`], publishing the run's health and restore progress to `status` (for
+    /// `/health` and `/ready`).
+    pub(crate) fn run_with_status(
+        &self,
+        opts: RunOptions,
+        status: Option<Arc<super::Status>>,
+    ) -> Result<RunSummary> {
+        let result = self.run_inner(opts, status.clone());
         if let Some(s) = status {
             s.finish(result.as_ref().err().map(|e| e.to_string()));
         }
         result
     }
 
-    fn run_inner(&self, opts: RunOptions) -> Result<RunSummary> {
+    fn run_inner(
+        &self,
+        opts: RunOptions,
+        status: Option<Arc<super::Status>>,
+    ) -> Result<RunSummary> {
         let _lock = StateDirLock::acquire(&self.config.state_dir)?;
         // Local sink stores live under the locked state dir.
         let topology = self
@@ -446,7 +456,7 @@ impl App {
             last_plan: None,
             open_txn_waits: BTreeSet::new(),
             changelogs,
-            status: opts.status.clone(),
+            status,
             status_dirty: true,
             status_restoring: false,
             assigned_once: false,
@@ -563,7 +573,7 @@ fn run_loop(
             tracing::info!("shutdown requested: committing and closing");
             return Ok(());
         }
-        if let Some(s) = &opts.status {
+        if let Some(s) = &e.status {
             s.beat();
         }
         if !crate::kafka::link::reachable() && last_probe.elapsed() >= LINK_PROBE_EVERY {

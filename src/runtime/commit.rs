@@ -115,7 +115,7 @@ pub const RESTORE_DURING: &str = "restore.during";
 pub const STATE_WRITE: &str = "state.write";
 
 /// Every failpoint name, to validate `ONCEFLOW_FAILPOINTS`.
-pub const FAILPOINTS: &[&str] = &[
+pub(crate) const FAILPOINTS: &[&str] = &[
     BEFORE_FLUSH,
     AFTER_FLUSH,
     AFTER_CHANGELOG,
@@ -258,7 +258,7 @@ pub(crate) enum Outcome {
 }
 
 /// at_least_once commits in flight at most; sealing one more first waits for the oldest.
-pub const MAX_IN_FLIGHT: usize = 4;
+pub(crate) const MAX_IN_FLIGHT: usize = 4;
 
 /// An at_least_once commit in flight: sealed, its steps not all done.
 struct InFlight {

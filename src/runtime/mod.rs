@@ -9,6 +9,6 @@ pub(crate) mod status;
 pub(crate) mod table;
 pub(crate) mod task;
 
-pub use app::{App, RunOptions, RunSummary};
+pub(crate) use app::{App, RunOptions};
 pub(crate) use status::Status;
-pub use task::Task;
+pub(crate) use task::Task;

@@ -73,7 +73,7 @@ impl Partitions {
 
 /// Shared between the run loop (writer) and the HTTP listener (reader).
 #[derive(Debug)]
-pub struct Status {
+pub(crate) struct Status {
     started: Instant,
     stuck_after: Duration,
     /// Milliseconds since `started` of the last loop turn.

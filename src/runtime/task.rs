@@ -47,7 +47,7 @@ pub mod dlq_headers {
 }
 
 /// One source partition's processors and stores.
-pub struct Task {
+pub(crate) struct Task {
     topic: std::sync::Arc<str>,
     partition: i32,
     format: Format,
@@ -87,7 +87,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::State`] when a store cannot be opened.
-    pub fn new(
+    pub(crate) fn new(
         topology: &Topology,
         partition: i32,
         backend: &dyn StateBackend,
@@ -181,14 +181,14 @@ impl Task {
     /// The largest record (value, key and headers, in bytes) the task's producer accepts
     /// (librdkafka's `message.max.bytes`; default 1,000,000): a stage that would write a
     /// larger one refuses its source record, which goes to the dead-letter topic.
-    pub fn with_max_record_bytes(mut self, bytes: usize) -> Self {
+    pub(crate) fn with_max_record_bytes(mut self, bytes: usize) -> Self {
         self.max_record_bytes = bytes;
         self
     }
 
     /// Give the task the instance's lookup tables (for enrich stages); they are shared by
     /// all tasks and loaded before any task processes a record.
-    pub fn with_tables(mut self, tables: crate::state::table::Tables) -> Self {
+    pub(crate) fn with_tables(mut self, tables: crate::state::table::Tables) -> Self {
         self.tables = tables;
         self
     }
@@ -199,7 +199,7 @@ impl Task {
     }
 
     /// Totals since the task started.
-    pub fn counts(&self) -> &Counts {
+    pub(crate) fn counts(&self) -> &Counts {
         &self.counts
     }
 
@@ -219,7 +219,7 @@ impl Task {
     ///
     /// # Errors
     /// Only system failures ([`Error::State`]); bad records become dead letters.
-    pub fn process(
+    pub(crate) fn process(
         &mut self,
         mut record: Record,
         wall_ms: i64,
@@ -364,7 +364,10 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::State`] when a store write fails.
-    pub fn commit_state(&mut self, changelog_offset: impl Fn(&str) -> Option<i64>) -> Result<()> {
+    pub(crate) fn commit_state(
+        &mut self,
+        changelog_offset: impl Fn(&str) -> Option<i64>,
+    ) -> Result<()> {
         for (name, s) in self.stores.iter_mut() {
             s.commit(changelog_offset(name))?;
         }
@@ -422,7 +425,7 @@ impl Task {
     ///
     /// # Errors
     /// [`Error::Topology`] for an unknown store; a store failure.
-    pub fn plan_restore(&mut self, store: &str, low: i64, end: i64) -> Result<Option<i64>> {
+    pub(crate) fn plan_restore(&mut self, store: &str, low: i64, end: i64) -> Result<Option<i64>> {
         let partition = self.partition;
         let s = self.stores.get_mut(store).ok_or_else(|| Error::Topology {
             node: store.to_string(),
@@ -471,7 +474,7 @@ impl Task {
     /// position or at or beyond its captured end) and records of a store not restoring are
     /// ignored. [`Task::finish_restore_step`] applies the step. Returns whether the record
     /// was taken.
-    pub fn restore_record(
+    pub(crate) fn restore_record(
         &mut self,
         store: &str,
         key: &[u8],
@@ -506,7 +509,7 @@ impl Task {
     ///
     /// # Errors
     /// A store failure.
-    pub fn finish_restore_step(&mut self, store: &str, position: i64) -> Result<bool> {
+    pub(crate) fn finish_restore_step(&mut self, store: &str, position: i64) -> Result<bool> {
         let Some(i) = self.restorers.iter().position(|r| r.store() == store) else {
             return Ok(false);
         };
@@ -537,7 +540,7 @@ impl Task {
 
     /// Whether any store of this task is still restoring; the task must not process
     /// records until it is not.
-    pub fn is_restoring(&self) -> bool {
+    pub(crate) fn is_restoring(&self) -> bool {
         !self.restorers.is_empty()
     }
 

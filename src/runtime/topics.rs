@@ -24,7 +24,7 @@ pub(super) const REPARTITION_CONFIGS: &[(&str, &str)] = &[
 impl App {
     /// The repartition topic of the first stage, when it is a dedup with `partitioning:
     /// repartition` in effect.
-    pub fn repartition_topic(&self) -> Option<String> {
+    pub(crate) fn repartition_topic(&self) -> Option<String> {
         self.topology
             .repartitioned()
             .iter()
@@ -63,7 +63,7 @@ impl App {
     }
 
     /// The changelog topic of each store.
-    pub fn changelog_topics(&self) -> BTreeMap<String, String> {
+    pub(crate) fn changelog_topics(&self) -> BTreeMap<String, String> {
         self.topology
             .stages()
             .iter()

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// A record's effect, rendered and ready to run.
 #[derive(Debug, Clone)]
-pub enum Prepared {
+pub(crate) enum Prepared {
     /// HTTP body.
     Http(Vec<u8>),
     /// SQL parameters (text).
@@ -55,7 +55,7 @@ enum Kind {
 }
 
 /// One sink's effect with its connections (opened on first use).
-pub struct Effector {
+pub(crate) struct Effector {
     kind: Kind,
     sink: String,
     /// How long failing connections are retried before the record fails.
@@ -73,7 +73,11 @@ impl Effector {
     /// # Errors
     /// A sentence naming the setting: an unset environment variable, a bad header, a file
     /// that cannot be opened.
-    pub fn new(sink: &str, spec: &EffectSpec, retry_for: Duration) -> Result<Effector, String> {
+    pub(crate) fn new(
+        sink: &str,
+        spec: &EffectSpec,
+        retry_for: Duration,
+    ) -> Result<Effector, String> {
         let t = |s: &str| Template::parse(s);
         let kind = match spec {
             EffectSpec::Http(h) => {
@@ -136,7 +140,7 @@ impl Effector {
     ///
     /// # Errors
     /// The template error (a missing field, header, key).
-    pub fn prepare(&self, record: &Record) -> Result<Prepared, String> {
+    pub(crate) fn prepare(&self, record: &Record) -> Result<Prepared, String> {
         Ok(match &self.kind {
             Kind::Http { body, .. } => {
                 Prepared::Http(body.render(record).map_err(|e| format!("body: {e}"))?)
@@ -186,7 +190,11 @@ impl Effector {
     /// A sentence for the dead-letter topic: the HTTP status and a body excerpt, the
     /// database error, retries exhausted; [`EffectError::unknown`] for a `redis` command
     /// that is not idempotent whose reply was lost.
-    pub async fn run(&self, key: Option<&[u8]>, prep: &Prepared) -> Result<Vec<u8>, EffectError> {
+    pub(crate) async fn run(
+        &self,
+        key: Option<&[u8]>,
+        prep: &Prepared,
+    ) -> Result<Vec<u8>, EffectError> {
         match (&self.kind, prep) {
             (
                 Kind::Http {
@@ -400,7 +408,7 @@ impl Effector {
     ///
     /// # Errors
     /// As [`Effector::run`].
-    pub async fn run_with_inbox(
+    pub(crate) async fn run_with_inbox(
         &self,
         table: &str,
         scope: &str,

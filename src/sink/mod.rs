@@ -39,8 +39,7 @@ pub(crate) mod template;
 
 use crate::codec::Format;
 use crate::processor::key::KeySource;
-pub use protocol::OnStoreError;
-pub use protocol::{InFlight, ReservationPolicy};
+pub(crate) use protocol::{InFlight, OnStoreError, ReservationPolicy};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 pub(crate) use template::Template;
@@ -461,7 +460,7 @@ impl ExternalSinkSpec {
 /// `%25`, `%2F`, `%3A`, so that topology `T` / sink `hook` and topology `T/hook:k` /
 /// sink `s` get different scopes whatever their keys (names allowed by `build()` are left
 /// as they are, so existing keys stay found).
-pub fn idempotency_scope(topology: &str, sink: &str) -> String {
+pub(crate) fn idempotency_scope(topology: &str, sink: &str) -> String {
     fn escaped(name: &str, out: &mut String) {
         for c in name.chars() {
             match c {
@@ -481,7 +480,7 @@ pub fn idempotency_scope(topology: &str, sink: &str) -> String {
 
 /// The default prefix of a sink's Redis idempotency keys: `onceflow:<scope>:` (see
 /// [`idempotency_scope`]); a key is the prefix followed by its bytes.
-pub fn redis_prefix(scope: &str) -> String {
+pub(crate) fn redis_prefix(scope: &str) -> String {
     format!("onceflow:{scope}:")
 }
 
@@ -608,4 +607,19 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
             .build()
             .expect("cannot start the sink runtime")
     })
+}
+
+#[cfg(test)]
+mod scope_tests {
+    use super::{idempotency_scope, redis_prefix};
+
+    #[test]
+    fn scopes_of_names_build_allows_are_unchanged() {
+        // Existing keys must stay found after an upgrade.
+        assert_eq!(idempotency_scope("orders-a", "hook"), "orders-a/hook");
+        assert_eq!(
+            redis_prefix(&idempotency_scope("t", "hook")),
+            "onceflow:t/hook:"
+        );
+    }
 }

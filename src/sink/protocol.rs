@@ -83,7 +83,7 @@ impl Default for ReservationPolicy {
 /// `reason`, counted as `unknown`, and its key stays in flight until its lease expires, so
 /// a redelivery inside the lease does not run it again.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EffectError {
+pub(crate) struct EffectError {
     /// A sentence for the dead-letter topic.
     pub reason: String,
     /// The effect may or may not have run.
@@ -124,7 +124,7 @@ impl std::fmt::Display for EffectError {
 
 /// How an effect ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EffectOutcome {
+pub(crate) enum EffectOutcome {
     /// The effect ran now; its result.
     Done(Vec<u8>),
     /// The key was completed before (a redelivery or a twin); the stored result.
@@ -136,7 +136,7 @@ pub enum EffectOutcome {
 
 impl EffectOutcome {
     /// The metric label: `done`, `skipped_duplicate` or `unprotected`.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             EffectOutcome::Done(_) => "done",
             EffectOutcome::SkippedDuplicate(_) => "skipped_duplicate",

@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What a reservation attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reservation {
+pub(crate) enum Reservation {
     /// The key was free: the caller holds it until its lease expires.
     Acquired,
     /// Another holder's lease is live.
@@ -40,7 +40,7 @@ pub enum Reservation {
 
 /// A store operation failed (unreachable, timed out): the policy `on_store_error` decides.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreError(pub String);
+pub(crate) struct StoreError(pub String);
 
 impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -49,7 +49,7 @@ impl std::fmt::Display for StoreError {
 }
 
 /// An idempotency store. Every method is one atomic step of the reservation protocol.
-pub trait IdempotencyStore: Send + Sync {
+pub(crate) trait IdempotencyStore: Send + Sync {
     /// Reserve `key` for `token` with a lease of `lease`, unless it is in flight or completed.
     ///
     /// # Errors
@@ -332,7 +332,7 @@ impl LocalMap for MemoryIdempotencyStore {
 /// against redelivery to this instance (crash, restart, retry, a twin from another local
 /// partition) but not against a twin on another instance: use Redis for that.
 #[derive(Clone)]
-pub struct SledIdempotencyStore {
+pub(crate) struct SledIdempotencyStore {
     tree: sled::Tree,
 }
 
@@ -344,7 +344,10 @@ impl SledIdempotencyStore {
     ///
     /// # Errors
     /// [`StoreError`] when sled cannot open the path.
-    pub fn open(path: &std::path::Path, tree: &str) -> Result<SledIdempotencyStore, StoreError> {
+    pub(crate) fn open(
+        path: &std::path::Path,
+        tree: &str,
+    ) -> Result<SledIdempotencyStore, StoreError> {
         let dbs = SLED_DBS.get_or_init(Default::default);
         let mut dbs = dbs
             .lock()
@@ -414,7 +417,7 @@ impl LocalMap for SledIdempotencyStore {
 /// `SET k I<token> NX PX <lease>`; completed: `SET k C<result> PX <ttl>`; release deletes the
 /// key only while it still holds our token (a Lua script, so it is atomic).
 #[derive(Clone)]
-pub struct RedisIdempotencyStore {
+pub(crate) struct RedisIdempotencyStore {
     conn: redis::aio::ConnectionManager,
     prefix: Vec<u8>,
     op_timeout: Duration,
@@ -445,7 +448,7 @@ impl RedisIdempotencyStore {
     /// # Errors
     /// [`StoreError`] when the URL is invalid or Redis cannot be reached; the message never
     /// holds the URL (it may carry a password).
-    pub async fn connect(
+    pub(crate) async fn connect(
         url: &str,
         prefix: &[u8],
         op_timeout: Duration,

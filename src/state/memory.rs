@@ -71,7 +71,7 @@ impl KeyValueStore for MemoryStore {
 
 /// Opens `MemoryStore`s; stores live as long as the backend (and its clones).
 #[derive(Clone, Default)]
-pub struct MemoryBackend {
+pub(crate) struct MemoryBackend {
     stores: Arc<Mutex<HashMap<(String, i32), Shared>>>,
 }
 

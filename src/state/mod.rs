@@ -24,8 +24,8 @@ mod writer;
 pub(crate) use writer::set_before_chunk;
 
 pub(crate) use self::lock::StateDirLock;
-pub use self::memory::MemoryBackend;
-pub use self::sled::SledBackend;
+pub(crate) use self::memory::MemoryBackend;
+pub(crate) use self::sled::SledBackend;
 pub(crate) use self::staged::{StagedStore, Withdrawn};
 pub(crate) use self::writer::{Writer, WriterHold};
 use self::{behind::*, resident::*, writer::*};
@@ -37,7 +37,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 /// The writes of one commit to one store, applied atomically.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct WriteBatch {
+pub(crate) struct WriteBatch {
     /// Puts (`Some`) and deletes (`None`) in order; a later op on a key wins.
     pub(crate) ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     /// The changelog offset these writes reached, stored in the same batch (restore resumes
@@ -47,7 +47,7 @@ pub struct WriteBatch {
 
 /// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
 /// shared between the processing thread (reads) and the [`Writer`] (batches).
-pub trait KeyValueStore: Send + Sync {
+pub(crate) trait KeyValueStore: Send + Sync {
     /// Store name and partition, for messages, e.g. `dedup/3`.
     fn name(&self) -> &str;
 
@@ -119,7 +119,7 @@ pub trait KeyValueStore: Send + Sync {
 }
 
 /// Opens the engine of a (store, partition) pair and makes written batches durable.
-pub trait StateBackend: Send + Sync {
+pub(crate) trait StateBackend: Send + Sync {
     /// Open (or create) the store `store` for `partition`.
     ///
     /// # Errors

@@ -51,7 +51,7 @@ pub(crate) struct ChangelogWrite<'a> {
 }
 
 /// Name of the changelog topic of `store` in application `app`.
-pub fn changelog_topic(app: &str, store: &str) -> String {
+pub(crate) fn changelog_topic(app: &str, store: &str) -> String {
     format!("{app}-{store}-changelog")
 }
 
@@ -72,7 +72,7 @@ pub(crate) struct Progress {
 
 /// The restore of one store partition.
 #[derive(Debug)]
-pub struct Restorer {
+pub(crate) struct Restorer {
     store: String,
     partition: i32,
     start: i64,
@@ -90,7 +90,7 @@ impl Restorer {
     /// # Errors
     /// A store failure while reading the checkpoint or clearing a store that is ahead of
     /// its changelog.
-    pub fn plan(
+    pub(crate) fn plan(
         store: &str,
         partition: i32,
         engine: &dyn KeyValueStore,
@@ -137,12 +137,12 @@ impl Restorer {
     }
 
     /// The store name.
-    pub fn store(&self) -> &str {
+    pub(crate) fn store(&self) -> &str {
         &self.store
     }
 
     /// The partition.
-    pub fn partition(&self) -> i32 {
+    pub(crate) fn partition(&self) -> i32 {
         self.partition
     }
 
@@ -160,7 +160,7 @@ impl Restorer {
     }
 
     /// Whether the position has reached the end.
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.position >= self.end
     }
 
@@ -169,7 +169,7 @@ impl Restorer {
     ///
     /// # Errors
     /// A store failure; nothing of this batch is applied then.
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         engine: &dyn KeyValueStore,
         records: Vec<ChangelogRecord>,

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
 /// The engine of one table: rows by key plus the next offset of each topic partition.
-pub trait TableEngine: Send + Sync {
+pub(crate) trait TableEngine: Send + Sync {
     /// The table name.
     fn name(&self) -> &str;
 
@@ -49,11 +49,11 @@ pub trait TableEngine: Send + Sync {
 }
 
 /// The tables of an instance by name, shared by all its tasks.
-pub type Tables = BTreeMap<String, Arc<dyn TableEngine>>;
+pub(crate) type Tables = BTreeMap<String, Arc<dyn TableEngine>>;
 
 /// An in-memory [`TableEngine`] (test driver, benchmarks).
 #[derive(Default)]
-pub struct MemoryTable {
+pub(crate) struct MemoryTable {
     name: String,
     #[allow(clippy::type_complexity)]
     data: RwLock<(ahash::AHashMap<Vec<u8>, Vec<u8>>, BTreeMap<i32, i64>)>,
@@ -61,7 +61,7 @@ pub struct MemoryTable {
 
 impl MemoryTable {
     /// An empty table called `name`.
-    pub fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         MemoryTable {
             name: name.to_string(),
             data: RwLock::default(),
@@ -106,7 +106,7 @@ impl TableEngine for MemoryTable {
 
 /// One record of a table topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TableRecord {
+pub(crate) struct TableRecord {
     /// Topic partition.
     pub partition: i32,
     /// Offset in the partition.
@@ -119,7 +119,7 @@ pub struct TableRecord {
 
 /// What applying a batch of table records did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Applied {
+pub(crate) struct Applied {
     /// Rows put.
     pub puts: u64,
     /// Rows deleted by tombstones.
@@ -133,7 +133,7 @@ pub struct Applied {
 ///
 /// # Errors
 /// [`crate::Error::State`] when the engine write fails.
-pub fn apply_records(
+pub(crate) fn apply_records(
     engine: &dyn TableEngine,
     format: &Format,
     records: &[TableRecord],

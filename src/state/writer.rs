@@ -69,7 +69,7 @@ pub(super) struct Job {
 /// [`UNPERSISTED_OPS`], or a sync): on a small machine the restore then has the CPU, and
 /// the backlog is written once the restore is done. Holding never changes what is
 /// written or in which order, only when.
-pub struct Writer {
+pub(crate) struct Writer {
     pub(super) tx: Mutex<std::sync::mpsc::Sender<Job>>,
     pub(super) gate: Arc<Gate>,
 }
@@ -116,7 +116,7 @@ impl Gate {
 }
 
 /// Keeps the [`Writer`] from starting batches nobody waits for, until dropped.
-pub struct WriterHold {
+pub(crate) struct WriterHold {
     pub(super) gate: Arc<Gate>,
 }
 
@@ -161,7 +161,7 @@ impl Writer {
     }
 
     /// Hold the writer back until the returned guard is dropped (see [`Writer`]).
-    pub fn hold(&self) -> WriterHold {
+    pub(crate) fn hold(&self) -> WriterHold {
         self.gate.add(1, 0);
         WriterHold {
             gate: self.gate.clone(),

@@ -75,9 +75,32 @@ impl TestRecord {
         self.partition = p;
         self
     }
+
+    /// This record as the source record at `offset` of its partition of `topic`.
+    pub(crate) fn into_record(self, topic: std::sync::Arc<str>, offset: i64) -> Record {
+        Record {
+            key: self.key,
+            value: self.value,
+            headers: self.headers,
+            timestamp: self.timestamp,
+            json: None,
+            fields: None,
+            source: SourceMeta {
+                topic,
+                partition: self.partition,
+                offset,
+            },
+        }
+    }
+
+    /// The source partition.
+    pub(crate) fn source_partition(&self) -> i32 {
+        self.partition
+    }
 }
 
-/// Runs a topology without a broker. Each partition gets a [`Task`] over in-memory stores;
+/// Runs a topology without a broker. Each partition gets a task (its processors, as
+/// under [`App::run`](crate::App::run)) over in-memory stores;
 /// outputs become visible when committed (by default after every piped record).
 ///
 /// The driver commits with the runtime's own commit protocol (`runtime/commit.rs`; its failpoints are [`crate::failpoints`])
@@ -199,11 +222,6 @@ impl TestDriver {
         self
     }
 
-    /// Name of the dead-letter topic.
-    pub fn dlq_topic(&self) -> &str {
-        &self.dlq_topic
-    }
-
     /// The task of `partition`; a new task is first restored from the in-memory changelog,
     /// from its store's checkpoint to the changelog's end, as on assignment.
     fn task(&mut self, partition: i32) -> Result<&mut Task> {
@@ -265,19 +283,7 @@ impl TestDriver {
 
     /// `r` as the source record at `offset` of its partition.
     fn source_record(&self, r: TestRecord, offset: i64) -> Record {
-        Record {
-            key: r.key,
-            value: r.value,
-            headers: r.headers,
-            timestamp: r.timestamp,
-            json: None,
-            fields: None,
-            source: SourceMeta {
-                topic: self.topology.source().topic.as_str().into(),
-                partition: r.partition,
-                offset,
-            },
-        }
+        r.into_record(self.topology.source().topic.as_str().into(), offset)
     }
 
     /// Pipe one record; returns its offset in its source partition.
@@ -395,8 +401,8 @@ impl TestDriver {
     }
 
     /// at_least_once: hold every acknowledgement until a commit must wait for it (more
-    /// than [`crate::runtime::commit::MAX_IN_FLIGHT`] in flight) or [`Self::acknowledge`]
-    /// is called, so commits stay in flight, sealed, while records go on being processed,
+    /// in flight than the runtime allows, `MAX_IN_FLIGHT` in `runtime/commit.rs`) or
+    /// [`Self::acknowledge`] is called, so commits stay in flight, sealed, while records go on being processed,
     /// as in the runtime (default off: each commit completes at once).
     pub fn pipelined(mut self, on: bool) -> Self {
         self.log.hold_acks = on;
@@ -538,11 +544,6 @@ impl TestDriver {
         self.clock_ms += by.as_millis() as i64;
     }
 
-    /// The mock wall clock (ms).
-    pub fn wall_clock_ms(&self) -> i64 {
-        self.clock_ms
-    }
-
     /// Durable outputs written to `topic`, in order (at_least_once: acknowledged;
     /// exactly_once_v2: committed, what a read_committed consumer sees).
     pub fn output(&self, topic: &str) -> Vec<&OutRecord> {
@@ -603,13 +604,12 @@ impl TestDriver {
 // ---- Lookup tables (enrich): an in-memory table topic per table, loaded like the runtime
 // loads a table topic (from the stored offsets to the end, before each piped record). ----
 
-/// The driver's tables: engines, their topics' records, and load counts.
+/// The driver's tables: engines and their topics' records.
 #[derive(Default)]
 struct TableState {
     handles: crate::state::table::Tables,
     engines: BTreeMap<String, std::sync::Arc<crate::state::table::MemoryTable>>,
     logs: BTreeMap<String, BTreeMap<i32, Vec<crate::state::table::TableRecord>>>,
-    loaded: u64,
 }
 
 impl TestDriver {
@@ -655,7 +655,7 @@ impl TestDriver {
     ///
     /// # Errors
     /// A table engine failure.
-    pub fn sync_tables(&mut self) -> Result<()> {
+    pub(crate) fn sync_tables(&mut self) -> Result<()> {
         for spec in self.topology.tables() {
             let engine = &self.tables.engines[&spec.name];
             let offsets = crate::state::table::TableEngine::offsets(engine.as_ref())?;
@@ -668,16 +668,10 @@ impl TestDriver {
                 batch.extend(log.iter().skip(from).cloned());
             }
             if !batch.is_empty() {
-                self.tables.loaded += batch.len() as u64;
                 crate::state::table::apply_records(engine.as_ref(), &spec.format, &batch)?;
             }
         }
         Ok(())
-    }
-
-    /// Table topic records applied to tables so far (a wiped table loads its topic again).
-    pub fn table_records_loaded(&self) -> u64 {
-        self.tables.loaded
     }
 
     /// The row of `key` in table `table`, as JSON text.

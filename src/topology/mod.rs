@@ -4,13 +4,13 @@
 //! [`TopologyBuilder::build`] validates and returns a [`Topology`] or every error found,
 //! each naming the stage and the field. [`Topology::describe`] prints it.
 
-mod builder;
-mod describe;
+pub(crate) mod builder;
+pub(crate) mod describe;
 pub(crate) mod stage;
 
 use crate::names::check_topic_name;
-pub use builder::TopologyBuilder;
-pub use describe::DescribeFormat;
+pub(crate) use builder::TopologyBuilder;
+pub(crate) use describe::DescribeFormat;
 
 use crate::error::Error;
 use crate::processor::stages::DedupSpec;
@@ -19,7 +19,7 @@ use crate::topology::stage::BuildCx;
 pub(crate) use crate::topology::stage::StageKind;
 
 pub(crate) use crate::codec::Format;
-pub use crate::processor::enrich::{EnrichSpec, MissingPolicy, TableSpec};
+pub(crate) use crate::processor::enrich::TableSpec;
 
 /// The source of a topology: one topic and its value format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +81,7 @@ impl Topology {
     }
 
     /// The topology's name (a metric label).
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
@@ -97,7 +97,7 @@ impl Topology {
 
     /// Names of the state stores the stages declare (one per dedup stage), in stage
     /// order.
-    pub fn stores(&self) -> Vec<String> {
+    pub(crate) fn stores(&self) -> Vec<String> {
         self.stages
             .iter()
             .flat_map(|s| s.kind.spec().stores(&s.name))

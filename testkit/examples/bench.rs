@@ -18,7 +18,7 @@
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
 //!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
-//! 3. Without a broker: `Task`s (one per partition) over the same N pre-built records,
+//! 3. Without a broker: tasks (one per partition, `onceflow::__testkit::drive_tasks`) over the same N pre-built records,
 //!    with the sled backend and with the memory backend, committing state every 10,000
 //!    records (plus an fsync for sled); decisions/s and the ratio sled/memory.
 //!
@@ -49,12 +49,12 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::Admin;
-use onceflow::__testkit::{MemoryBackend, SledBackend, StateBackend};
+use onceflow::__testkit::{changelog_topic, drive_tasks, repartition_topic};
+use onceflow::Partitioning;
 use onceflow::Topology;
-use onceflow::{__testkit::repartition_topic, Partitioning};
-use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
-use onceflow::{Counts, Record, SourceMeta};
+use onceflow::{App, RunOptions, RunSummary};
+use onceflow::{Counts, TestRecord};
+use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -66,8 +66,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{
     cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys, median,
-    now_ms, onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res,
-    Settings, PARTITIONS, VALUE_LEN,
+    onceflow_config, rate_list, topic_records, verify_unique, Created, Dataset, Res, Settings,
+    PARTITIONS, VALUE_LEN,
 };
 
 const TARGET_RATIO: f64 = 0.8;
@@ -189,18 +189,11 @@ fn onceflow_run_config(bootstrap: &str, app_id: &str, state_dir: &str) -> Res<on
 
 /// Record, for the cleanup, the topics and group that the run of `app_id` creates (dead
 /// letters, changelogs).
-fn record_onceflow_topics(
-    bootstrap: &str,
-    input: &str,
-    output: &str,
-    app_id: &str,
-    created: &mut Created,
-) -> Res<()> {
+fn record_onceflow_topics(bootstrap: &str, app_id: &str, created: &mut Created) -> Res<()> {
     let cfg = onceflow_run_config(bootstrap, app_id, "unused")?;
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
-    let app = App::new(cfg, dedup_topology(input, output)?);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok(())
 }
 
@@ -345,61 +338,26 @@ fn child_main(spec: &str, bootstrap: &str) -> Res<()> {
 
 // ------------------------------------------------------------------------ (3) dedup alone
 
-fn prebuilt_records(ds: &Dataset, topic: &str) -> Vec<Record> {
-    let topic: Arc<str> = topic.into();
-    let mut next = [0i64; PARTITIONS];
+fn prebuilt_records(ds: &Dataset) -> Vec<TestRecord> {
     ds.events
         .iter()
         .map(|e| {
-            let offset = next[e.partition as usize];
-            next[e.partition as usize] += 1;
-            Record {
-                key: Some(e.id.clone()),
-                value: Some(e.value.clone()),
-                headers: Vec::new(),
-                timestamp: Some(e.timestamp),
-                json: None,
-                fields: None,
-                source: SourceMeta {
-                    topic: topic.clone(),
-                    partition: e.partition,
-                    offset,
-                },
-            }
+            TestRecord::json(e.value.to_vec())
+                .key(e.id.to_vec())
+                .timestamp(e.timestamp)
+                .partition(e.partition)
         })
         .collect()
 }
 
-/// Drive one `Task` per partition over the pre-built records, committing state every
-/// `STATE_COMMIT_EVERY` records. Returns the counts and the seconds taken.
-fn dedup_alone(ds: &Dataset, backend: &dyn StateBackend) -> Res<(Counts, f64)> {
+/// Drive one task per partition over the pre-built records (`onceflow::__testkit::drive_tasks`)
+/// with their stores in sled under `sled_dir` (in memory when `None`), committing state
+/// every `STATE_COMMIT_EVERY` records. Returns the counts and the seconds taken.
+fn dedup_alone(ds: &Dataset, sled_dir: Option<&std::path::Path>) -> Res<(Counts, f64)> {
     let topology = dedup_topology("bench.in", "bench.out")?;
-    let mut tasks: Vec<Task> = (0..PARTITIONS as i32)
-        .map(|p| Task::new(&topology, p, backend, "bench.dlq"))
-        .collect::<Result<_, _>>()?;
-    let records = prebuilt_records(ds, "bench.in");
-    let mut out = Vec::with_capacity(4);
-    let started = Instant::now();
-    for (i, r) in records.into_iter().enumerate() {
-        let p = r.source.partition as usize;
-        tasks[p].process(r, now_ms(), &mut out)?;
-        out.clear();
-        if (i + 1) % STATE_COMMIT_EVERY == 0 {
-            for t in tasks.iter_mut() {
-                t.commit_state(|_| None)?;
-            }
-            backend.flush()?;
-        }
-    }
-    for t in tasks.iter_mut() {
-        t.commit_state(|_| None)?;
-    }
-    backend.flush()?;
-    let seconds = started.elapsed().as_secs_f64();
-    let mut counts = Counts::default();
-    for t in &tasks {
-        counts.add(t.counts());
-    }
+    let records = prebuilt_records(ds);
+    let (counts, seconds, _) =
+        drive_tasks(&topology, sled_dir, &[], records, STATE_COMMIT_EVERY, None)?;
     if counts.passed as usize != ds.distinct || counts.dead_lettered != 0 {
         return Err(format!(
             "dedup alone: passed={} dead_lettered={}, expected passed={}",
@@ -612,7 +570,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         let app = format!("bench-dedup-{}-{round}", s.run_id);
         admin.ensure_topic(&out, PARTITIONS, &keep)?;
         created.topics.push(out.clone());
-        record_onceflow_topics(&s.bootstrap, &input, &out, &app, created)?;
+        record_onceflow_topics(&s.bootstrap, &app, created)?;
         let child = run_child(&["onceflow", &input, &out, &app])?;
         println!(
             "round {round} (b) onceflow: {} {}",
@@ -638,9 +596,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
 
     for round in 1..=s.rounds {
         let dir = tempfile::tempdir()?;
-        let sled = SledBackend::open(dir.path())?;
-        let (c, secs) = dedup_alone(&ds, &sled)?;
-        drop(sled);
+        let (c, secs) = dedup_alone(&ds, Some(dir.path()))?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, sled: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
@@ -648,7 +604,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         );
         res.sled.push(dps);
 
-        let (c, secs) = dedup_alone(&ds, &MemoryBackend::default())?;
+        let (c, secs) = dedup_alone(&ds, None)?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, memory: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
@@ -689,7 +645,7 @@ fn run_guarantee(
     created.topics.push(repartition_topic(app_id, "dedup"));
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, topology);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok(app.run(RunOptions {
         stop_at_end: true,
         ..Default::default()

@@ -12,9 +12,10 @@
 //!    records/s from `RunSummary` (first record to the last commit; the table load comes
 //!    before the first record and is reported on its own). The outputs are counted (N each)
 //!    and one enriched record is checked. Medians and the ratio b/a are reported.
-//! 3. Without a broker: `Task`s over the same N pre-built records, passthrough vs enrich
-//!    with the table in sled and in memory; records/s and ratios. This isolates the stage
-//!    cost (view parse, lookup, row parse, merge, JSON write) from the broker.
+//! 3. Without a broker: one task per partition over the same N pre-built records
+//!    (`onceflow::__testkit::drive_tasks`), passthrough vs enrich with the table in sled and
+//!    in memory (loaded before each measure starts); records/s and ratios. This isolates the
+//!    stage cost (view parse, lookup, row parse, merge, JSON write) from the broker.
 //!
 //! Ends with one machine-readable line starting `bench-enrich:`.
 //!
@@ -30,21 +31,22 @@
 mod support;
 
 use bytes::Bytes;
-use onceflow::__testkit::Admin;
-use onceflow::__testkit::{apply_records, TableEngine, TableRecord, Tables};
-use onceflow::__testkit::{MemoryBackend, SledBackend};
+use onceflow::__testkit::drive_tasks;
 use onceflow::KeySource;
-use onceflow::{__testkit::Task, App, RunOptions, RunSummary};
+use onceflow::TestRecord;
+use onceflow::{App, RunOptions, RunSummary};
 use onceflow::{EnrichSpec, Format, MissingPolicy, TableSpec, Topology, TopologyBuilder};
-use onceflow::{OutRecord, Record, SourceMeta};
 use onceflow_testkit::kafka;
+use onceflow_testkit::kafka::Admin;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 use support::{
     cleanup, env_usize, init_logging, median, onceflow_config, rate_list, topic_records, Created,
     Res, Settings, PARTITIONS,
 };
+
+/// A row of a lookup table: partition, offset, key, value.
+type TableRow = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
 
 struct Order {
     key: Bytes,
@@ -134,66 +136,44 @@ fn run_app(
     Ok((summary, startup))
 }
 
-fn records_for_tasks(data: &[Order], topic: &str) -> Vec<Record> {
-    let topic: Arc<str> = topic.into();
-    let mut next = [0i64; PARTITIONS];
+fn records_for_tasks(data: &[Order]) -> Vec<TestRecord> {
     data.iter()
         .map(|o| {
-            let off = next[o.partition as usize];
-            next[o.partition as usize] += 1;
-            Record {
-                key: Some(o.key.clone()),
-                value: Some(o.value.clone()),
-                headers: Vec::new(),
-                timestamp: Some(0),
-                json: None,
-                fields: None,
-                source: SourceMeta {
-                    topic: topic.clone(),
-                    partition: o.partition,
-                    offset: off,
-                },
-            }
+            TestRecord::json(o.value.to_vec())
+                .key(o.key.to_vec())
+                .timestamp(0)
+                .partition(o.partition)
         })
         .collect()
 }
 
-/// Records/s of `topology` over `records` through one Task per partition (memory stores).
-fn tasks_rate(topology: &Topology, tables: &Tables, records: &[Record]) -> Res<(f64, usize)> {
-    let backend = MemoryBackend::default();
-    let mut tasks: Vec<Task> = (0..PARTITIONS as i32)
-        .map(|p| Ok(Task::new(topology, p, &backend, "dlq")?.with_tables(tables.clone())))
-        .collect::<Res<_>>()?;
-    let input: Vec<Record> = records.to_vec();
-    let mut out: Vec<OutRecord> = Vec::with_capacity(1024);
-    let mut written = 0;
-    let started = Instant::now();
-    for r in input {
-        let p = r.source.partition as usize;
-        tasks[p].process(r, 0, &mut out)?;
-        if out.len() >= 1000 {
-            written += out.iter().filter(|o| o.topic != "dlq").count();
-            out.clear();
-        }
-    }
-    written += out.iter().filter(|o| o.topic != "dlq").count();
-    Ok((
-        records.len() as f64 / started.elapsed().as_secs_f64(),
-        written,
-    ))
+/// Records/s of `topology` over `records` through one task per partition
+/// (`onceflow::__testkit::drive_tasks`), with `tables` (name, rows) loaded first, in sled
+/// under `sled_dir` or in memory; and the records written to topics other than the
+/// dead-letter topic.
+fn tasks_rate(
+    topology: &Topology,
+    sled_dir: Option<&std::path::Path>,
+    tables: &[(&str, Vec<TableRow>)],
+    records: &[TestRecord],
+) -> Res<(f64, usize)> {
+    let (_, seconds, written) =
+        drive_tasks(topology, sled_dir, tables, records.to_vec(), 0, Some(0))?;
+    Ok((records.len() as f64 / seconds, written))
 }
 
-fn load_table(engine: &dyn TableEngine, customers: usize) -> Res<()> {
-    let recs: Vec<TableRecord> = (0..customers)
-        .map(|i| TableRecord {
-            partition: (i % PARTITIONS) as i32,
-            offset: (i / PARTITIONS) as i64,
-            key: Some(format!("c{i}").into_bytes()),
-            value: Some(customer_row(i).into_bytes()),
+/// The rows of table `customers`: `customers` rows spread over the partitions.
+fn customer_rows(customers: usize) -> Vec<TableRow> {
+    (0..customers)
+        .map(|i| {
+            (
+                (i % PARTITIONS) as i32,
+                (i / PARTITIONS) as i64,
+                Some(format!("c{i}").into_bytes()),
+                Some(customer_row(i).into_bytes()),
+            )
         })
-        .collect();
-    apply_records(engine, &Format::Json, &recs)?;
-    Ok(())
+        .collect()
 }
 
 fn run(s: &Settings, customers: usize, created: &mut Created) -> Res<()> {
@@ -206,26 +186,20 @@ fn run(s: &Settings, customers: usize, created: &mut Created) -> Res<()> {
     );
 
     // (3) first: no broker, the stage cost alone.
-    let records = records_for_tasks(&data, "orders");
+    let records = records_for_tasks(&data);
     let pass = passthrough_topology("orders", "out")?;
     let enrich = enrich_topology("orders", "customers", "out")?;
-    let mem: Arc<dyn TableEngine> = Arc::new(onceflow::__testkit::MemoryTable::new("customers"));
-    load_table(mem.as_ref(), customers)?;
-    let dir = tempfile::tempdir()?;
-    let sled = SledBackend::open(dir.path())?;
-    let sled_table: Arc<dyn TableEngine> = sled.open_table("customers")?;
-    load_table(sled_table.as_ref(), customers)?;
+    let tables = [("customers", customer_rows(customers))];
     let (mut t_pass, mut t_mem, mut t_sled) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..s.rounds {
-        let (r, w) = tasks_rate(&pass, &Tables::new(), &records)?;
+        let (r, w) = tasks_rate(&pass, None, &[], &records)?;
         assert_eq!(w, records.len());
         t_pass.push(r);
-        let tables = Tables::from([("customers".to_string(), mem.clone())]);
-        let (r, w) = tasks_rate(&enrich, &tables, &records)?;
+        let (r, w) = tasks_rate(&enrich, None, &tables, &records)?;
         assert_eq!(w, records.len(), "every order joined");
         t_mem.push(r);
-        let tables = Tables::from([("customers".to_string(), sled_table.clone())]);
-        let (r, w) = tasks_rate(&enrich, &tables, &records)?;
+        let dir = tempfile::tempdir()?;
+        let (r, w) = tasks_rate(&enrich, Some(dir.path()), &tables, &records)?;
         assert_eq!(w, records.len(), "every order joined");
         t_sled.push(r);
         eprintln!(

@@ -37,8 +37,9 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::Admin;
+use onceflow::__testkit::changelog_topic;
 use onceflow::{App, RunOptions, RunSummary};
+use onceflow_testkit::kafka::Admin;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
@@ -119,7 +120,7 @@ fn app(
     created.topics.push(cfg.dlq_topic.clone());
     created.groups.push(app_id.to_string());
     let app = App::new(cfg, dedup_topology(input, output)?);
-    created.topics.extend(app.changelog_topics().into_values());
+    created.topics.push(changelog_topic(app_id, "dedup"));
     Ok((app, state))
 }
 
@@ -296,7 +297,6 @@ fn latency_round(
     let opts = RunOptions {
         stop_at_end: false,
         shutdown: shutdown.clone(),
-        status: None,
     };
     let runner = std::thread::spawn(move || {
         let r = app.run(opts);

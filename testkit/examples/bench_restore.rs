@@ -13,7 +13,7 @@
 //!      changelog partitions from the beginning, one `poll` per record, counting records
 //!      until its position has reached the end offsets captured at start; records/s from
 //!      before the capture to the end;
-//!    - (a') the same with batch reads (`onceflow::__testkit::consume_batch`, 10,000 a
+//!    - (a') the same with batch reads (`onceflow::__testkit::read_batch`, 10,000 a
 //!      call), the reader onceflow's restore uses. The baseline (A) of every ratio is the
 //!      faster of (a) and (a') in that round;
 //!    - (b) onceflow restore: `App::run` in-process with application.id `A`, a fresh empty
@@ -28,12 +28,14 @@
 //!      close, flush). Stores are written behind: "ready" does not wait for sled, and
 //!      closing skips what sled has not got (the checks below account for it).
 //!
-//!    - (c) sled alone, no Kafka: `Restorer::apply` over the same records, pre-built,
+//!    - (c) sled alone, no Kafka: the restores' apply over the same records, pre-built,
 //!      20,000 per step shared among the partitions as the run loop takes them, written
-//!      synchronously into a fresh sled store: what persisting costs (done behind, later).
-//!    - (c') the restore path alone, no Kafka: the runtime's `Task::restore_record` and
-//!      `Task::finish_restore_step` over the same steps, into write-behind stores with the
-//!      state writer held (as during a restore): what a restore adds to reading.
+//!      synchronously into a fresh sled store: what persisting costs (done behind, later;
+//!      `onceflow::__testkit::time_restore`).
+//!    - (c') the restore path alone, no Kafka: the runtime's tasks restoring record by
+//!      record over the same steps, into write-behind stores with the state writer held
+//!      (as during a restore): what a restore adds to reading
+//!      (`onceflow::__testkit::time_restore` with the topology).
 //!
 //!    The medians, the ratios restore/A and the target (b'/A >= 0.8) are reported, and the
 //!    whole run split into start-up (to the first "restore starting"), restore phase and
@@ -58,13 +60,11 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::consume_batch;
-use onceflow::__testkit::Admin;
-use onceflow::__testkit::DedupEntry;
-use onceflow::__testkit::Task;
-use onceflow::__testkit::{changelog_topic, ChangelogRecord, Restorer};
-use onceflow::__testkit::{SledBackend, StateBackend};
+use onceflow::__testkit::time_restore;
+use onceflow::__testkit::{changelog_topic, read_batch, read_state};
 use onceflow::{App, RunOptions, RunSummary};
+use onceflow::{ChangelogRecord, DedupEntry};
+use onceflow_testkit::kafka::Admin;
 use onceflow_testkit::kafka::TestProducer;
 use prost::Message as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -292,15 +292,8 @@ fn raw_consume(bootstrap: &str, topic: &str, batch: bool) -> Res<(u64, f64)> {
         };
         if batch {
             // What is queued; when nothing is, wait for one record (as the restore does).
-            let mut b = consume_batch(&consumer, Duration::ZERO, 10_000)?;
-            if b.is_empty() {
-                b = consume_batch(&consumer, Duration::from_millis(100), 1)?;
-            }
-            for r in b.records() {
-                take(r.map(|m| {
-                    let len = m.key().map_or(0, <[u8]>::len) + m.payload().map_or(0, <[u8]>::len);
-                    (m.partition(), m.offset(), len)
-                }));
+            if read_batch(&consumer, Duration::ZERO, 10_000, &mut take)? == 0 {
+                read_batch(&consumer, Duration::from_millis(100), 1, &mut take)?;
             }
         } else if let Some(r) = consumer.poll(Duration::from_millis(100)) {
             take(r.map(|m| {
@@ -459,88 +452,6 @@ fn changelog_records(cl: &Changelog) -> [Vec<ChangelogRecord>; PARTITIONS] {
     out
 }
 
-/// The apply side of a restore without Kafka: `Restorer::apply` per partition over the
-/// pre-built records, `RESTORE_BATCH` records per step shared among the partitions, as the
-/// run loop does. Returns seconds.
-fn engine_alone(
-    records: &[Vec<ChangelogRecord>; PARTITIONS],
-    backend: &dyn StateBackend,
-) -> Res<f64> {
-    let per_step = RESTORE_BATCH / PARTITIONS;
-    let mut engines = Vec::with_capacity(PARTITIONS);
-    let mut restorers = Vec::with_capacity(PARTITIONS);
-    for (p, recs) in records.iter().enumerate() {
-        let e = backend.open(STORE, p as i32)?;
-        restorers.push(Restorer::plan(
-            STORE,
-            p as i32,
-            e.as_ref(),
-            0,
-            recs.len() as i64,
-        )?);
-        engines.push(e);
-    }
-    // The steps, owned, built before the clock starts (the run loop gets its records
-    // owned from the consumer as well).
-    let mut steps: Vec<(usize, Vec<ChangelogRecord>, i64)> = Vec::new();
-    let longest = records.iter().map(Vec::len).max().unwrap_or(0);
-    for at in (0..longest).step_by(per_step) {
-        for (p, recs) in records.iter().enumerate() {
-            let chunk = &recs[at.min(recs.len())..(at + per_step).min(recs.len())];
-            if let Some(last) = chunk.last() {
-                steps.push((p, chunk.to_vec(), last.offset + 1));
-            }
-        }
-    }
-    let started = Instant::now();
-    for (p, recs, position) in steps {
-        restorers[p].apply(engines[p].as_ref(), recs, position)?;
-    }
-    if let Some(r) = restorers.iter().find(|r| !r.is_done()) {
-        return Err(format!("engine alone: partition {} not done", r.partition()).into());
-    }
-    backend.flush()?;
-    Ok(started.elapsed().as_secs_f64())
-}
-
-/// The runtime's restore path without Kafka: `Task::restore_record` for each record and
-/// `Task::finish_restore_step` per partition and step (`RESTORE_BATCH` records a step,
-/// shared among the partitions), into write-behind stores over sled with the state writer
-/// held, as during a restore: what a restore costs beyond reading the changelog. Returns
-/// seconds.
-fn apply_path_alone(records: &[Vec<ChangelogRecord>; PARTITIONS], names: &Names) -> Res<f64> {
-    let dir = tempfile::tempdir()?;
-    let backend = SledBackend::open(dir.path())?;
-    let topology = dedup_topology(&names.input, &names.output)?;
-    let mut tasks = Vec::with_capacity(PARTITIONS);
-    for (p, recs) in records.iter().enumerate() {
-        let mut t = Task::new(&topology, p as i32, &backend, "dlq")?;
-        t.plan_restore(STORE, 0, recs.len() as i64)?;
-        tasks.push(t);
-    }
-    let hold = backend.writer().map(|w| w.hold());
-    let per_step = RESTORE_BATCH / PARTITIONS;
-    let longest = records.iter().map(Vec::len).max().unwrap_or(0);
-    let started = Instant::now();
-    for at in (0..longest).step_by(per_step) {
-        for (p, recs) in records.iter().enumerate() {
-            let chunk = &recs[at.min(recs.len())..(at + per_step).min(recs.len())];
-            for r in chunk {
-                tasks[p].restore_record(STORE, &r.key, r.value.as_deref(), r.offset);
-            }
-            if let Some(last) = chunk.last() {
-                tasks[p].finish_restore_step(STORE, last.offset + 1)?;
-            }
-        }
-    }
-    let secs = started.elapsed().as_secs_f64();
-    if let Some(p) = tasks.iter().position(Task::is_restoring) {
-        return Err(format!("apply path alone: partition {p} not done").into());
-    }
-    drop(hold);
-    Ok(secs)
-}
-
 // ------------------------------------------------------------------------ checks
 
 /// The entries are in the sled store under `dir` (`<state.dir>/<application.id>`) as far
@@ -550,11 +461,10 @@ fn apply_path_alone(records: &[Vec<ChangelogRecord>; PARTITIONS], names: &Names)
 /// what the next run must restore again. (`RunSummary::restored` and the restore log
 /// already count every entry; a full scan of sled costs more than the restore.)
 fn check_store(dir: &std::path::Path, cl: &Changelog) -> Res<u64> {
-    let backend = SledBackend::open(dir)?;
     let mut checkpoints = [0i64; PARTITIONS];
     for (p, c) in checkpoints.iter_mut().enumerate() {
-        let store = backend.open(STORE, p as i32)?;
-        let checkpoint = store.changelog_offset()?.unwrap_or(0);
+        let (offsets, _) = read_state(dir, STORE, Some(p as i32), &[])?;
+        let checkpoint = offsets.get(&(p as i32)).copied().unwrap_or(0);
         if checkpoint > cl.per_partition[p] {
             return Err(format!(
                 "store {STORE}/{p}: changelog checkpoint {checkpoint}, beyond the end {}",
@@ -566,22 +476,26 @@ fn check_store(dir: &std::path::Path, cl: &Changelog) -> Res<u64> {
     }
     let n = cl.partition.len();
     let step = (n / SAMPLE).max(1);
-    let mut sampled = 0;
+    // The sample below the checkpoints, per partition: (id index, id).
+    let mut sample: [Vec<(usize, String)>; PARTITIONS] = Default::default();
     for i in (0..n).step_by(step) {
-        if cl.offset[i] >= checkpoints[cl.partition[i] as usize] {
-            continue;
+        if cl.offset[i] < checkpoints[cl.partition[i] as usize] {
+            sample[cl.partition[i] as usize].push((i, event_id(i)));
         }
-        let id = event_id(i);
-        let store = backend.open(STORE, cl.partition[i])?;
-        let raw = store
-            .get(id.as_bytes())?
-            .ok_or_else(|| format!("{id}: missing from store {STORE}/{}", cl.partition[i]))?;
-        let got = DedupEntry::decode(raw.as_slice())?;
-        let want = entry(cl.first_seen_ms, cl.partition[i], cl.offset[i]);
-        if got != want {
-            return Err(format!("{id}: stored {got:?}, expected {want:?}").into());
+    }
+    let mut sampled = 0;
+    for (p, ids) in sample.iter().enumerate() {
+        let keys: Vec<&[u8]> = ids.iter().map(|(_, id)| id.as_bytes()).collect();
+        let (_, values) = read_state(dir, STORE, Some(p as i32), &keys)?;
+        for ((i, id), raw) in ids.iter().zip(values) {
+            let raw = raw.ok_or_else(|| format!("{id}: missing from store {STORE}/{p}"))?;
+            let got = DedupEntry::decode(raw.as_slice())?;
+            let want = entry(cl.first_seen_ms, cl.partition[*i], cl.offset[*i]);
+            if got != want {
+                return Err(format!("{id}: stored {got:?}, expected {want:?}").into());
+            }
+            sampled += 1;
         }
-        sampled += 1;
     }
     let remaining: i64 = (0..PARTITIONS)
         .map(|p| cl.per_partition[p] - checkpoints[p])
@@ -846,13 +760,13 @@ fn run(s: &Settings, log: &RestoreLog, created: &mut Created) -> Res<Results> {
             continue;
         }
         let dir = tempfile::tempdir()?;
-        let sled = SledBackend::open(dir.path())?;
-        let secs = engine_alone(&records, &sled)?;
-        drop(sled);
+        let secs = time_restore(None, dir.path(), STORE, &records, RESTORE_BATCH)?;
         let rps = s.records as f64 / secs;
         println!("round {round} (c) restore apply alone, sled: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
         res.sled.push(rps);
-        let secs = apply_path_alone(&records, &names)?;
+        let dir = tempfile::tempdir()?;
+        let topology = dedup_topology(&names.input, &names.output)?;
+        let secs = time_restore(Some(&topology), dir.path(), STORE, &records, RESTORE_BATCH)?;
         let rps = s.records as f64 / secs;
         println!("round {round} (c') restore path alone, write-behind stores: records={} seconds={secs:.3} records_per_second={rps:.0}", s.records);
         res.memory.push(rps);

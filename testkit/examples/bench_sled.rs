@@ -6,7 +6,7 @@
 //! one `apply_batch` per batch, and reports marks written per second for:
 //! - `store`: onceflow's sled store itself (`SledBackend`, entries packed into segments of
 //!   64 with an index in memory), through `KeyValueStore::write_ops` as the state writer
-//!   calls it;
+//!   calls it (`onceflow::__testkit::time_store_writes`);
 //! - `per-key`: one sled key per mark (`b'd' ++ id` → a ~24-byte entry, random ids), what
 //!   onceflow wrote before segments, in sled's `LowSpace` mode with a 256 MiB cache;
 //! - `high-throughput`: the same in sled's `HighThroughput` mode;
@@ -41,38 +41,32 @@ fn id(i: u64) -> Vec<u8> {
 /// `keys` marks through onceflow's own sled store (see the module doc), in the same
 /// batches as [`run`].
 fn run_store(keys: usize) -> f64 {
-    use onceflow::__testkit::{SledBackend, StateBackend};
     let dir = tempfile::tempdir().unwrap();
-    let backend = SledBackend::open(dir.path()).unwrap();
-    let stores: Vec<_> = (0..TREES)
-        .map(|t| backend.open("dedup", t as i32).unwrap())
-        .collect();
     let per_tree = keys / TREES;
     let batch = (per_tree / 20).max(1);
     let value = bytes::Bytes::from_static(&[7u8; 24]);
-    let started = Instant::now();
-    let (mut next, mut seq, mut written) = (0u64, 0i64, 0usize);
-    while written < per_tree {
+    let mut next = 0u64;
+    // Batches of every tree in turn, their ops made as they are written.
+    let batches = (0..per_tree).step_by(batch).flat_map(|written| {
         let n = batch.min(per_tree - written);
-        for store in &stores {
-            let ops: Vec<(bytes::Bytes, Option<bytes::Bytes>)> = (0..n)
-                .map(|_| {
-                    next += 1;
-                    (bytes::Bytes::from(id(next)), Some(value.clone()))
-                })
-                .collect();
-            store.write_ops(&ops, Some(seq), None).unwrap();
-            seq += 1;
-        }
-        written += n;
-    }
-    backend.flush().unwrap();
-    report("store", per_tree * TREES, started)
+        (0..TREES as i32).map(move |t| (t, n))
+    });
+    let batches = batches.map(|(t, n)| {
+        let ops: Vec<(bytes::Bytes, Option<bytes::Bytes>)> = (0..n)
+            .map(|_| {
+                next += 1;
+                (bytes::Bytes::from(id(next)), Some(value.clone()))
+            })
+            .collect();
+        (t, ops)
+    });
+    let secs =
+        onceflow::__testkit::time_store_writes(dir.path(), "dedup", TREES as i32, batches).unwrap();
+    report("store", per_tree * TREES, secs)
 }
 
-/// Print and return the rate of `marks` written since `started`.
-fn report(name: &str, marks: usize, started: Instant) -> f64 {
-    let secs = started.elapsed().as_secs_f64();
+/// Print and return the rate of `marks` written in `secs` seconds.
+fn report(name: &str, marks: usize, secs: f64) -> f64 {
     let rate = marks as f64 / secs;
     println!("{name:<16} marks={marks} seconds={secs:.3} marks_per_second={rate:.0}");
     rate
@@ -149,7 +143,7 @@ fn run(name: &str, keys: usize, mode: sled::Mode, shape: Shape) -> f64 {
         written += n;
     }
     db.flush().unwrap();
-    report(name, per_tree * TREES, started)
+    report(name, per_tree * TREES, started.elapsed().as_secs_f64())
 }
 
 fn main() {

@@ -11,8 +11,8 @@
 //! ```
 //! The broker address comes from ONCEFLOW_BOOTSTRAP_SERVERS (default 127.0.0.1:9092).
 
-use onceflow::__testkit::Admin;
 use onceflow::Config;
+use onceflow_testkit::kafka::Admin;
 use onceflow_testkit::{gharchive, kafka};
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -100,8 +100,15 @@ fn check(bootstrap: &str) -> onceflow::Result<bool> {
 }
 
 fn main() -> ExitCode {
-    // Retries of transient broker errors (a just-started broker) show on stderr.
-    onceflow::__testkit::init_logging(onceflow::LogFormat::Text);
+    // Retries of transient broker errors (a just-started broker) show on stderr, filtered
+    // by ONCEFLOW_LOG (default info) as onceflow's own logs.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ONCEFLOW_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
     let bootstrap = kafka::bootstrap_servers();
     let dlq = std::env::var("GHARCHIVE_DLQ").unwrap_or_else(|_| "gharchive-dedup.dlq".into());
     let res = match std::env::args().nth(1).as_deref() {

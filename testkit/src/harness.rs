@@ -37,9 +37,9 @@
 //! A run that passes deletes its topics (input, output, dlq, changelog), its consumer group
 //! and its directory; a run that fails keeps them all and names them in its report.
 
+use crate::kafka::Admin;
 use crate::{gharchive, kafka};
 use onceflow::__testkit::changelog_topic;
-use onceflow::__testkit::Admin;
 use onceflow::failpoints;
 use onceflow::Config;
 use rand::rngs::StdRng;

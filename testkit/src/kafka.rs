@@ -12,6 +12,11 @@ use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedPr
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::time::{Duration, Instant};
 
+/// An [`Error::Kafka`] naming the operation, from the client's error.
+fn kafka_error(op: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> Error {
+    move |source| Error::Kafka { op, source }
+}
+
 /// The broker under test: `ONCEFLOW_BOOTSTRAP_SERVERS`, default `127.0.0.1:9092`.
 pub fn bootstrap_servers() -> String {
     std::env::var("ONCEFLOW_BOOTSTRAP_SERVERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -74,11 +79,11 @@ pub fn read_topic(
             },
         )
         .create()
-        .map_err(Error::kafka("create reader"))?;
+        .map_err(kafka_error("create reader"))?;
     let md = onceflow::__testkit::retry("metadata", || {
         consumer
             .fetch_metadata(Some(topic), Duration::from_secs(10))
-            .map_err(Error::kafka("metadata"))
+            .map_err(kafka_error("metadata"))
     })?;
     let parts: Vec<i32> = md
         .topics()
@@ -95,13 +100,13 @@ pub fn read_topic(
         let (lo, hi) = onceflow::__testkit::retry("watermarks", || {
             consumer
                 .fetch_watermarks(topic, *p, Duration::from_secs(10))
-                .map_err(Error::kafka("watermarks"))
+                .map_err(kafka_error("watermarks"))
         })?;
         ends.insert(*p, hi);
         tpl.add_partition_offset(topic, *p, Offset::Offset(lo))
-            .map_err(Error::kafka("assign"))?;
+            .map_err(kafka_error("assign"))?;
     }
-    consumer.assign(&tpl).map_err(Error::kafka("assign"))?;
+    consumer.assign(&tpl).map_err(kafka_error("assign"))?;
     let mut out = Vec::new();
     let deadline = Instant::now() + timeout;
     // Next offset to read per partition, from the records seen; the consumer position is
@@ -124,7 +129,7 @@ pub fn read_topic(
         match consumer.poll(Duration::from_millis(200)) {
             None => {
                 // Transaction markers take offsets and are never delivered: ask the position.
-                let pos = consumer.position().map_err(Error::kafka("position"))?;
+                let pos = consumer.position().map_err(kafka_error("position"))?;
                 for (p, _) in ends.iter() {
                     if let Some(Offset::Offset(o)) =
                         pos.find_partition(topic, *p).map(|e| e.offset())
@@ -181,7 +186,7 @@ impl TestProducer {
             .set("enable.idempotence", "true")
             .set("queue.buffering.max.messages", "1000000")
             .create()
-            .map_err(Error::kafka("create producer"))?;
+            .map_err(kafka_error("create producer"))?;
         Ok(TestProducer { producer })
     }
 
@@ -250,7 +255,7 @@ impl TestProducer {
     pub fn flush(&self) -> Result<()> {
         self.producer
             .flush(Duration::from_secs(120))
-            .map_err(Error::kafka("flush"))
+            .map_err(kafka_error("flush"))
     }
 }
 
@@ -265,7 +270,51 @@ pub fn delete_group(bootstrap: &str, group: &str) -> Result<()> {
         &[("bootstrap.servers".into(), bootstrap.into())],
         std::iter::empty(),
     )?;
-    onceflow::__testkit::Admin::new(&cfg)?.delete_group(group)
+    onceflow::__testkit::delete(&cfg, &[], &[group])
+}
+
+/// Admin requests (topics, partition counts) through onceflow's own admin client, with the
+/// bootstrap servers and `kafka.*` properties of a config; each request connects anew.
+pub struct Admin(onceflow::Config);
+
+impl Admin {
+    /// Admin requests with `cfg`'s bootstrap servers and `kafka.*` properties.
+    ///
+    /// # Errors
+    /// None yet: the client is made (and a refused property reported) per request.
+    pub fn new(cfg: &onceflow::Config) -> Result<Admin> {
+        Ok(Admin(cfg.clone()))
+    }
+
+    /// Create `topic` with `partitions` partitions and topic `configs` unless it exists.
+    /// Returns whether it was created.
+    ///
+    /// # Errors
+    /// A refused property or creation.
+    pub fn ensure_topic(
+        &self,
+        topic: &str,
+        partitions: usize,
+        configs: &[(&str, &str)],
+    ) -> Result<bool> {
+        onceflow::__testkit::create_topic(&self.0, topic, partitions, configs)
+    }
+
+    /// Delete `topics` (missing ones are fine).
+    ///
+    /// # Errors
+    /// A refused property or deletion.
+    pub fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+        onceflow::__testkit::delete(&self.0, topics, &[])
+    }
+
+    /// The number of partitions of `topic`, `None` if it does not exist.
+    ///
+    /// # Errors
+    /// A refused property; metadata that cannot be fetched.
+    pub fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
+        onceflow::__testkit::partition_count(&self.0, topic)
+    }
 }
 
 /// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is
@@ -284,7 +333,7 @@ pub fn committed_offsets(
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()
-        .map_err(Error::kafka("create consumer"))?;
+        .map_err(kafka_error("create consumer"))?;
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
         tpl.add_partition(topic, p as i32);
@@ -292,7 +341,7 @@ pub fn committed_offsets(
     let c = onceflow::__testkit::retry("committed offsets", || {
         consumer
             .committed_offsets(tpl.clone(), Duration::from_secs(10))
-            .map_err(Error::kafka("committed offsets"))
+            .map_err(kafka_error("committed offsets"))
     })?;
     Ok((0..partitions)
         .map(

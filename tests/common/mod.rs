@@ -1,8 +1,8 @@
 //! Shared helpers of the integration tests: unique names, topics, the onceflow binary.
 #![allow(dead_code)]
 
-use onceflow::__testkit::Admin;
 use onceflow::Config;
+use onceflow_testkit::kafka::Admin;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

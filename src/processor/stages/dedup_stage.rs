@@ -31,7 +31,7 @@ pub enum ConflictPolicy {
 
 impl ConflictPolicy {
     /// Name as written in topology files: `drop`, `pass`, `dead_letter`, `duplicates_to`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ConflictPolicy::Pass => "pass",
             ConflictPolicy::Drop => "drop",
@@ -59,7 +59,7 @@ pub enum Partitioning {
 
 impl Partitioning {
     /// Name as written in topology files: `source` or `repartition`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Partitioning::Source => "source",
             Partitioning::Repartition => "repartition",
@@ -69,7 +69,7 @@ impl Partitioning {
 
 /// The internal topic a repartitioned dedup stage routes its input through:
 /// `<application.id>-<stage>-repartition`.
-pub fn repartition_topic(application_id: &str, stage: &str) -> String {
+pub(crate) fn repartition_topic(application_id: &str, stage: &str) -> String {
     format!("{application_id}-{stage}-repartition")
 }
 
@@ -103,8 +103,8 @@ pub struct DedupSpec {
     /// duplicates are dropped.
     pub duplicates_to: Option<String>,
     /// How the key meets the partitioning; `None` (the default) means `Source` for
-    /// `key: kafka_key` and `Repartition` for every other key (see
-    /// [`DedupSpec::effective_partitioning`]).
+    /// `key: kafka_key` and `Repartition` for every other key ([`Topology::describe`](crate::Topology::describe)
+    /// shows the partitioning in effect and why).
     pub partitioning: Option<Partitioning>,
 }
 
@@ -133,7 +133,7 @@ impl DedupSpec {
     }
 
     /// The partitioning that applies, and why (for `validate` and `describe`).
-    pub fn effective_partitioning(&self) -> (Partitioning, &'static str) {
+    pub(crate) fn effective_partitioning(&self) -> (Partitioning, &'static str) {
         match (self.partitioning, &self.key) {
             (Some(Partitioning::Source), KeySource::KafkaKey) => (
                 Partitioning::Source,
@@ -175,7 +175,7 @@ impl DedupSpec {
 }
 
 /// Entries the expiry sweep looks at per commit and store partition.
-pub const SWEEP_BATCH: usize = 1000;
+pub(crate) const SWEEP_BATCH: usize = 1000;
 
 struct StageMetrics {
     passed: metrics::Counter,

@@ -4,11 +4,11 @@
 //! One file per stage kind: `dedup_stage` ([`DedupSpec`], [`Dedup`]) and `topic_sink`
 //! ([`SinkSpec`], [`TopicSink`]).
 
-mod dedup_stage;
-mod topic_sink;
+pub(crate) mod dedup_stage;
+pub(crate) mod topic_sink;
 
-pub use dedup_stage::*;
-pub use topic_sink::*;
+pub(crate) use dedup_stage::*;
+pub(crate) use topic_sink::*;
 
 use super::dedup::{decide, Decision, DedupEntry, Observation, Policy};
 use super::expr::{plan, Bindings, BytesFn};

@@ -123,7 +123,7 @@ fn seal_mismatch(
 }
 
 /// One sled database in a state dir; opens a tree per (store, partition).
-pub struct SledBackend {
+pub(crate) struct SledBackend {
     db: ::sled::Db,
     path: PathBuf,
     writer: std::sync::Arc<super::Writer>,
@@ -138,7 +138,7 @@ impl SledBackend {
     /// # Errors
     /// [`Error::State`] when the directory cannot be created or sled cannot open it, in
     /// particular when another process holds its lock.
-    pub fn open(dir: &Path) -> Result<SledBackend> {
+    pub(crate) fn open(dir: &Path) -> Result<SledBackend> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Io {
             path: dir.display().to_string(),
             source: e,
@@ -351,7 +351,7 @@ const TABLE_CACHE_ENTRIES: usize = 100_000;
 /// through [`super::table::TableEngine::apply`], which updates the cache entries of the keys
 /// it writes under the cache's lock and bumps a version, and a lookup that read sled caches
 /// its result only if no write happened meanwhile, so the cache never serves a stale row.
-pub struct SledTable {
+pub(crate) struct SledTable {
     name: String,
     tree: ::sled::Tree,
     cache: std::sync::RwLock<TableCache>,
@@ -444,7 +444,7 @@ impl SledBackend {
     ///
     /// # Errors
     /// [`Error::State`] when sled cannot open the tree.
-    pub fn open_table(&self, name: &str) -> Result<std::sync::Arc<SledTable>> {
+    pub(crate) fn open_table(&self, name: &str) -> Result<std::sync::Arc<SledTable>> {
         let tree = self
             .db
             .open_tree(format!("table-{name}"))

@@ -8,12 +8,12 @@
 #![allow(dead_code)]
 
 use bytes::Bytes;
-use onceflow::__testkit::Admin;
 use onceflow::Config;
 use onceflow::KeySource;
 use onceflow::{DedupSpec, Partitioning, TimeSource};
 use onceflow::{Format, Topology, TopologyBuilder};
 use onceflow_testkit::kafka;
+use onceflow_testkit::kafka::Admin;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
