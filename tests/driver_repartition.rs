@@ -26,6 +26,13 @@ fn by_id(partitioning: Option<Partitioning>) -> Topology {
         .unwrap()
 }
 
+/// The value of the last header `name` of `r` (a dead letter's `onceflow.dlq.*` headers
+/// come after the original ones).
+fn last_header(r: &onceflow::OutRecord, name: &str) -> Option<bytes::Bytes> {
+    let (_, v) = r.headers.iter().rev().find(|(k, _)| k == name)?;
+    v.clone()
+}
+
 /// The same id on two source partitions with two different Kafka keys.
 fn pipe_copies(d: &mut TestDriver) {
     d.pipe(
@@ -132,13 +139,7 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
     d.pipe(TestRecord::json(r#"{"x":2}"#).partition(1)).unwrap();
     let dl = d.dead_letters();
     assert_eq!(dl.len(), 2);
-    let h = |r: &onceflow::OutRecord, n: &str| {
-        r.headers
-            .iter()
-            .rev()
-            .find(|(k, _)| k == n)
-            .and_then(|(_, v)| v.clone())
-    };
+    let h = last_header;
     assert_eq!(h(dl[0], dlq_headers::TOPIC).as_deref(), Some(&b"in"[..]));
     assert_eq!(h(dl[0], dlq_headers::PARTITION).as_deref(), Some(&b"2"[..]));
     assert_eq!(h(dl[0], dlq_headers::OFFSET).as_deref(), Some(&b"0"[..]));
@@ -341,14 +342,7 @@ fn a_record_a_stage_before_the_hop_refuses_is_dead_lettered_at_its_source() {
         assert_eq!(d.output("out").len(), 1, "{g:?}");
         let dl = d.dead_letters();
         assert_eq!(dl.len(), 1, "{g:?}");
-        let h = |n: &str| {
-            dl[0]
-                .headers
-                .iter()
-                .rev()
-                .find(|(k, _)| k == n)
-                .and_then(|(_, v)| v.clone())
-        };
+        let h = |n: &str| last_header(dl[0], n);
         assert_eq!(h(dlq_headers::TOPIC).as_deref(), Some(&b"in"[..]));
         assert_eq!(h(dlq_headers::PARTITION).as_deref(), Some(&b"2"[..]));
         assert_eq!(h(dlq_headers::OFFSET).as_deref(), Some(&b"1"[..]));
