@@ -25,7 +25,9 @@ enum Command {
         args: crate::deploy::RunArgs,
     },
     /// Check a topology file (YAML, or TOML when named *.toml) without connecting to
-    /// anything; prints every error (file:line:column, stage, field) and exits 1 if there is any.
+    /// anything; prints every error (file:line:column, stage, field) and exits 1 if there is any
+    /// (or if `run` would refuse its repartition hop); prints each dedup's partitioning and
+    /// where the hop is.
     Validate {
         /// The topology file.
         topology: PathBuf,
@@ -63,12 +65,33 @@ pub fn main() -> ExitCode {
         Command::Reset(args) => crate::tools::cli::reset_main(args),
         Command::Validate { topology } => match crate::dsl::load(&topology) {
             Ok(t) => {
+                // A hop `onceflow run` refuses (a stage with state or effects before a
+                // repartitioning dedup) fails validation too.
+                let hop = match t.hop() {
+                    Ok(hop) => hop,
+                    Err(e) => {
+                        eprintln!("{}: {e}", topology.display());
+                        return ExitCode::from(1);
+                    }
+                };
                 println!("{}: ok", topology.display());
                 // Which partitioning each dedup stage runs under, and why.
                 for s in t.stages() {
                     if let crate::topology::StageKind::Dedup(d) = &s.kind {
                         let (p, why) = d.effective_partitioning();
                         println!("  dedup {}: partitioning={} ({why})", s.name, p.name());
+                    }
+                }
+                // Where the hop is: the stages before it run on the source partitions.
+                if let Some((k, name, _)) = hop {
+                    let before: Vec<&str> =
+                        t.stages()[..k].iter().map(|s| s.name.as_str()).collect();
+                    match before.as_slice() {
+                        [] => println!("  hop: before dedup {name} (the first stage)"),
+                        b => println!(
+                            "  hop: before dedup {name}, after {} (run on the source partitions, before routing)",
+                            b.join(", ")
+                        ),
                     }
                 }
                 ExitCode::SUCCESS

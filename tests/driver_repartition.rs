@@ -31,6 +31,13 @@ fn with_dedup(spec: DedupSpec) -> Topology {
         .unwrap()
 }
 
+/// The value of the last header `name` of `r` (a dead letter's `onceflow.dlq.*` headers
+/// come after the original ones).
+fn last_header(r: &onceflow::OutRecord, name: &str) -> Option<bytes::Bytes> {
+    let (_, v) = r.headers.iter().rev().find(|(k, _)| k == name)?;
+    v.clone()
+}
+
 /// The same id on two source partitions with two different Kafka keys.
 fn pipe_copies(d: &mut TestDriver) {
     d.pipe(
@@ -144,13 +151,7 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
     d.pipe(TestRecord::json(r#"{"x":2}"#).partition(1)).unwrap();
     let dl = d.dead_letters();
     assert_eq!(dl.len(), 2);
-    let h = |r: &onceflow::OutRecord, n: &str| {
-        r.headers
-            .iter()
-            .rev()
-            .find(|(k, _)| k == n)
-            .and_then(|(_, v)| v.clone())
-    };
+    let h = last_header;
     assert_eq!(h(dl[0], dlq_headers::TOPIC).as_deref(), Some(&b"in"[..]));
     assert_eq!(h(dl[0], dlq_headers::PARTITION).as_deref(), Some(&b"2"[..]));
     assert_eq!(h(dl[0], dlq_headers::OFFSET).as_deref(), Some(&b"0"[..]));
@@ -271,4 +272,142 @@ fn dedup_entries_name_the_original_source_record() {
         );
         assert_eq!(h(DUPLICATE_OF_OFFSET).as_deref(), Some(&b"2"[..]), "{g:?}");
     }
+}
+
+/// `filter → map → dedup(repartition) → sink`: the filter and the map run on the source
+/// partitions before the hop (issue 13), the dedup on the repartition topic's partitions.
+const PREFIXED: &str = r#"
+name: t
+source: { topic: in, format: json }
+stages:
+  - filter: { name: keep, when: 'value.kind != "skip"' }
+  - map: { name: rename, rename: { id: uid }, set: { twice: 'value.n * 2' } }
+  - dedup: { name: dedup, key: { json_pointer: /uid } }
+  - sink: { topic: out }
+"#;
+
+fn prefixed(g: Guarantee) -> TestDriver {
+    let t = dsl::parse("t.yaml", PREFIXED).unwrap_or_else(|e| panic!("{e}"));
+    TestDriver::new(t).guarantee(g).source_partitions(4)
+}
+
+/// An id on two source partitions with two Kafka keys passes once behind a stateless
+/// prefix; the dedup key is read from the map's result (`/uid`, the renamed `/id`); a
+/// record the filter drops is neither routed (no mark on its key's partition) nor emitted.
+#[test]
+fn a_stateless_prefix_runs_before_the_hop() {
+    for g in GUARANTEES {
+        let mut d = prefixed(g);
+        assert_eq!(d.repartition_topic(), Some("test-dedup-repartition"));
+        for (v, key, p) in [
+            (r#"{"id":"e-1","kind":"push","n":1}"#, "user-a", 0),
+            (r#"{"id":"e-1","kind":"push","n":1}"#, "session-9", 3),
+            (r#"{"id":"e-2","kind":"skip","n":2}"#, "user-a", 1),
+            (r#"{"id":"e-3","kind":"push","n":3}"#, "user-b", 2),
+        ] {
+            d.pipe(TestRecord::json(v).key(key).partition(p).timestamp(1_000))
+                .unwrap();
+        }
+        assert_eq!(
+            d.output_values("out"),
+            [
+                r#"{"kind":"push","n":1,"uid":"e-1","twice":2}"#,
+                r#"{"kind":"push","n":3,"uid":"e-3","twice":6}"#
+            ],
+            "{g:?}"
+        );
+        let out = d.output("out");
+        assert_eq!(out[0].key.as_deref(), Some(&b"e-1"[..]), "keyed by /uid");
+        assert!(d.dead_letters().is_empty(), "{g:?}: /uid is there");
+        let c = d.counts();
+        assert_eq!((c.passed, c.duplicates), (2, 1), "{g:?}");
+        assert_eq!(c.records_in, 4, "{g:?}: every source record counted once");
+        // The filtered record never reached the dedup stage.
+        let p2 = partition_for(b"e-2", 4);
+        assert!(d.dedup_entry("dedup", p2, b"e-2").unwrap().is_none());
+        let p1 = partition_for(b"e-1", 4);
+        assert!(d.dedup_entry("dedup", p1, b"e-1").unwrap().is_some());
+    }
+}
+
+/// A record the map (before the hop) refuses goes to the dead-letter topic from the
+/// router: named by its source topic, partition and offset and the map stage, with its
+/// key, value and headers as read; nothing is routed for it.
+#[test]
+fn a_record_a_stage_before_the_hop_refuses_is_dead_lettered_at_its_source() {
+    for g in GUARANTEES {
+        let mut d = prefixed(g);
+        d.pipe(TestRecord::json(r#"{"id":"e-1","kind":"push","n":1}"#).partition(2))
+            .unwrap();
+        d.pipe(
+            TestRecord::json(r#"{"id":"e-9","kind":"push","n":"x"}"#)
+                .key("k-9")
+                .header("trace", "t-1")
+                .partition(2)
+                .timestamp(7),
+        )
+        .unwrap();
+        assert_eq!(d.output("out").len(), 1, "{g:?}");
+        let dl = d.dead_letters();
+        assert_eq!(dl.len(), 1, "{g:?}");
+        let h = |n: &str| last_header(dl[0], n);
+        assert_eq!(h(dlq_headers::TOPIC).as_deref(), Some(&b"in"[..]));
+        assert_eq!(h(dlq_headers::PARTITION).as_deref(), Some(&b"2"[..]));
+        assert_eq!(h(dlq_headers::OFFSET).as_deref(), Some(&b"1"[..]));
+        assert_eq!(h(dlq_headers::STAGE).as_deref(), Some(&b"rename"[..]));
+        assert_eq!(
+            h("trace").as_deref(),
+            Some(&b"t-1"[..]),
+            "source headers kept"
+        );
+        assert_eq!(
+            h(headers::SOURCE_TOPIC),
+            None,
+            "a dead letter from the router was never routed"
+        );
+        assert_eq!(dl[0].key.as_deref(), Some(&b"k-9"[..]));
+        assert_eq!(
+            dl[0].value.as_deref(),
+            Some(&br#"{"id":"e-9","kind":"push","n":"x"}"#[..]),
+            "the value as read"
+        );
+        assert_eq!(dl[0].timestamp, Some(7));
+        assert_eq!(d.counts().dead_lettered, 1, "{g:?}");
+        let p9 = partition_for(b"e-9", 4);
+        assert!(d.dedup_entry("dedup", p9, b"e-9").unwrap().is_none());
+    }
+}
+
+/// Only filter and map may come before a repartitioning dedup: a stage with state or
+/// effects there is refused by the driver, naming both stages and why.
+#[test]
+fn a_stateful_stage_before_the_hop_is_refused() {
+    let t = dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in, format: json }\nstages:\n  - dedup: { name: first, key: kafka_key }\n  - dedup: { name: by-id, key: { json_pointer: /id } }\n  - sink: { topic: out }\n",
+    )
+    .unwrap();
+    let mut d = TestDriver::new(t);
+    let err = d
+        .pipe(TestRecord::json(r#"{"id":1}"#).key("k"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"by-id\""), "{err}");
+    assert!(err.contains("\"first\" (dedup)"), "{err}");
+    assert!(err.contains("only filter and map"), "{err}");
+}
+
+/// `describe` prints the hop between the stateless prefix and the dedup.
+#[test]
+fn describe_shows_the_hop_after_the_prefix() {
+    let t = dsl::parse("t.yaml", PREFIXED).unwrap();
+    let text = t.describe_as(onceflow::DescribeFormat::Text, "app");
+    let lines: Vec<&str> = text.lines().collect();
+    let at = |p: &str| lines.iter().position(|l| l.trim_start().starts_with(p));
+    let (map, hop, dedup) = (
+        at("Map: rename").unwrap(),
+        at("Repartition: topic app-dedup-repartition").unwrap(),
+        at("Dedup: dedup").unwrap(),
+    );
+    assert!(map < hop && hop < dedup, "{text}");
 }

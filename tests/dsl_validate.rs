@@ -103,7 +103,7 @@ fn validate_command_exits_1_with_every_error() {
         (code, out.as_str()),
         (
             0,
-            "topologies/analytics-dedup.yaml: ok\n  dedup seen-events: partitioning=repartition (stated)\n"
+            "topologies/analytics-dedup.yaml: ok\n  dedup seen-events: partitioning=repartition (stated)\n  hop: before dedup seen-events (the first stage)\n"
         )
     );
     let (code, _, err) = onceflow(&["validate", "topologies/does-not-exist.yaml"]);
@@ -425,4 +425,34 @@ proptest! {
             prop_assert_eq!(d.output("out").len() + d.dead_letters().len(), 1);
         }
     }
+}
+
+/// `validate` shows where the repartition hop is (after a stateless prefix) and fails,
+/// naming both stages, for a hop `onceflow run` refuses (a sink before the dedup).
+#[test]
+fn validate_shows_the_hop_after_stateless_stages_and_refuses_a_sink_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let validate = |stages: &str| {
+        let f = dir.path().join("t.yaml");
+        let head = "name: t\nsource: { topic: in, format: json }\nstages:\n";
+        std::fs::write(&f, format!("{head}{stages}  - sink: {{ topic: out }}\n")).unwrap();
+        onceflow(&["validate", f.to_str().unwrap()])
+    };
+    let (code, out, err) = validate(
+        "  - filter: { name: keep, when: 'value.n > 0' }\n  - map: { name: rename, rename: { id: uid } }\n  - dedup: { name: dedup, key: { json_pointer: /uid } }\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.ends_with(
+            "  dedup dedup: partitioning=repartition (default for a key other than kafka_key)\n  hop: before dedup dedup, after keep, rename (run on the source partitions, before routing)\n"
+        ),
+        "{out}"
+    );
+    let (code, out, err) = validate(
+        "  - sink: { name: copy, topic: copy }\n  - dedup: { name: dedup, key: { json_pointer: /id } }\n",
+    );
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert!(err.contains("dedup stage \"dedup\""), "{err}");
+    assert!(err.contains("stage \"copy\" (sink)"), "{err}");
+    assert!(err.contains("only filter and map stages"), "{err}");
 }

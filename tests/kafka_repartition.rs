@@ -83,35 +83,44 @@ fn log_starts(topic: &str) -> Vec<i64> {
         .collect()
 }
 
-/// Run to the end under `guarantee`; check the output and the purge.
-fn run_and_check(guarantee: &str) {
-    let names = repartitioned_names();
-    let rep = load(&names);
-    assert_copies_spread(&names.input);
+/// Run `names`' topology to the end under `guarantee` (the load published `published`
+/// records); check that exactly `ids` came out, each once (read_committed), and that every
+/// source record was counted once (after the hop, or by the router that filtered it).
+fn run_to_end(names: &Names, guarantee: &str, published: usize, ids: &HashSet<String>) {
     let (st, out) = start(
-        &names,
+        names,
         &[("processing.guarantee", guarantee.into())],
         &[],
         &["--stop-at-end"],
     )
     .wait(T);
     assert!(st.success(), "exit {st:?}: {out}");
-    assert_eq!(summary_field(&out, "passed"), Some(15_129.0), "{out}");
+    assert_eq!(
+        summary_field(&out, "passed"),
+        Some(ids.len() as f64),
+        "{out}"
+    );
     assert_eq!(
         summary_field(&out, "records_in"),
-        Some(rep.published as f64),
-        "every source record is processed once after the hop: {out}"
+        Some(published as f64),
+        "every source record is processed once: {out}"
     );
-
     let counts = output_counts(&names.output);
     let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "ids out more than once: {twice:?}");
-    assert_eq!(counts.values().sum::<usize>(), 15_129, "output records");
     assert_eq!(
-        counts.keys().cloned().collect::<HashSet<_>>(),
-        gharchive_distinct_ids(),
-        "no id lost"
+        &counts.keys().cloned().collect::<HashSet<_>>(),
+        ids,
+        "exactly these ids, none lost"
     );
+}
+
+/// Run to the end under `guarantee`; check the output and the purge.
+fn run_and_check(guarantee: &str) {
+    let names = repartitioned_names();
+    let rep = load(&names);
+    assert_copies_spread(&names.input);
+    run_to_end(&names, guarantee, rep.published, &gharchive_distinct_ids());
 
     // The repartition topic: the source's partition count, every record consumed and
     // committed, then purged up to the committed offset.
@@ -273,4 +282,66 @@ fn instances_come_and_go_and_every_id_comes_out_once_read_committed() {
     );
     assert!(missing.is_empty(), "ids lost, e.g. {missing:?}");
     assert_eq!(counts.len(), want.len());
+}
+
+/// `filter → dedup(repartition) → sink` under exactly_once_v2 (issue 13): the router tasks
+/// run the filter on the source partitions and route only the push events; read_committed,
+/// every distinct push event id comes out exactly once, no other event does, and the
+/// source offsets of the filtered records commit too.
+#[test]
+fn exactly_once_filter_before_the_hop_gives_each_kept_id_once_read_committed() {
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/topologies/gharchive-dedup.yaml"
+    ))
+    .unwrap();
+    let yaml = shipped
+        .replace("gharchive.events", "{input}")
+        .replace("gharchive.unique", "{output}")
+        .replace("partitioning: source", "partitioning: repartition")
+        .replace(
+            "stages:\n",
+            "stages:\n  - filter: { name: pushes, when: 'value.type == \"PushEvent\"' }\n",
+        );
+    assert!(yaml.contains("name: pushes"), "{yaml}");
+    let names = names_for(&yaml, PARTITIONS);
+    let rep = load(&names);
+    assert_copies_spread(&names.input);
+    let pushes: HashSet<String> = gharchive::hour_files()
+        .iter()
+        .flat_map(|f| gharchive::read_hour(f).unwrap())
+        .filter(|e| {
+            let v: serde_json::Value = serde_json::from_slice(&e.line).unwrap();
+            v["type"] == "PushEvent"
+        })
+        .map(|e| e.id)
+        .collect();
+    assert!(
+        !pushes.is_empty() && pushes.len() < rep.distinct,
+        "{}",
+        pushes.len()
+    );
+    run_to_end(&names, "exactly_once_v2", rep.published, &pushes);
+    // Fewer records on the repartition topic than in the source: the filtered ones were
+    // not routed; all of them are committed.
+    let topic = format!("{}-dedup-repartition", names.app);
+    let committed: i64 = kafka::committed_offsets(&bootstrap(), &names.app, &topic, PARTITIONS)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.unwrap_or(0))
+        .sum();
+    assert!(
+        committed > 0 && committed < rep.published as i64,
+        "committed repartition offsets {committed} (with EOS markers) < {} published",
+        rep.published
+    );
+    let src: i64 = kafka::committed_offsets(&bootstrap(), &names.app, &names.input, PARTITIONS)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.unwrap_or(0))
+        .sum();
+    assert_eq!(
+        src, rep.published as i64,
+        "source offsets committed to the end, filtered records included"
+    );
 }

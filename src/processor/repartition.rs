@@ -7,7 +7,9 @@
 //! default partitioner gives that key (murmur2, as a Java or librdkafka producer would), with
 //! the original value, timestamp and headers, plus headers naming the source coordinates
 //! (topic, partition, offset) so that a dead letter further down names the original record.
-//! The stages from the dedup on read the repartition topic.
+//! The stateless stages before the dedup (filter, map) run before routing, in the router
+//! task (`runtime::Task::router`): the value routed is the one they made, and a record they
+//! drop is not routed. The stages from the dedup on read the repartition topic.
 //!
 //! Nothing here does I/O: [`route`] is a pure function of the record.
 
@@ -194,10 +196,12 @@ impl Router {
         &self.topic
     }
 
-    /// The repartition record of `record` (see [`route`] and the type's docs).
+    /// The repartition record of `record` (see [`route`] and the type's docs). A record
+    /// that already carries its view or scanned fields (the stages before the hop read
+    /// it, or a map rewrote it) is keyed from those; one as read is scanned for the key.
     pub(crate) fn route(&self, mut record: Record) -> OutRecord {
         use crate::codec::Format;
-        if self.key.needs_json() {
+        if self.key.needs_json() && record.json.is_none() && record.fields.is_none() {
             match (&self.format, record.value.as_deref()) {
                 (Format::Json, Some(v)) => {
                     if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {

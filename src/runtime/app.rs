@@ -116,7 +116,8 @@ struct RunLoop {
     config: Config,
     /// The topics the tasks read, and the task id of each partition (`runtime::hop`).
     topics: super::hop::Topics,
-    /// The repartition hop, when the first stage repartitions (`routing.rs`).
+    /// The repartition hop, when a dedup stage repartitions (after no stage, or after
+    /// filter and map stages only, which the routers run; `routing.rs`).
     hop: Option<routing::Hop>,
     /// The source topic, shared by every record read (no copy per record).
     source_name: Arc<str>,

@@ -1,16 +1,19 @@
 //! The repartition hop in the Kafka runtime: which topic a task reads, and the purge of
 //! consumed repartition records.
 //!
-//! With a dedup stage that repartitions (`partitioning: repartition`, the first stage),
-//! one consumer reads two topics in one group:
+//! With a dedup stage that repartitions (`partitioning: repartition`; the first stage, or
+//! one after filter and map stages only, see `Topology::hop`), one consumer reads
+//! two topics in one group:
 //! - the **source** topic's partitions are *router* tasks ([`crate::runtime::Task::router`]):
-//!   each record is written to the repartition topic `<application.id>-<stage>-repartition`,
+//!   each record goes through the stages before the dedup (filter, map; a record they drop
+//!   is not routed, one they refuse is dead-lettered from here, as read), and what they
+//!   pass is written to the repartition topic `<application.id>-<stage>-repartition`,
 //!   keyed by its dedup key, through the same commit protocol as any output (under
 //!   exactly_once_v2 in the transaction that also commits the source offsets; under
 //!   at_least_once the source offsets are committed only once the repartition records are
 //!   acknowledged);
-//! - the **repartition** topic's partitions run the whole topology (the dedup and every
-//!   stage after it), with their stores and changelogs per repartition partition, restored
+//! - the **repartition** topic's partitions run the rest of the topology (the dedup and
+//!   every stage after it), with their stores and changelogs per repartition partition, restored
 //!   and revoked as source partitions are without a hop. The consumer is read_committed,
 //!   so under exactly_once_v2 it never sees the records of an aborted router transaction.
 //!

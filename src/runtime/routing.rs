@@ -60,12 +60,18 @@ impl RunLoop {
         self.tpl_ids(&[id], offset.map(Offset::Offset))
     }
 
-    /// The task of `id`: a router for a source partition of a hop, else the topology's
-    /// stages and stores.
+    /// The task of `id`: a router for a source partition of a hop (the stages before the
+    /// hop), else the topology's stages (from the hop on) and stores.
     pub(super) fn new_task(&self, id: i32) -> Result<Task> {
         if let (Some(hop), true) = (&self.hop, self.topics.is_router(id)) {
             let (_, p) = self.topics.tp(id);
-            return Ok(Task::router(&self.topology, p, hop.router.clone()));
+            return Ok(Task::router(
+                &self.topology,
+                p,
+                hop.router.clone(),
+                &self.config.dlq_topic,
+            )
+            .with_max_record_bytes(self.config.max_record_bytes()));
         }
         Ok(
             Task::new(&self.topology, id, &self.backend, &self.config.dlq_topic)?

@@ -71,9 +71,13 @@ pub(crate) struct Task {
     /// An external sink may fail a record at the commit (when its effects are flushed), so
     /// the marks staged for each record stay withdrawable until then.
     fails_late: bool,
-    /// A router task (the source partition of a repartition hop): no stages, no stores;
-    /// each record becomes its repartition record.
+    /// A router task (the source partition of a repartition hop): no stores; its stages
+    /// are the stateless ones before the hop, and each record they pass becomes its
+    /// repartition record.
     router: Option<crate::processor::repartition::Router>,
+    /// A router whose stages rewrite the value (a map) of a source whose format is not
+    /// JSON: what they pass is encoded in the source format again before it is routed.
+    reencode: bool,
     /// The largest record the producer accepts (see [`Task::with_max_record_bytes`]).
     max_record_bytes: usize,
 }
@@ -83,7 +87,10 @@ pub(crate) struct Task {
 pub(crate) type RestoreRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
 
 impl Task {
-    /// Create the task for `partition` of the topology's source, opening its stores.
+    /// Create the task for `partition` of the topology's source, opening its stores. With
+    /// a repartition hop ([`Topology::hop`](crate::Topology)) `partition` is one of the
+    /// repartition topic's, and the task runs the stages from the hop's dedup on (those
+    /// before it run in the router tasks, [`Task::router`]).
     ///
     /// # Errors
     /// [`Error::State`] when a store cannot be opened.
@@ -100,16 +107,9 @@ impl Task {
             let engine = backend.open(&s, partition)?;
             stores.insert(s, StagedStore::new(engine, backend.writer()));
         }
-        let nodes = topology.instantiate();
-        let dlq_counters = std::iter::once("source")
-            .chain(nodes.iter().map(|(name, _)| name.as_str()))
-            .map(|stage| {
-                metrics::counter!(crate::metrics::DEAD_LETTERS,
-                    "topology" => topology.name().to_string(),
-                    "topic" => topology.source().topic.clone(),
-                    "stage" => stage.to_string())
-            })
-            .collect();
+        let first = topology.hop_stage();
+        let nodes = topology.instantiate(first..topology.stages().len());
+        let dlq_counters = dead_letter_counters(topology, &nodes);
         Ok(Task {
             topic: topology.source().topic.as_str().into(),
             partition,
@@ -131,23 +131,29 @@ impl Task {
                 .map(|p| crate::processor::json_scan::tokens(p))
                 .collect(),
             tables: Default::default(),
-            fails_late: topology
-                .stages()
+            fails_late: topology.stages()[first..]
                 .iter()
                 .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
             router: None,
+            reencode: false,
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
         })
     }
 
     /// Create the router task of `partition` of the topology's source for a repartition
-    /// hop: it runs no stage and has no store; each record becomes one repartition record
-    /// ([`Router::route`](crate::processor::repartition::Router::route)), sent and committed
-    /// like any output, and the stages run on the repartition topic's partitions.
+    /// hop ([`Topology::hop`](crate::Topology)): it has no store and runs the stateless
+    /// stages before the hop's dedup (filter, map; none when the dedup is the first stage).
+    /// Each record they pass becomes one repartition record
+    /// ([`Router::route`](crate::processor::repartition::Router::route)) of the value they
+    /// made (encoded in the source format), sent and committed like any output; a record
+    /// a filter drops is not routed, and one a stage refuses goes to the dead-letter topic
+    /// `dlq_topic` from here, as read. The stages from the dedup on run on the repartition
+    /// topic's partitions ([`Task::new`]).
     pub(crate) fn router(
         topology: &Topology,
         partition: i32,
         router: crate::processor::repartition::Router,
+        dlq_topic: &str,
     ) -> Task {
         let span = tracing::info_span!(
             "router",
@@ -155,25 +161,42 @@ impl Task {
             partition,
             topic = router.topic()
         );
+        let prefix = 0..topology.hop_stage();
+        let reencode = topology.source().format != Format::Json
+            && topology.stages()[prefix.clone()]
+                .iter()
+                .any(|s| matches!(s.kind, crate::topology::StageKind::Map(_)));
+        let nodes = topology.instantiate(prefix);
+        let dlq_counters = dead_letter_counters(topology, &nodes);
+        // Without stages the router reads only the dedup key (`Router::route`).
+        let pointers = if nodes.is_empty() {
+            Vec::new()
+        } else {
+            topology.json_pointers()
+        };
         Task {
             topic: topology.source().topic.as_str().into(),
             partition,
             format: topology.source().format.clone(),
-            nodes: Vec::new(),
+            nodes,
             stores: Stores::new(),
-            dlq_topic: String::new(),
+            dlq_topic: dlq_topic.to_string(),
             position: None,
             counts: Counts::default(),
             cur: Vec::new(),
             next: Vec::new(),
-            dlq_counters: Vec::new(),
+            dlq_counters,
             span,
             restorers: Vec::new(),
-            pointers: Vec::new().into(),
-            pointer_tokens: Vec::new(),
+            pointer_tokens: pointers
+                .iter()
+                .map(|p| crate::processor::json_scan::tokens(p))
+                .collect(),
+            pointers: pointers.into(),
             tables: Default::default(),
             fails_late: false,
             router: Some(router),
+            reencode,
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
         }
     }
@@ -232,12 +255,14 @@ impl Task {
             )));
         }
         let offset = record.source.offset;
-        if let Some(r) = &self.router {
+        if let (Some(r), true) = (&self.router, self.nodes.is_empty()) {
             // Counted where the stages read it (the repartition topic), not twice.
             out.push(r.route(record));
             self.position = Some(offset + 1);
             return Ok(());
         }
+        // A router counts it too; one it routes is uncounted below (counted again where
+        // the stages after the hop read it).
         self.counts.records_in += 1;
         // The source record as read, kept for the dead-letter topic (clones share bytes).
         let original = (record.key.clone(), record.value.clone(), record.timestamp);
@@ -307,6 +332,38 @@ impl Task {
             std::mem::swap(&mut self.cur, &mut self.next);
             if self.cur.is_empty() {
                 break;
+            }
+        }
+        if let Some(r) = &self.router {
+            // What the stages before the hop passed is routed, as they made it.
+            let mut routed = false;
+            for mut rec in self.cur.drain(..) {
+                if self.reencode {
+                    match crate::processor::codec::encode_for_sink(&rec, &self.format, &self.format)
+                    {
+                        Ok(v) => rec.value = v,
+                        Err(e) => {
+                            // Refused by the last stage before the hop, whose value it is.
+                            let last = self.nodes.len();
+                            self.dlq_counters[last].increment(1);
+                            let reason = format!(
+                                "cannot encode the value in the source format ({}) for the repartition topic: {e}",
+                                self.format.describe()
+                            );
+                            dead(
+                                RecordError::new(&self.nodes[last - 1].0, reason),
+                                out,
+                                &mut self.counts,
+                            );
+                            continue;
+                        }
+                    }
+                }
+                routed = true;
+                out.push(r.route(rec));
+            }
+            if routed {
+                self.counts.records_in -= 1;
             }
         }
         self.cur.clear();
@@ -589,6 +646,24 @@ impl Task {
             })?
             .get(key)
     }
+}
+
+/// `onceflow_dead_letters_total` of a task running `nodes`: `[0]` for `source`, `[i + 1]`
+/// for `nodes[i]` (labelled by stage name, so a task running the stages after a hop counts
+/// under the same labels as one running all of them).
+fn dead_letter_counters(
+    topology: &Topology,
+    nodes: &[(String, Box<dyn Processor>)],
+) -> Vec<metrics::Counter> {
+    std::iter::once("source")
+        .chain(nodes.iter().map(|(name, _)| name.as_str()))
+        .map(|stage| {
+            metrics::counter!(crate::metrics::DEAD_LETTERS,
+                "topology" => topology.name().to_string(),
+                "topic" => topology.source().topic.clone(),
+                "stage" => stage.to_string())
+        })
+        .collect()
 }
 
 fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64) {

@@ -22,20 +22,20 @@ pub(super) const REPARTITION_CONFIGS: &[(&str, &str)] = &[
 ];
 
 impl App {
-    /// The repartition topic of the first stage, when it is a dedup with `partitioning:
-    /// repartition` in effect.
+    /// The repartition topic of the topology's hop: the first dedup stage with
+    /// `partitioning: repartition` in effect, when only filter and map stages come before
+    /// it (see [`prepare_topics`](Self::prepare_topics) for the topologies refused).
     pub(crate) fn repartition_topic(&self) -> Option<String> {
-        self.topology
-            .repartitioned()
-            .iter()
-            .find(|(i, ..)| *i == 0)
-            .map(|(_, name, _)| {
-                crate::processor::stages::repartition_topic(&self.config.application_id, name)
-            })
+        let (_, name, _) = self.topology.hop().ok().flatten()?;
+        Some(crate::processor::stages::repartition_topic(
+            &self.config.application_id,
+            name,
+        ))
     }
 
     /// The run's repartition hop (`partitions`: the source's count, which the repartition
-    /// topic has), when the first stage repartitions.
+    /// topic has), when a dedup stage repartitions (after no stage, or after filter and
+    /// map stages only, which the router tasks run).
     ///
     /// # Errors
     /// The purge's admin client cannot be created.
@@ -43,7 +43,7 @@ impl App {
         let Some(topic) = self.repartition_topic() else {
             return Ok(None);
         };
-        let Some((_, _, spec)) = self.topology.repartitioned().first().copied() else {
+        let Some((_, _, spec)) = self.topology.hop().ok().flatten() else {
             return Ok(None);
         };
         let router = crate::processor::repartition::Router::new(
@@ -60,6 +60,16 @@ impl App {
             last_purge: std::time::Instant::now(),
             pending: Vec::new(),
         }))
+    }
+
+    /// Never let copies on different partitions pass silently: a repartitioning dedup
+    /// whose hop cannot run is refused before anything is created.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when a dedup stage that needs `partitioning: repartition` has a
+    /// stage other than a filter or a map before it, naming both (see `Topology::hop`).
+    pub(crate) fn check_hop(&self) -> Result<()> {
+        self.topology.hop().map(|_| ()).map_err(Error::Config)
     }
 
     /// The changelog topic of each store.
@@ -82,27 +92,21 @@ impl App {
     /// are created with [`CHANGELOG_CONFIGS`](crate::kafka::admin::CHANGELOG_CONFIGS)
     /// (`cleanup.policy=compact`: a live entry is always restorable), or checked to have
     /// the source's partition count and a configuration that never deletes a live entry
-    /// (corrected when it could). With a repartition hop (the first stage a dedup with
-    /// `partitioning: repartition`), the repartition topic
+    /// (corrected when it could). With a repartition hop (a dedup with `partitioning:
+    /// repartition`, after filter and map stages only), the repartition topic
     /// `<application.id>-<stage>-repartition` is created with the source's partition count
     /// and `REPARTITION_CONFIGS` (no time or size retention: consumed records are purged
     /// instead, see `runtime::hop`), or checked to have that count. Returns the source's
     /// partition count.
     ///
     /// # Errors
-    /// [`Error::Config`] when a dedup stage other than the first needs `partitioning:
-    /// repartition` (not run yet); [`Error::Broker`] when the source topic is missing, a
+    /// [`Error::Config`] when a dedup stage that needs `partitioning: repartition` has a
+    /// stage other than a filter or a map before it (its state or effects would run on
+    /// the source partitions, before the hop), naming both; [`Error::Broker`] when the source topic is missing, a
     /// changelog or the repartition topic has another partition count than the source, a
     /// changelog has a configuration that cannot be corrected, or topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<usize> {
-        // Never let copies on different partitions pass silently: a later stage that
-        // needs the hop is refused before anything is created.
-        if let Some((_, name, d)) = self.topology.repartitioned().iter().find(|(i, ..)| *i > 0) {
-            return Err(Error::Config(format!(
-                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which `onceflow run` runs only for the first stage; put it first, or, if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
-                d.key.describe()
-            )));
-        }
+        self.check_hop()?;
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
         let n = admin.partition_count(src)?.ok_or_else(|| {
@@ -186,14 +190,16 @@ mod tests {
     use crate::config::Config;
     use crate::processor::key::KeySource;
     use crate::processor::stages::{DedupSpec, Partitioning};
+    use crate::processor::transform::MapSpec;
     use crate::runtime::App;
     use crate::topology::{Format, TopologyBuilder};
 
-    /// A first stage that repartitions gets its repartition topic; a later stage that
-    /// needs the hop is refused before any topic is touched (the broker address is
-    /// unreachable on purpose: the refusal comes first).
+    /// A dedup that repartitions gets its repartition topic when it is the first stage or
+    /// follows stateless stages only (filter, map: the routers run them); a stage with
+    /// state or effects before it is refused by `prepare_topics` before any topic is
+    /// touched (the broker address is unreachable on purpose: the refusal comes first).
     #[test]
-    fn only_a_first_stage_may_repartition() {
+    fn a_repartitioning_dedup_may_follow_stateless_stages_only() {
         let cfg = Config::load_with_env(
             &[],
             &[
@@ -228,19 +234,43 @@ mod tests {
             App::new(cfg.clone(), first(Some(Partitioning::Source))).repartition_topic(),
             None
         );
-        let later = TopologyBuilder::new("t")
+        let prefixed = TopologyBuilder::new("t")
             .source("in", Format::Json)
-            .dedup("by-key", DedupSpec::new(KeySource::KafkaKey))
+            .filter("keep", |_| Ok(true))
+            .map("rename", MapSpec::new().rename("/key", "/id"))
             .dedup("by-id", by_id(None))
             .sink("out", "out")
             .build()
             .unwrap();
-        let err = App::new(cfg, later)
-            .prepare_topics()
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("\"by-id\""), "{err}");
-        assert!(err.contains("only for the first stage"), "{err}");
-        assert!(err.contains("partitioning: source"), "{err}");
+        assert_eq!(prefixed.hop().unwrap().map(|h| h.0), Some(2));
+        let app = App::new(cfg.clone(), prefixed);
+        assert_eq!(
+            app.repartition_topic().as_deref(),
+            Some("app-by-id-repartition")
+        );
+        app.check_hop().unwrap();
+        for (before, kind) in [("by-key", "dedup"), ("copy", "sink"), ("first", "dedup")] {
+            let b = TopologyBuilder::new("t")
+                .source("in", Format::Json)
+                .filter("keep", |_| Ok(true));
+            let b = match before {
+                "by-key" => b.dedup("by-key", DedupSpec::new(KeySource::KafkaKey)),
+                "copy" => b.sink("copy", "copy"),
+                _ => b.dedup("first", by_id(None)),
+            };
+            let later = b
+                .dedup("by-id", by_id(None))
+                .sink("out", "out")
+                .build()
+                .unwrap();
+            let app = App::new(cfg.clone(), later);
+            // Refused, a second repartitioning dedup included (one hop per topology).
+            assert_eq!(app.repartition_topic(), None);
+            let err = app.prepare_topics().unwrap_err().to_string();
+            assert!(err.contains("\"by-id\""), "{err}");
+            assert!(err.contains(&format!("{before:?} ({kind})")), "{err}");
+            assert!(err.contains("only filter and map stages"), "{err}");
+            assert!(err.contains("partitioning: source"), "{err}");
+        }
     }
 }

@@ -130,13 +130,15 @@ pub struct TestDriver {
     source_offsets: BTreeMap<i32, i64>,
 }
 
-/// The driver's repartition topic: piped records are routed by the dedup key onto its
+/// The driver's repartition topic: piped records go through a router task of their source
+/// partition (the stages before the hop, then routing by the dedup key) onto its
 /// partitions, and the tasks run on those (see [`TestDriver::source_partitions`]).
 struct Hop {
     topic: String,
     key: crate::processor::key::KeySource,
     partitions: i32,
-    format: crate::topology::Format,
+    /// The router task of each source partition, made at its first record.
+    routers: BTreeMap<i32, Task>,
 }
 
 impl TestDriver {
@@ -166,22 +168,17 @@ impl TestDriver {
         .with_hop()
     }
 
-    /// Set up the repartition hop when the first stage is a dedup with `partitioning:
-    /// repartition` (application id `test`, 1 partition until [`Self::source_partitions`]).
+    /// Set up the repartition hop when a dedup stage has `partitioning: repartition` with
+    /// only filter and map stages before it, as `onceflow run` does (application id
+    /// `test`, 1 partition until [`Self::source_partitions`]); a topology whose hop is
+    /// refused gets none, and [`Self::pipe`] refuses its records.
     fn with_hop(mut self) -> Self {
-        let first = self
-            .topology
-            .repartitioned()
-            .first()
-            .and_then(|(i, name, d)| {
-                (*i == 0).then(|| Hop {
-                    topic: crate::processor::stages::repartition_topic("test", name),
-                    key: d.key.clone(),
-                    partitions: 1,
-                    format: self.topology.source().format.clone(),
-                })
-            });
-        self.hop = first;
+        self.hop = self.topology.hop().ok().flatten().map(|(_, name, d)| Hop {
+            topic: crate::processor::stages::repartition_topic("test", name),
+            key: d.key.clone(),
+            partitions: 1,
+            routers: BTreeMap::new(),
+        });
         self
     }
 
@@ -195,8 +192,8 @@ impl TestDriver {
         self
     }
 
-    /// The driver's repartition topic (`test-<stage>-repartition`), when the first stage is
-    /// a dedup with `partitioning: repartition`.
+    /// The driver's repartition topic (`test-<stage>-repartition`), when a dedup stage has
+    /// `partitioning: repartition` (after no stage, or after filter and map stages only).
     pub fn repartition_topic(&self) -> Option<&str> {
         self.hop.as_ref().map(|h| h.topic.as_str())
     }
@@ -288,27 +285,27 @@ impl TestDriver {
 
     /// Pipe one record; returns its offset in its source partition.
     ///
-    /// When the first stage is a dedup with `partitioning: repartition`, the record is
-    /// first routed by its dedup key onto a partition of the repartition topic
-    /// ([`Self::source_partitions`]), and that partition's task processes it.
+    /// With a repartition hop (a dedup stage with `partitioning: repartition`), the record
+    /// first goes through the router task of its source partition, as in `onceflow run`:
+    /// the stages before the dedup (filter, map) run on it, and what they pass is routed by
+    /// its dedup key onto a partition of the repartition topic
+    /// ([`Self::source_partitions`]), whose task processes it; what they refuse goes to
+    /// the dead-letter topic from the router.
     ///
     /// # Errors
-    /// A store failure from the task; [`crate::Error::Config`] when a dedup stage other
-    /// than the first repartitions its input (not supported by the driver yet).
+    /// A store failure from the task; [`crate::Error::Config`] when a repartitioning dedup
+    /// stage has a stage other than a filter or a map before it (refused by `onceflow run`
+    /// too), naming both.
     pub fn pipe(&mut self, r: TestRecord) -> Result<i64> {
-        if self.hop.is_none() {
-            if let Some((_, name, _)) = self.topology.repartitioned().first() {
-                return Err(crate::Error::Config(format!(
-                    "dedup stage {name:?} repartitions its input, which the test driver supports only for a first stage; put it first, or state `partitioning: source`"
-                )));
-            }
-        }
+        self.topology.hop().map_err(crate::Error::Config)?;
         if self.hop.is_some() {
             let n = self.source_offsets.entry(r.partition).or_default();
             let offset = *n;
             *n += 1;
-            let routed = self.route(self.source_record(r, offset));
-            self.process(routed)?;
+            let rec = self.source_record(r, offset);
+            for routed in self.route(rec)? {
+                self.process(routed)?;
+            }
             return Ok(offset);
         }
         let offset = self.inputs.get(&r.partition).map_or(0, |i| i.len() as i64);
@@ -319,24 +316,53 @@ impl TestDriver {
         Ok(offset)
     }
 
-    /// Route a source record through the repartition hop: it is appended to the repartition
-    /// topic's partition that its dedup key hashes to (a record without a key keeps its
-    /// Kafka key, and the dedup stage dead-letters it there). The hop is durable at once
-    /// here; in the runtime it is part of the commit.
-    fn route(&mut self, rec: Record) -> Record {
-        let hop = self.hop.as_ref().expect("called with a hop");
-        let mut view = rec.clone();
-        if hop.key.needs_json() {
-            view.json = rec.value.as_deref().and_then(|v| hop.format.decode(v).ok());
+    /// Route a source record through the repartition hop with the router task of its
+    /// source partition ([`Task::router`]): what the stages before the hop pass is appended
+    /// to the repartition topic's partition that its dedup key hashes to (a record without
+    /// a key keeps its Kafka key, and the dedup stage dead-letters it there); what they
+    /// refuse is a dead letter. Returns the repartition records, to process. The hop and
+    /// its dead letters are durable at once here; in the runtime they are part of the
+    /// commit.
+    ///
+    /// # Errors
+    /// A system failure of a stage before the hop.
+    fn route(&mut self, rec: Record) -> Result<Vec<Record>> {
+        let clock = self.clock_ms;
+        let hop = self.hop.as_mut().expect("called with a hop");
+        let router = match hop.routers.entry(rec.source.partition) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let r = crate::processor::repartition::Router::new(
+                    hop.key.clone(),
+                    self.topology.source().format.clone(),
+                    &hop.topic,
+                    hop.partitions,
+                );
+                e.insert(Task::router(
+                    &self.topology,
+                    rec.source.partition,
+                    r,
+                    &self.dlq_topic,
+                ))
+            }
+        };
+        let mut out = Vec::new();
+        router.process(rec, clock, &mut out)?;
+        let topic = hop.topic.clone();
+        let mut routed = Vec::new();
+        for o in out {
+            if o.topic == topic {
+                routed.push(self.append_routed(o));
+            } else {
+                self.log.outputs.push(o);
+            }
         }
-        let out = crate::processor::repartition::route(&view, &hop.key, &hop.topic, hop.partitions)
-            .unwrap_or_else(|_| {
-                let p = match rec.key.as_deref() {
-                    Some(k) => crate::processor::repartition::partition_for(k, hop.partitions),
-                    None => rec.source.partition.rem_euclid(hop.partitions),
-                };
-                crate::processor::repartition::unrouted(&rec, &hop.topic, p, rec.key.clone())
-            });
+        Ok(routed)
+    }
+
+    /// Append a repartition record to its partition of the driver's repartition topic;
+    /// returns it as the record its task reads.
+    fn append_routed(&mut self, out: OutRecord) -> Record {
         let p = out.partition.unwrap_or(0);
         let log = self.inputs.entry(p).or_default();
         let routed = Record {
@@ -591,10 +617,11 @@ impl TestDriver {
         .transpose()
     }
 
-    /// Totals over all tasks alive now.
+    /// Totals over all tasks alive now (the routers of a repartition hop included).
     pub fn counts(&self) -> Counts {
         let mut c = self.counts;
-        for t in self.tasks.values() {
+        let routers = self.hop.iter().flat_map(|h| h.routers.values());
+        for t in self.tasks.values().chain(routers) {
             c.add(t.counts());
         }
         c

@@ -123,6 +123,58 @@ impl Topology {
             .collect()
     }
 
+    /// The repartition hop: the first dedup stage with `partitioning: repartition` in
+    /// effect (index `k`, name, spec), or `None` when no stage repartitions. The stages
+    /// before it (`stages[..k]`) run on the source partitions, in the router tasks, before
+    /// each record is routed; the dedup and every stage after it run on the repartition
+    /// topic's partitions. Only stateless stages (filter, map) may come before it.
+    ///
+    /// # Errors
+    /// The reason, naming the repartitioning dedup and the stage before it, when a stage
+    /// other than a filter or a map comes before a repartitioning dedup (another dedup,
+    /// including a second repartitioning one: one hop per topology; an enrich, route,
+    /// sink or external sink): its state or effects would run on the source partitions,
+    /// before the copies of a key meet.
+    pub(crate) fn hop(&self) -> Result<Option<(usize, &str, &DedupSpec)>, String> {
+        let repartitioned = self.repartitioned();
+        for (i, name, d) in &repartitioned {
+            let Some(before) = self.stages[..*i]
+                .iter()
+                .find(|s| !matches!(s.kind, StageKind::Filter(_) | StageKind::Map(_)))
+            else {
+                continue;
+            };
+            let why = match &before.kind {
+                StageKind::Dedup(b) if b.effective_partitioning().0
+                    == crate::processor::stages::Partitioning::Repartition =>
+                {
+                    "onceflow runs one repartition hop per topology"
+                }
+                StageKind::Dedup(_) => {
+                    "its store would hold marks per source partition, and it would drop records before the copies of a key meet"
+                }
+                StageKind::Enrich(_) => {
+                    "its lookups would run on the source partitions, before the hop"
+                }
+                _ => "its outputs or effects would be made on the source partitions for every copy, before the dedup drops the repeats",
+            };
+            return Err(format!(
+                "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which routes its input by the dedup key; stage {:?} ({}) comes before it, and only filter and map stages may run before the hop: {why}; move the dedup before it, or, if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
+                d.key.describe(),
+                before.name,
+                before.kind.kind_name(),
+            ));
+        }
+        Ok(repartitioned.into_iter().next())
+    }
+
+    /// The index of the first stage a task on the repartition topic runs (the dedup of
+    /// [`Topology::hop`]), 0 without a hop (or with one that is refused: the runtime and
+    /// the test driver refuse such a topology before a task is made).
+    pub(crate) fn hop_stage(&self) -> usize {
+        self.hop().ok().flatten().map_or(0, |(k, ..)| k)
+    }
+
     /// The JSON pointers the stages read, for decoding without a tree.
     pub(crate) fn json_pointers(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -146,12 +198,17 @@ impl Topology {
         out
     }
 
-    /// New processor instances for one task (one source partition), in stage order.
-    pub(crate) fn instantiate(&self) -> Vec<(String, Box<dyn Processor>)> {
-        self.stages
+    /// New processor instances of `stages` (a range of stage indices) for one task, in
+    /// stage order: the stages before a repartition hop for a router task, the rest for a
+    /// task on the repartition topic ([`Topology::hop`]), all of them without a hop.
+    pub(crate) fn instantiate(
+        &self,
+        stages: std::ops::Range<usize>,
+    ) -> Vec<(String, Box<dyn Processor>)> {
+        self.stages[stages.clone()]
             .iter()
-            .enumerate()
-            .map(|(index, s)| {
+            .zip(stages)
+            .map(|(s, index)| {
                 let cx = BuildCx {
                     topology: self,
                     index,
