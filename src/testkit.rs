@@ -415,7 +415,13 @@ pub async fn key_seen_across_scopes(
     let first = open(scope(a)).await?;
     let second = open(scope(b)).await?;
     first
-        .complete(a.2, b"done by the first", Duration::from_secs(60))
+        .complete(
+            a.2,
+            crate::sink::store::Completion {
+                result: b"done by the first",
+                ttl: Duration::from_secs(60),
+            },
+        )
         .await
         .map_err(|e| e.0)?;
     Ok(second.lookup(b.2).await.map_err(|e| e.0)?.is_some())

@@ -17,7 +17,7 @@
 //! The key stays in flight until its lease expires, then the effect runs again; HTTP sinks
 //! send the same `Idempotency-Key` so the receiver can tell.
 
-use super::store::{IdempotencyStore, Reservation, StoreError};
+use super::store::{Claim, Completion, IdempotencyStore, Reservation, StoreError};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -201,7 +201,13 @@ where
     loop {
         let deadline = Instant::now() + policy.store_retry_for;
         let r = with_retry(deadline, "reserve", || {
-            store.reserve(key, token, policy.lease)
+            store.reserve(
+                key,
+                Claim {
+                    token,
+                    lease: policy.lease,
+                },
+            )
         })
         .await;
         match r {
@@ -224,7 +230,13 @@ where
                     Ok(result) => {
                         let deadline = Instant::now() + policy.store_retry_for;
                         if let Err(e) = with_retry(deadline, "complete", || {
-                            store.complete(key, &result, policy.completed_ttl)
+                            store.complete(
+                                key,
+                                Completion {
+                                    result: &result,
+                                    ttl: policy.completed_ttl,
+                                },
+                            )
                         })
                         .await
                         {
@@ -314,6 +326,11 @@ fn test_runtime() -> tokio::runtime::Runtime {
 mod tests {
     use super::*;
     use crate::sink::store::MemoryIdempotencyStore;
+
+    /// The claim of attempt `token` for `lease`.
+    pub(super) fn claim(token: u64, lease: Duration) -> Claim {
+        Claim { token, lease }
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
@@ -392,7 +409,7 @@ mod tests {
             let s = MemoryIdempotencyStore::new();
             // A holder that died: reserved, never completed nor released.
             assert_eq!(
-                s.reserve(b"k", 1, Duration::from_millis(100))
+                s.reserve(b"k", claim(1, Duration::from_millis(100)))
                     .await
                     .unwrap(),
                 Reservation::Acquired
@@ -468,7 +485,9 @@ mod tests {
     fn twin_gives_up_when_in_flight_too_long() {
         rt().block_on(async {
             let s = MemoryIdempotencyStore::new();
-            s.reserve(b"k", 1, Duration::from_secs(60)).await.unwrap();
+            s.reserve(b"k", claim(1, Duration::from_secs(60)))
+                .await
+                .unwrap();
             let p = ReservationPolicy {
                 in_flight: InFlight::Raise,
                 in_flight_give_up: Duration::from_millis(200),
@@ -514,6 +533,7 @@ mod tests {
 /// ONCEFLOW_REDIS_URL is set).
 #[cfg(test)]
 mod real_store_tests {
+    use super::tests::claim;
     use super::*;
     use crate::sink::store::{RedisIdempotencyStore, SledIdempotencyStore};
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -555,19 +575,11 @@ mod real_store_tests {
         assert_eq!(s.lookup(&f).await.unwrap(), None);
         // A dead holder's lease expires; the next attempt runs.
         let e = k("expired");
-        assert_eq!(
-            s.reserve(&e, 7, Duration::from_millis(200)).await.unwrap(),
-            Reservation::Acquired
-        );
-        assert_eq!(
-            s.reserve(&e, 8, Duration::from_millis(200)).await.unwrap(),
-            Reservation::InFlight
-        );
+        let reserve = |token| s.reserve(&e, claim(token, Duration::from_millis(200)));
+        assert_eq!(reserve(7).await.unwrap(), Reservation::Acquired);
+        assert_eq!(reserve(8).await.unwrap(), Reservation::InFlight);
         // A retry of the holder's own call (its first reply lost) finds the key its own.
-        assert_eq!(
-            s.reserve(&e, 7, Duration::from_millis(200)).await.unwrap(),
-            Reservation::Acquired
-        );
+        assert_eq!(reserve(7).await.unwrap(), Reservation::Acquired);
         assert_eq!(
             run_once(&*s, &e, &p, eff("r3")).await,
             Ok(EffectOutcome::Done(b"r3".to_vec()))

@@ -18,7 +18,10 @@
 use futures::future::BoxFuture;
 
 /// What every store operation gives: a boxed future of its result.
-pub(crate) type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+pub(crate) type StoreFuture<'a, T> = BoxFuture<'a, StoreResult<T>>;
+
+/// A store operation's result.
+pub(crate) type StoreResult<T> = Result<T, StoreError>;
 use std::collections::HashMap;
 #[cfg(test)]
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,30 +51,40 @@ impl std::fmt::Display for StoreError {
     }
 }
 
+/// Who reserves a key, and for how long: the reservation's token (unique per attempt) and
+/// its lease (after it the key is free again, should its holder die).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Claim {
+    /// The attempt's token; only its holder completes or releases the key.
+    pub(crate) token: u64,
+    /// How long the reservation holds.
+    pub(crate) lease: Duration,
+}
+
+/// A completed effect's mark: its `result` (kept for a duplicate to return), kept for `ttl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Completion<'a> {
+    /// The effect's result, stored as given.
+    pub(crate) result: &'a [u8],
+    /// How long the mark is kept.
+    pub(crate) ttl: Duration,
+}
+
 /// An idempotency store. Every method is one atomic step of the reservation protocol.
 pub(crate) trait IdempotencyStore: Send + Sync {
-    /// Reserve `key` for `token` with a lease of `lease`, unless it is in flight or completed.
+    /// Reserve `key` for `claim.token` with a lease of `claim.lease`, unless it is in flight
+    /// or completed.
     ///
     /// # Errors
     /// `StoreError` when the store cannot be reached.
-    fn reserve<'a>(
-        &'a self,
-        key: &'a [u8],
-        token: u64,
-        lease: Duration,
-    ) -> StoreFuture<'a, Reservation>;
+    fn reserve<'a>(&'a self, key: &'a [u8], claim: Claim) -> StoreFuture<'a, Reservation>;
 
-    /// Mark `key` completed with `result`, kept for `ttl`. Called only after the effect
+    /// Mark `key` completed with `done.result`, kept for `done.ttl`. Called only after the effect
     /// succeeded; it overwrites whatever is there (a completed effect is completed).
     ///
     /// # Errors
     /// `StoreError` when the store cannot be reached.
-    fn complete<'a>(
-        &'a self,
-        key: &'a [u8],
-        result: &'a [u8],
-        ttl: Duration,
-    ) -> StoreFuture<'a, ()>;
+    fn complete<'a>(&'a self, key: &'a [u8], done: Completion<'a>) -> StoreFuture<'a, ()>;
 
     /// Drop the reservation of `key` if `token` still holds it (the effect failed).
     ///
@@ -145,7 +158,7 @@ pub(crate) trait LocalMap: Send + Sync {
     ///
     /// # Errors
     /// [`StoreError`] to fail the operation.
-    fn begin(&self) -> Result<(), StoreError> {
+    fn begin(&self) -> StoreResult<()> {
         Ok(())
     }
 
@@ -160,18 +173,13 @@ pub(crate) trait LocalMap: Send + Sync {
     ///
     /// # Errors
     /// [`StoreError`] when the map cannot be written.
-    fn swap(
-        &self,
-        key: &[u8],
-        old: Option<&[u8]>,
-        new: Option<Vec<u8>>,
-    ) -> Result<bool, StoreError>;
+    fn swap(&self, key: &[u8], old: Option<&[u8]>, new: Option<Vec<u8>>) -> StoreResult<bool>;
 
     /// Set `key` to `value`, whatever it held.
     ///
     /// # Errors
     /// [`StoreError`] when the map cannot be written.
-    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError>;
+    fn put(&self, key: &[u8], value: Vec<u8>) -> StoreResult<()>;
 
     /// Make the writes so far durable (nothing by default).
     ///
@@ -183,12 +191,8 @@ pub(crate) trait LocalMap: Send + Sync {
 }
 
 impl<M: LocalMap> IdempotencyStore for M {
-    fn reserve<'a>(
-        &'a self,
-        key: &'a [u8],
-        token: u64,
-        lease: Duration,
-    ) -> StoreFuture<'a, Reservation> {
+    fn reserve<'a>(&'a self, key: &'a [u8], claim: Claim) -> StoreFuture<'a, Reservation> {
+        let Claim { token, lease } = claim;
         Box::pin(async move {
             self.begin()?;
             loop {
@@ -206,12 +210,8 @@ impl<M: LocalMap> IdempotencyStore for M {
         })
     }
 
-    fn complete<'a>(
-        &'a self,
-        key: &'a [u8],
-        result: &'a [u8],
-        ttl: Duration,
-    ) -> StoreFuture<'a, ()> {
+    fn complete<'a>(&'a self, key: &'a [u8], done: Completion<'a>) -> StoreFuture<'a, ()> {
+        let Completion { result, ttl } = done;
         Box::pin(async move {
             self.begin()?;
             self.put(
@@ -277,7 +277,7 @@ impl MemoryIdempotencyStore {
         self.fail_next.store(n, Ordering::SeqCst);
     }
 
-    fn check(&self) -> Result<(), StoreError> {
+    fn check(&self) -> StoreResult<()> {
         self.ops.fetch_add(1, Ordering::SeqCst);
         let r = self
             .fail_next
@@ -297,7 +297,7 @@ impl MemoryIdempotencyStore {
 
 #[cfg(test)]
 impl LocalMap for MemoryIdempotencyStore {
-    fn begin(&self) -> Result<(), StoreError> {
+    fn begin(&self) -> StoreResult<()> {
         self.check()
     }
 
@@ -305,12 +305,7 @@ impl LocalMap for MemoryIdempotencyStore {
         Ok(self.map()?.get(key).cloned())
     }
 
-    fn swap(
-        &self,
-        key: &[u8],
-        old: Option<&[u8]>,
-        new: Option<Vec<u8>>,
-    ) -> Result<bool, StoreError> {
+    fn swap(&self, key: &[u8], old: Option<&[u8]>, new: Option<Vec<u8>>) -> StoreResult<bool> {
         let mut m = self.map()?;
         if m.get(key).map(Vec::as_slice) != old {
             return Ok(false);
@@ -322,7 +317,7 @@ impl LocalMap for MemoryIdempotencyStore {
         Ok(true)
     }
 
-    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError> {
+    fn put(&self, key: &[u8], value: Vec<u8>) -> StoreResult<()> {
         self.map()?.insert(key.to_vec(), value);
         Ok(())
     }
@@ -344,10 +339,7 @@ impl SledIdempotencyStore {
     ///
     /// # Errors
     /// [`StoreError`] when sled cannot open the path.
-    pub(crate) fn open(
-        path: &std::path::Path,
-        tree: &str,
-    ) -> Result<SledIdempotencyStore, StoreError> {
+    pub(crate) fn open(path: &std::path::Path, tree: &str) -> StoreResult<SledIdempotencyStore> {
         let dbs = SLED_DBS.get_or_init(Default::default);
         let mut dbs = dbs
             .lock()
@@ -381,12 +373,7 @@ impl LocalMap for SledIdempotencyStore {
         Ok(self.tree.get(key).map_err(Self::err)?.map(|v| v.to_vec()))
     }
 
-    fn swap(
-        &self,
-        key: &[u8],
-        old: Option<&[u8]>,
-        new: Option<Vec<u8>>,
-    ) -> Result<bool, StoreError> {
+    fn swap(&self, key: &[u8], old: Option<&[u8]>, new: Option<Vec<u8>>) -> StoreResult<bool> {
         Ok(self
             .tree
             .compare_and_swap(key, old, new)
@@ -394,7 +381,7 @@ impl LocalMap for SledIdempotencyStore {
             .is_ok())
     }
 
-    fn put(&self, key: &[u8], value: Vec<u8>) -> Result<(), StoreError> {
+    fn put(&self, key: &[u8], value: Vec<u8>) -> StoreResult<()> {
         self.tree.insert(key, value).map_err(Self::err)?;
         Ok(())
     }
@@ -452,7 +439,7 @@ impl RedisIdempotencyStore {
         url: &str,
         prefix: &[u8],
         op_timeout: Duration,
-    ) -> Result<RedisIdempotencyStore, StoreError> {
+    ) -> StoreResult<RedisIdempotencyStore> {
         let client = redis::Client::open(url).map_err(|e| {
             StoreError(format!(
                 "redis idempotency store: invalid URL ({:?})",
@@ -495,7 +482,7 @@ impl RedisIdempotencyStore {
         }
     }
 
-    async fn q<T: redis::FromRedisValue>(&self, c: redis::Cmd) -> Result<T, StoreError> {
+    async fn q<T: redis::FromRedisValue>(&self, c: redis::Cmd) -> StoreResult<T> {
         let mut conn = self.conn.clone();
         match tokio::time::timeout(self.op_timeout, c.query_async(&mut conn)).await {
             Ok(Ok(v)) => Ok(v),
@@ -516,12 +503,8 @@ impl RedisIdempotencyStore {
 }
 
 impl IdempotencyStore for RedisIdempotencyStore {
-    fn reserve<'a>(
-        &'a self,
-        key: &'a [u8],
-        token: u64,
-        lease: Duration,
-    ) -> StoreFuture<'a, Reservation> {
+    fn reserve<'a>(&'a self, key: &'a [u8], claim: Claim) -> StoreFuture<'a, Reservation> {
+        let Claim { token, lease } = claim;
         Box::pin(async move {
             let k = self.k(key);
             let mut val = vec![b'I'];
@@ -553,12 +536,8 @@ impl IdempotencyStore for RedisIdempotencyStore {
         })
     }
 
-    fn complete<'a>(
-        &'a self,
-        key: &'a [u8],
-        result: &'a [u8],
-        ttl: Duration,
-    ) -> StoreFuture<'a, ()> {
+    fn complete<'a>(&'a self, key: &'a [u8], done: Completion<'a>) -> StoreFuture<'a, ()> {
+        let Completion { result, ttl } = done;
         Box::pin(async move {
             let mut val = vec![b'C'];
             val.extend_from_slice(result);
