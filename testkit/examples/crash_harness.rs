@@ -15,6 +15,8 @@
 //!     [--set KEY=VALUE]...  # extra config for every instance, e.g. kafka.debug=cgrp,eos
 //!     [--repartition]     # dedup with partitioning: repartition, events with random
 //!                         # Kafka keys (copies of an id on different partitions)
+//!     [--prefix]          # with --repartition: a map stage before the dedup, which the
+//!                         # router tasks run before they route
 //! ```
 //! The binary is `--bin`, else `ONCEFLOW_BIN`, else `target/release/onceflow`; the broker
 //! is `ONCEFLOW_BOOTSTRAP_SERVERS` (default 127.0.0.1:9092). Prints one line per run and a
@@ -28,7 +30,7 @@ use std::process::ExitCode;
 fn usage() -> ExitCode {
     eprintln!(
         "usage: crash_harness [--runs N] [--seed S] [--bin PATH] [--min-events N] [--max-events N] \
-         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...] [--set KEY=VALUE]... [--repartition]"
+         [--gharchive PROBABILITY] [--work-dir DIR] [--keep-logs] [--kill moment,eos.after_commit,...] [--set KEY=VALUE]... [--repartition [--prefix]]"
     );
     ExitCode::from(2)
 }
@@ -83,6 +85,10 @@ fn main() -> ExitCode {
             }
             "--repartition" => {
                 opts.repartition = true;
+                Some(())
+            }
+            "--prefix" => {
+                opts.prefix = true;
                 Some(())
             }
             "-h" | "--help" => return usage(),

@@ -112,6 +112,10 @@ pub struct HarnessOptions {
     /// Kafka key, so the copies of an id land on different partitions and only the
     /// repartition hop brings them together (default false: keyed by the id, `source`).
     pub repartition: bool,
+    /// With `repartition`: put a map stage before the dedup (it copies `/id` to `/uid`,
+    /// which the dedup keys on), so the router tasks run a stage before they route (the
+    /// hop after stateless stages). Default false.
+    pub prefix: bool,
 }
 
 impl HarnessOptions {
@@ -137,6 +141,7 @@ impl HarnessOptions {
             kill_kinds: Vec::new(),
             extra_sets: Vec::new(),
             repartition: false,
+            prefix: false,
         }
     }
 }
@@ -677,8 +682,16 @@ impl<'a> Run<'a> {
                 .ensure_topic(t, PARTITIONS, &keep)
                 .map_err(|e| format!("create topic {t}: {e}"))?;
         }
+        let (prefix, key) = if self.opts.repartition && self.opts.prefix {
+            (
+                "  - map:\n      name: shape\n      set: { uid: 'value.id' }\n",
+                "/uid",
+            )
+        } else {
+            ("", "/id")
+        };
         let yaml = format!(
-            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: /id }}\n      ttl: 24h\n      time: event\n      partitioning: {}\n  - sink:\n      name: out\n      topic: {}\n",
+            "name: crash-harness\nsource: {{ topic: {}, format: json }}\nstages:\n{prefix}  - dedup:\n      name: {STORE}\n      key: {{ json_pointer: {key} }}\n      ttl: 24h\n      time: event\n      partitioning: {}\n  - sink:\n      name: out\n      topic: {}\n",
             self.input,
             if self.opts.repartition {
                 "repartition"
