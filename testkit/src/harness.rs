@@ -1177,9 +1177,14 @@ impl<'a> Run<'a> {
     /// committed offset is past its last record visible read_committed. (Not the high
     /// watermark: under exactly_once_v2 a partition may end with transaction markers and
     /// aborted records, which a committed offset never passes.) While a transaction is
-    /// open on the topic, the read does not reach the end, and the answer is no.
+    /// open on the topic (a killed instance's, until it is fenced or times out), the
+    /// answer is no: a read_committed read ends where that transaction began, before the
+    /// records other instances committed after it, which the stages have yet to read.
     fn repartition_consumed(&self) -> bool {
         let bs = &self.opts.bootstrap;
+        if kafka::transaction_open(bs, &self.repartition, PARTITIONS).unwrap_or(true) {
+            return false;
+        }
         let Ok(records) = kafka::read_topic(bs, &self.repartition, true, Duration::from_secs(5))
         else {
             return false;

@@ -317,6 +317,38 @@ impl Admin {
     }
 }
 
+/// Whether a transaction is open on any of `topic`'s partitions: its last stable offset
+/// (the end a read_committed reader sees) is below its high watermark. A read_committed
+/// read of such a partition ends at the open transaction, before records committed after
+/// it began.
+///
+/// # Errors
+/// [`Error::Kafka`] on client errors.
+pub fn transaction_open(bootstrap: &str, topic: &str, partitions: usize) -> Result<bool> {
+    let client = |isolation: &str| -> Result<BaseConsumer> {
+        ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .set("group.id", "onceflow-reader")
+            .set("isolation.level", isolation)
+            .create()
+            .map_err(kafka_error("create watermark client"))
+    };
+    let (committed, uncommitted) = (client("read_committed")?, client("read_uncommitted")?);
+    for p in 0..partitions as i32 {
+        let end = |c: &BaseConsumer| {
+            onceflow::__testkit::retry("watermarks", || {
+                c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                    .map_err(kafka_error("watermarks"))
+            })
+            .map(|(_, hi)| hi)
+        };
+        if end(&committed)? < end(&uncommitted)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The committed offsets of `group` on `topic`'s partitions (`None` where nothing is
 /// committed).
 ///
