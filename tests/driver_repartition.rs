@@ -411,3 +411,67 @@ fn describe_shows_the_hop_after_the_prefix() {
     );
     assert!(map < hop && hop < dedup, "{text}");
 }
+
+/// A map before the hop re-encodes the value, and numbers beyond 64 bits come out of it as
+/// floats (`1e+20`). The router must read the dedup key from the bytes it routes, as the
+/// dedup stage after the hop reads it: copies of such an id with different Kafka keys on
+/// different source partitions then meet on one partition and pass once. (Reading it from
+/// the map's in-memory view failed where the bytes succeed, and the router fell back to the
+/// Kafka key: every copy passed.)
+#[test]
+fn behind_a_map_copies_of_a_number_id_meet_on_one_partition() {
+    const MAPPED: &str = r#"
+name: t
+source: { topic: in, format: json }
+stages:
+  - map:
+      name: tag
+      set: { seen: 'true' }
+  - dedup:
+      name: dedup
+      key: { json_pointer: /id }
+      ttl: 1h
+  - sink:
+      name: out
+      topic: out
+"#;
+    for g in GUARANTEES {
+        let t = dsl::parse("t.yaml", MAPPED).unwrap_or_else(|e| panic!("{e}"));
+        let mut d = TestDriver::new(t).guarantee(g).source_partitions(4);
+        let ids = [
+            "18446744073709551617",
+            "1e20",
+            "100000000000000000000.0",
+            "-9223372036854775809",
+            "1.5e300",
+        ];
+        for (i, id) in ids.iter().enumerate() {
+            for copy in 0..3 {
+                let v = format!(r#"{{"id":{id}}}"#);
+                d.pipe(
+                    TestRecord::json(v.as_str())
+                        .key(format!("random-{i}-{copy}"))
+                        .partition(copy as i32)
+                        .timestamp(1_000),
+                )
+                .unwrap();
+            }
+        }
+        // The copies of an id are the same bytes after the map: each value at most once.
+        let out = d.output_values("out");
+        let mut once = out.clone();
+        once.sort();
+        once.dedup();
+        assert_eq!(once.len(), out.len(), "{g:?}: an id passed twice: {out:?}");
+        let c = d.counts();
+        assert!(c.passed >= 1, "{g:?}: {c:?}");
+        assert_eq!(c.passed, out.len() as u64, "{g:?}");
+        assert!(c.passed <= ids.len() as u64, "{g:?}: {c:?}");
+        assert_eq!(
+            c.passed + c.duplicates + c.dead_lettered,
+            15,
+            "{g:?}: {c:?}"
+        );
+        assert_eq!(c.records_in, 15, "{g:?}");
+    }
+}

@@ -102,9 +102,10 @@ impl App {
     /// # Errors
     /// [`Error::Config`] when a dedup stage that needs `partitioning: repartition` has a
     /// stage other than a filter or a map before it (its state or effects would run on
-    /// the source partitions, before the hop), naming both; [`Error::Broker`] when the source topic is missing, a
-    /// changelog or the repartition topic has another partition count than the source, a
-    /// changelog has a configuration that cannot be corrected, or topics cannot be created.
+    /// the source partitions, before the hop), naming both, and when a changelog or the
+    /// repartition topic has another partition count than the source (a setup a restart
+    /// cannot fix: exit 2); [`Error::Broker`] when the source topic is missing, a changelog
+    /// has a configuration that cannot be corrected, or topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<usize> {
         self.check_hop()?;
         let admin = Admin::new(&self.config)?;
@@ -127,7 +128,7 @@ impl App {
         for (store, topic) in self.changelog_topics() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
-                    return Err(Error::Broker(format!(
+                    return Err(Error::Config(format!(
                         "changelog topic {topic} of store {store} has {m} partitions, but source topic {src} has {n}; \
                          they must match (delete the changelog to rebuild it, or use a new application.id)"
                     )))
@@ -148,7 +149,7 @@ impl App {
         if let Some(topic) = self.repartition_topic() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
-                    return Err(Error::Broker(format!(
+                    return Err(Error::Config(format!(
                         "repartition topic {topic} has {m} partitions, but source topic {src} has {n}; \
                          they must match (delete the repartition topic once it is consumed, or use a new application.id)"
                     )))
