@@ -196,12 +196,16 @@ impl Router {
         &self.topic
     }
 
-    /// The repartition record of `record` (see [`route`] and the type's docs). A record
-    /// that already carries its view or scanned fields (the stages before the hop read
-    /// it, or a map rewrote it) is keyed from those; one as read is scanned for the key.
+    /// The repartition record of `record` (see [`route`] and the type's docs). The key is
+    /// always read from the value bytes routed, as the dedup stage after the hop reads it,
+    /// never from a view or fields the stages before the hop left: the two can differ (a
+    /// map re-encodes numbers beyond 64 bits as floats), and a key read here but not there
+    /// (or the reverse) would split the copies of an id over partitions.
     pub(crate) fn route(&self, mut record: Record) -> OutRecord {
         use crate::codec::Format;
-        if self.key.needs_json() && record.json.is_none() && record.fields.is_none() {
+        record.json = None;
+        record.fields = None;
+        if self.key.needs_json() {
             match (&self.format, record.value.as_deref()) {
                 (Format::Json, Some(v)) => {
                     if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {

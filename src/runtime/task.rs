@@ -359,12 +359,6 @@ impl Task {
                         }
                     }
                 }
-                // The key is read from the bytes routed, as the dedup stage after the hop
-                // reads it, never from the stages' view of them: the two can differ (a
-                // map re-encodes numbers beyond 64 bits as floats), and a key the router
-                // cannot read falls back to the Kafka key, which would split the copies.
-                rec.json = None;
-                rec.fields = None;
                 routed = true;
                 out.push(r.route(rec));
             }
