@@ -62,7 +62,6 @@ mod tests {
     use super::*;
     use onceflow::headers::dlq_headers;
     use onceflow::headers::{DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION};
-    use onceflow::headers::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC};
     use onceflow::{TestDriver, TestRecord};
 
     /// A header's value as text (`None` when absent or null).
@@ -122,20 +121,18 @@ mod tests {
                 )
             })
             .collect();
-        // Read back from the repartition topic: keyed by the event id, with the source
-        // coordinates (analytics.events, partition 0, offset) in headers.
-        let of = |offset: &str, first: &str| {
+        // Read back from the repartition topic: keyed by the event id, with the headers as
+        // the source had them (the hop's source header is taken off again) plus the
+        // position of the first occurrence.
+        let of = |first: &str| {
             vec![
-                (SOURCE_TOPIC.to_string(), "analytics.events".to_string()),
-                (SOURCE_PARTITION.to_string(), "0".to_string()),
-                (SOURCE_OFFSET.to_string(), offset.to_string()),
                 (DUPLICATE_KIND.to_string(), "duplicate".to_string()),
                 (DUPLICATE_OF_PARTITION.to_string(), "0".to_string()),
                 (DUPLICATE_OF_OFFSET.to_string(), first.to_string()),
             ]
         };
         let mut first = vec![("relay".to_string(), "r2".to_string())];
-        first.extend(of("2", "0"));
+        first.extend(of("0"));
         assert_eq!(
             side,
             vec![
@@ -149,13 +146,13 @@ mod tests {
                     Some("b".to_string()),
                     r#"{"event_id":"b","t":10800000}"#.to_string(),
                     Some(3 * hour),
-                    of("4", "1"),
+                    of("1"),
                 ),
                 (
                     Some("a".to_string()),
                     r#"{"event_id":"a","t":93600000}"#.to_string(),
                     Some(26 * hour),
-                    of("5", "3"),
+                    of("3"),
                 ),
             ]
         );

@@ -76,7 +76,7 @@ pub mod prelude {
 /// The names of the headers onceflow writes on the records it emits.
 pub mod headers {
     pub use crate::{
-        processor::repartition::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_TOPIC},
+        processor::repartition::SOURCE,
         processor::stages::dedup_stage::{
             DUPLICATE_KIND, DUPLICATE_OF_OFFSET, DUPLICATE_OF_PARTITION,
         },

@@ -76,25 +76,16 @@ fn repartition_passes_an_id_once_across_partitions() {
             // Keyed by the dedup key bytes, on the partition Kafka's partitioner gives them.
             assert_eq!(out[0].key.as_deref(), Some(&b"e-1"[..]));
             assert_eq!(out[1].key.as_deref(), Some(&b"e-2"[..]));
-            // The first copy's coordinates travel as headers; the timestamp is kept.
-            let h = |r: &onceflow::OutRecord, n: &str| {
-                r.headers
-                    .iter()
-                    .find(|(k, _)| k == n)
-                    .and_then(|(_, v)| v.clone())
-            };
-            assert_eq!(
-                h(out[0], headers::SOURCE_TOPIC).as_deref(),
-                Some(&b"in"[..])
-            );
-            assert_eq!(
-                h(out[0], headers::SOURCE_PARTITION).as_deref(),
-                Some(&b"0"[..])
-            );
-            assert_eq!(
-                h(out[0], headers::SOURCE_OFFSET).as_deref(),
-                Some(&b"0"[..])
-            );
+            // The source coordinates travel on the repartition topic only: the task after
+            // the hop takes its header off, so outputs carry the source's headers alone
+            // (the dedup entry names the first copy, see below); the timestamp is kept.
+            for o in &out {
+                assert!(
+                    o.headers.iter().all(|(k, _)| !k.starts_with("onceflow.source")),
+                    "{g:?}: {:?}",
+                    o.headers
+                );
+            }
             assert_eq!(out[0].timestamp, Some(1_000));
             let c = d.counts();
             assert_eq!(c.duplicates, 1, "{g:?}: the second copy is a duplicate");
@@ -361,7 +352,7 @@ fn a_record_a_stage_before_the_hop_refuses_is_dead_lettered_at_its_source() {
             "source headers kept"
         );
         assert_eq!(
-            h(headers::SOURCE_TOPIC),
+            h(headers::SOURCE),
             None,
             "a dead letter from the router was never routed"
         );
@@ -473,5 +464,35 @@ stages:
             "{g:?}: {c:?}"
         );
         assert_eq!(c.records_in, 15, "{g:?}");
+    }
+}
+
+/// Behind the hop the stages see the source record's coordinates, not the repartition
+/// topic's: CEL's `topic`, `partition` and `offset` (here in a filter and in sink headers)
+/// name the record as the router read it, and the hop's own header is gone.
+#[test]
+fn stages_after_the_hop_see_the_source_coordinates() {
+    let t = dsl::parse(
+        "t.yaml",
+        r#"name: t
+source: { topic: in, format: json }
+stages:
+  - dedup: { key: { json_pointer: /id } }
+  - filter: { name: second, when: 'offset == 1 && partition == 2 && topic == "in"' }
+  - sink: { topic: out, headers: { at: 'topic + "/" + string(partition) + "/" + string(offset)' } }
+"#,
+    )
+    .unwrap();
+    for g in GUARANTEES {
+        let mut d = TestDriver::new(t.clone()).guarantee(g).source_partitions(4);
+        for (p, id) in [(2, "a"), (2, "b"), (1, "c")] {
+            d.pipe(TestRecord::json(format!(r#"{{"id":"{id}"}}"#)).partition(p))
+                .unwrap();
+        }
+        let out = d.output("out");
+        assert_eq!(out.len(), 1, "{g:?}: only in/2/1 passes the filter");
+        assert_eq!(out[0].value.as_deref(), Some(&br#"{"id":"b"}"#[..]));
+        assert_eq!(last_header(out[0], "at").as_deref(), Some(&b"in/2/1"[..]));
+        assert_eq!(last_header(out[0], headers::SOURCE), None, "{g:?}");
     }
 }

@@ -213,6 +213,7 @@ mod tests {
                 partition: 0,
                 offset: 0,
             },
+            origin: None,
         }
     }
 

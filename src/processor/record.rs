@@ -37,9 +37,19 @@ pub struct Record {
     pub(crate) fields: Option<(Arc<[String]>, Vec<super::json_scan::Scalar>)>,
     /// Where the record came from.
     pub source: SourceMeta,
+    /// Behind a repartition hop: the source record this one was routed from (see
+    /// [`Record::origin`]).
+    pub(crate) origin: Option<SourceMeta>,
 }
 
 impl Record {
+    /// The source record this record stands for: behind a repartition hop, the record the
+    /// router read from the source topic (its topic, partition and offset); otherwise
+    /// [`Record::source`]. Dead letters and dedup entries name it.
+    pub fn origin(&self) -> &SourceMeta {
+        self.origin.as_ref().unwrap_or(&self.source)
+    }
+
     /// The first header named `name`, as raw bytes (`Some(None)` for a null header value).
     pub fn header(&self, name: &str) -> Option<Option<&[u8]>> {
         self.headers
@@ -75,6 +85,7 @@ impl Record {
                 partition,
                 offset,
             },
+            origin: None,
         }
     }
 }

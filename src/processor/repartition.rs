@@ -5,8 +5,10 @@
 //! `<application.id>-<stage>-repartition` (see [`super::stages::repartition_topic`]), keyed
 //! by the dedup key bytes as extracted (raw, never decoded), on the partition Kafka's
 //! default partitioner gives that key (murmur2, as a Java or librdkafka producer would), with
-//! the original value, timestamp and headers, plus headers naming the source coordinates
-//! (topic, partition, offset) so that a dead letter further down names the original record.
+//! the original value, timestamp and headers, plus one header naming the source coordinates
+//! ([`SOURCE`]: topic, partition, offset), which the task reading the repartition topic takes
+//! off again ([`take_source`]), so that dead letters and dedup entries further down name the
+//! original record while the stages see the headers as the source had them.
 //! The stateless stages before the dedup (filter, map) run before routing, in the router
 //! task (`runtime::Task::router`): the value routed is the one they made, and a record they
 //! drop is not routed. The stages from the dedup on read the repartition topic.
@@ -17,12 +19,21 @@ use super::key::{KeyError, KeySource};
 use super::{OutRecord, Record};
 use bytes::Bytes;
 
-/// Header naming the source topic of a repartitioned record.
-pub const SOURCE_TOPIC: &str = "onceflow.source.topic";
-/// Header naming the source partition of a repartitioned record (decimal text).
-pub const SOURCE_PARTITION: &str = "onceflow.source.partition";
-/// Header naming the source offset of a repartitioned record (decimal text).
-pub const SOURCE_OFFSET: &str = "onceflow.source.offset";
+/// Header a repartition record carries naming its source record: `<topic>/<partition>/<offset>`
+/// (decimal; a Kafka topic name holds no `/`), e.g. `events/3/17`. The task reading the
+/// repartition topic takes it off the record ([`take_source`]): the stages after the hop
+/// see the headers as the source had them, while dead letters and dedup entries name the
+/// source record.
+pub const SOURCE: &str = "onceflow.source";
+
+/// The three headers that named the source record before [`SOURCE`] (topic, partition,
+/// offset as text); still read, so records routed by an earlier version are processed
+/// alike.
+const LEGACY: [&str; 3] = [
+    "onceflow.source.topic",
+    "onceflow.source.partition",
+    "onceflow.source.offset",
+];
 
 /// Kafka's murmur2 hash (the Java client's `Utils.murmur2`, also librdkafka's
 /// `murmur2_random` partitioner).
@@ -68,12 +79,27 @@ pub(crate) fn partition_for(key: &[u8], partitions: i32) -> i32 {
 /// The source coordinates a repartitioned record carries (topic, partition, offset), or
 /// `None` when the headers are absent or not well formed.
 pub(crate) fn source_of(headers: &[(String, Option<Bytes>)]) -> Option<(String, i32, i64)> {
-    let (partition, offset) = source_position(headers)?;
+    if headers.is_empty() {
+        return None;
+    }
+    if let Some(v) = header_text(headers, SOURCE) {
+        let (t, p, o) = parse_source(v)?;
+        return Some((t.to_string(), p, o));
+    }
     Some((
-        header_text(headers, SOURCE_TOPIC)?.to_string(),
-        partition,
-        offset,
+        header_text(headers, LEGACY[0])?.to_string(),
+        header_text(headers, LEGACY[1])?.parse().ok()?,
+        header_text(headers, LEGACY[2])?.parse().ok()?,
     ))
+}
+
+/// `<topic>/<partition>/<offset>` split and parsed.
+fn parse_source(v: &str) -> Option<(&str, i32, i64)> {
+    let mut parts = v.rsplitn(3, '/');
+    let offset = parts.next()?.parse().ok()?;
+    let partition = parts.next()?.parse().ok()?;
+    let topic = parts.next().filter(|t| !t.is_empty())?;
+    Some((topic, partition, offset))
 }
 
 /// The first header `name` as UTF-8 text.
@@ -85,22 +111,36 @@ fn header_text<'h>(headers: &'h [(String, Option<Bytes>)], name: &str) -> Option
         .and_then(|v| std::str::from_utf8(v).ok())
 }
 
-/// The original source partition and offset a repartitioned record carries, or `None`
-/// when its headers do not name them (a record read from its source). Allocates nothing.
-pub(crate) fn source_position(headers: &[(String, Option<Bytes>)]) -> Option<(i32, i64)> {
-    if headers.is_empty() {
-        return None;
-    }
-    Some((
-        header_text(headers, SOURCE_PARTITION)?.parse().ok()?,
-        header_text(headers, SOURCE_OFFSET)?.parse().ok()?,
-    ))
+/// Take the source-coordinate header(s) off a record read from a repartition topic and
+/// keep them as its [`Record::origin`]; `last` caches the topic name, so records of one
+/// source share it. A record without well-formed coordinates keeps its headers and gets
+/// no origin (it is then named by its repartition coordinates).
+pub(crate) fn take_source(record: &mut Record, last: &mut Option<std::sync::Arc<str>>) {
+    let Some((topic, partition, offset)) = source_of(&record.headers) else {
+        return;
+    };
+    record
+        .headers
+        .retain(|(n, _)| n != SOURCE && !LEGACY.contains(&n.as_str()));
+    let topic = match last {
+        Some(t) if **t == *topic => t.clone(),
+        _ => {
+            let t: std::sync::Arc<str> = topic.into();
+            *last = Some(t.clone());
+            t
+        }
+    };
+    record.origin = Some(super::SourceMeta {
+        topic,
+        partition,
+        offset,
+    });
 }
 
 /// The repartition record for `record`: to `topic`, keyed by the dedup key `key` takes from
 /// it, on [`partition_for`] that key among `partitions`, with value, timestamp and headers as
-/// read plus the source-coordinate headers (kept as they are when the record already
-/// carries them, so the first source is named).
+/// read plus the [`SOURCE`] header (kept as it is when the record already
+/// carries one, so the first source is named).
 ///
 /// # Errors
 /// The [`KeyError`] of a record without a usable key: such a record is not routed (the
@@ -118,8 +158,8 @@ pub(crate) fn route(
 }
 
 /// The repartition record for `record` with its Kafka key `key` on `partition`, with value,
-/// timestamp and headers as read plus the source-coordinate headers (kept as they are when
-/// the record already carries them). [`route`] builds on it; a caller uses it directly for
+/// timestamp and headers as read plus the [`SOURCE`] header (kept as it is when
+/// the record already carries one). [`route`] builds on it; a caller uses it directly for
 /// a record without a dedup key, which the dedup stage then dead-letters.
 pub(crate) fn unrouted(
     record: &Record,
@@ -129,14 +169,10 @@ pub(crate) fn unrouted(
 ) -> OutRecord {
     let mut headers = record.headers.clone();
     if source_of(&headers).is_none() {
-        let h = |s: String| Some(Bytes::from(s.into_bytes()));
-        headers.retain(|(n, _)| n != SOURCE_TOPIC && n != SOURCE_PARTITION && n != SOURCE_OFFSET);
-        headers.push((SOURCE_TOPIC.into(), h(record.source.topic.to_string())));
-        headers.push((
-            SOURCE_PARTITION.into(),
-            h(record.source.partition.to_string()),
-        ));
-        headers.push((SOURCE_OFFSET.into(), h(record.source.offset.to_string())));
+        let s = record.origin();
+        let text = format!("{}/{}/{}", s.topic, s.partition, s.offset);
+        headers.retain(|(n, _)| n != SOURCE && !LEGACY.contains(&n.as_str()));
+        headers.push((SOURCE.into(), Some(Bytes::from(text.into_bytes()))));
     }
     OutRecord {
         topic: topic.to_string(),
@@ -270,6 +306,7 @@ mod tests {
                 partition: 3,
                 offset: 17,
             },
+            origin: None,
         };
         let key = KeySource::JsonPointer("/id".into());
         let out = route(&rec, &key, "app-d-repartition", 4).unwrap();
@@ -277,7 +314,40 @@ mod tests {
         assert_eq!(out.partition, Some(partition_for(b"x", 4)));
         assert_eq!(out.timestamp, Some(42));
         assert_eq!(out.headers[0].0, "h");
+        assert_eq!(out.headers.len(), 2, "one header names the source");
+        assert_eq!(out.headers[1].0, SOURCE);
+        assert_eq!(out.headers[1].1.as_deref(), Some(&b"events/3/17"[..]));
         assert_eq!(source_of(&out.headers), Some(("events".into(), 3, 17)));
+        // Read back: the task takes the header off and keeps it as the origin.
+        let mut back = rec.clone();
+        back.headers = out.headers.clone();
+        back.source.topic = "app-d-repartition".into();
+        back.source.offset = 5;
+        let mut last = None;
+        take_source(&mut back, &mut last);
+        assert_eq!(back.headers, rec.headers, "the source's headers, as they were");
+        assert_eq!(
+            (&*back.origin().topic, back.origin().partition, back.origin().offset),
+            ("events", 3, 17)
+        );
+        assert_eq!(back.source.offset, 5, "the position read stays");
+        // Three headers, as written before the one header: read alike.
+        let mut legacy = back.clone();
+        legacy.origin = None;
+        let t = |v: &str| Some(Bytes::from(v.to_string()));
+        legacy.headers.push(("onceflow.source.topic".into(), t("events")));
+        legacy.headers.push(("onceflow.source.partition".into(), t("3")));
+        legacy.headers.push(("onceflow.source.offset".into(), t("17")));
+        take_source(&mut legacy, &mut last);
+        assert_eq!(legacy.headers, rec.headers);
+        assert_eq!(legacy.origin(), back.origin());
+        // Malformed: kept as it is, no origin.
+        let mut bad = back.clone();
+        bad.origin = None;
+        bad.headers.push((SOURCE.into(), t("events/x/17")));
+        take_source(&mut bad, &mut last);
+        assert_eq!(bad.headers.len(), 2);
+        assert_eq!(bad.origin(), &bad.source);
         // A second hop keeps the first source.
         let mut again = rec.clone();
         again.headers = out.headers.clone();

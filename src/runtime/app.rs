@@ -376,6 +376,7 @@ fn to_record(m: &BorrowedMessage<'_>, topic: &Arc<str>) -> Record {
             partition: m.partition(),
             offset: m.offset(),
         },
+        origin: None,
     }
 }
 

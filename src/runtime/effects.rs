@@ -102,11 +102,8 @@ impl Task {
                     self.count_dead_letter(stage);
                     self.counts.dead_lettered += 1;
                     let offset = rec.source.offset;
-                    let src = (
-                        rec.source.topic.to_string(),
-                        rec.source.partition,
-                        rec.source.offset,
-                    );
+                    let o = rec.origin();
+                    let src = (o.topic.to_string(), o.partition, o.offset);
                     out.push(dead_letter(
                         &self.dlq_topic,
                         &src,

@@ -80,6 +80,11 @@ pub(crate) struct Task {
     reencode: bool,
     /// The largest record the producer accepts (see [`Task::with_max_record_bytes`]).
     max_record_bytes: usize,
+    /// The task reads a repartition topic: each record's source header is taken off into
+    /// its origin ([`crate::processor::repartition::take_source`]).
+    reads_hop: bool,
+    /// The last origin topic seen, shared by the records that name it.
+    origin_topic: Option<std::sync::Arc<str>>,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -137,6 +142,8 @@ impl Task {
             router: None,
             reencode: false,
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+            reads_hop: topology.hop().ok().flatten().is_some(),
+            origin_topic: None,
         })
     }
 
@@ -198,6 +205,8 @@ impl Task {
             router: Some(router),
             reencode,
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+            reads_hop: false,
+            origin_topic: None,
         }
     }
 
@@ -255,6 +264,9 @@ impl Task {
             )));
         }
         let offset = record.source.offset;
+        if self.reads_hop {
+            crate::processor::repartition::take_source(&mut record, &mut self.origin_topic);
+        }
         if let (Some(r), true) = (&self.router, self.nodes.is_empty()) {
             // Counted where the stages read it (the repartition topic), not twice.
             out.push(r.route(record));
@@ -267,11 +279,12 @@ impl Task {
         // The source record as read, kept for the dead-letter topic (clones share bytes).
         let original = (record.key.clone(), record.value.clone(), record.timestamp);
         let headers = record.headers.clone();
+        let origin = record.origin().clone();
         let dead = |err: RecordError, out: &mut Vec<OutRecord>, counts: &mut Counts| {
             counts.dead_lettered += 1;
             out.push(dead_letter(
                 &self.dlq_topic,
-                &record_source(&self.topic, self.partition, offset),
+                &(origin.topic.to_string(), origin.partition, origin.offset),
                 original.0.clone(),
                 original.1.clone(),
                 headers.clone(),
@@ -666,14 +679,12 @@ fn dead_letter_counters(
         .collect()
 }
 
-fn record_source(topic: &str, partition: i32, offset: i64) -> (String, i32, i64) {
-    (topic.to_string(), partition, offset)
-}
-
 /// Build the dead-letter record for a refused source record: its key, value, timestamp and
-/// headers as read, plus the `onceflow.dlq.*` headers naming source and reason. A record
-/// read from a repartition topic is named by its original source (its
-/// `onceflow.source.*` headers), not by its repartition coordinates.
+/// headers as read, plus the `onceflow.dlq.*` headers naming `source` and the reason. Callers
+/// pass the record's [`Record::origin`](crate::Record::origin), so a record read from a
+/// repartition topic is named by its original source, not by its repartition coordinates;
+/// headers that still name a source ([`SOURCE`](crate::headers::SOURCE), e.g. a record an
+/// earlier hop routed) win.
 pub(crate) fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
@@ -684,7 +695,6 @@ pub(crate) fn dead_letter(
     err: &RecordError,
 ) -> OutRecord {
     let h = |s: String| Some(Bytes::from(s.into_bytes()));
-    // A record read back from a repartition topic names its original source record.
     let original = crate::processor::repartition::source_of(&headers);
     let source = original.as_ref().unwrap_or(source);
     headers.push((dlq_headers::TOPIC.into(), h(source.0.clone())));

@@ -8,7 +8,7 @@
 //! | `{value}` | the whole value: byte for byte as read, or the record view as JSON when there is one (a stage changed it, or the source is protobuf) |
 //! | `{value./order_id}` | the JSON field at that pointer (RFC 6901): a string as its UTF-8 bytes, a number as its decimal text |
 //! | `{header.msg-id}` | the first header of that name, byte for byte |
-//! | `{topic}`, `{partition}`, `{offset}` | where the record was read |
+//! | `{topic}`, `{partition}`, `{offset}` | where the record was read from its source (behind a repartition hop: the source record it was routed from) |
 //! | `{timestamp}` | the record timestamp in ms |
 //!
 //! Rendering is strict: a missing or null field, header or key, or a field that is an object,
@@ -194,12 +194,12 @@ impl Template {
                     None => return Err(format!("{{header.{h}}}: no such header")),
                 },
                 Part::Field(f) => field(record, f, out)?,
-                Part::Topic => out.extend_from_slice(record.source.topic.as_bytes()),
+                Part::Topic => out.extend_from_slice(record.origin().topic.as_bytes()),
                 Part::Partition => {
-                    let _ = write!(out, "{}", record.source.partition);
+                    let _ = write!(out, "{}", record.origin().partition);
                 }
                 Part::Offset => {
-                    let _ = write!(out, "{}", record.source.offset);
+                    let _ = write!(out, "{}", record.origin().offset);
                 }
                 Part::Timestamp => match record.timestamp {
                     Some(t) => {

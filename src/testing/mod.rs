@@ -90,6 +90,7 @@ impl TestRecord {
                 partition: self.partition,
                 offset,
             },
+            origin: None,
         }
     }
 
@@ -377,6 +378,7 @@ impl TestDriver {
                 partition: p,
                 offset: log.len() as i64,
             },
+            origin: None,
         };
         log.push(routed.clone());
         routed

@@ -83,10 +83,10 @@ impl<'r> Bindings<'r> {
             ctx.add_variable_from_value("headers", Value::Map(Map { map: Arc::new(hs) }));
             ctx.add_variable_from_value(
                 "topic",
-                Value::String(Arc::new(r.source.topic.to_string())),
+                Value::String(Arc::new(r.origin().topic.to_string())),
             );
-            ctx.add_variable_from_value("partition", Value::Int(r.source.partition as i64));
-            ctx.add_variable_from_value("offset", Value::Int(r.source.offset));
+            ctx.add_variable_from_value("partition", Value::Int(r.origin().partition as i64));
+            ctx.add_variable_from_value("offset", Value::Int(r.origin().offset));
             ctx.add_variable_from_value("timestamp", r.timestamp.map_or(Value::Null, Value::Int));
             Ok(ctx)
         }

@@ -497,8 +497,7 @@ impl Processor for Dedup {
             },
         };
         // Behind a repartition hop the entry names the original source record.
-        let (partition, offset) = crate::processor::repartition::source_position(&record.headers)
-            .unwrap_or((record.source.partition, record.source.offset));
+        let (partition, offset) = (record.origin().partition, record.origin().offset);
         let obs = Observation {
             time_ms,
             partition,
