@@ -81,7 +81,9 @@ fn repartition_passes_an_id_once_across_partitions() {
             // (the dedup entry names the first copy, see below); the timestamp is kept.
             for o in &out {
                 assert!(
-                    o.headers.iter().all(|(k, _)| !k.starts_with("onceflow.source")),
+                    o.headers
+                        .iter()
+                        .all(|(k, _)| !k.starts_with("onceflow.source")),
                     "{g:?}: {:?}",
                     o.headers
                 );

@@ -141,6 +141,26 @@ pub(crate) fn take_source(record: &mut Record, last: &mut Option<std::sync::Arc<
     record
         .headers
         .retain(|(n, _)| n != SOURCE && !LEGACY.contains(&n.as_str()));
+    record.origin = Some(origin(&topic, partition, offset, last));
+}
+
+/// The origin named by a [`SOURCE`] header's value, or `None` when it is not well formed;
+/// `last` as in [`take_source`]. For readers that see the header before it becomes part of
+/// a record (the Kafka run loop: no copy of the header is made).
+pub(crate) fn origin_of(
+    value: &[u8],
+    last: &mut Option<std::sync::Arc<str>>,
+) -> Option<super::SourceMeta> {
+    let (topic, partition, offset) = parse_source(std::str::from_utf8(value).ok()?)?;
+    Some(origin(topic, partition, offset, last))
+}
+
+fn origin(
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    last: &mut Option<std::sync::Arc<str>>,
+) -> super::SourceMeta {
     let topic = match last {
         Some(t) if **t == *topic => t.clone(),
         _ => {
@@ -149,11 +169,11 @@ pub(crate) fn take_source(record: &mut Record, last: &mut Option<std::sync::Arc<
             t
         }
     };
-    record.origin = Some(super::SourceMeta {
+    super::SourceMeta {
         topic,
         partition,
         offset,
-    });
+    }
 }
 
 /// The repartition record for `record`: to `topic`, keyed by the dedup key `key` takes from
@@ -308,7 +328,17 @@ mod tests {
 
     #[test]
     fn decimals_are_written_as_rust_writes_them() {
-        for n in [0, 7, -1, 10, 99, -100, i64::from(i32::MAX), i64::MIN, i64::MAX] {
+        for n in [
+            0,
+            7,
+            -1,
+            10,
+            99,
+            -100,
+            i64::from(i32::MAX),
+            i64::MIN,
+            i64::MAX,
+        ] {
             let mut v = Vec::new();
             push_decimal(&mut v, n);
             assert_eq!(String::from_utf8(v).unwrap(), n.to_string());
@@ -359,9 +389,16 @@ mod tests {
         back.source.offset = 5;
         let mut last = None;
         take_source(&mut back, &mut last);
-        assert_eq!(back.headers, rec.headers, "the source's headers, as they were");
         assert_eq!(
-            (&*back.origin().topic, back.origin().partition, back.origin().offset),
+            back.headers, rec.headers,
+            "the source's headers, as they were"
+        );
+        assert_eq!(
+            (
+                &*back.origin().topic,
+                back.origin().partition,
+                back.origin().offset
+            ),
             ("events", 3, 17)
         );
         assert_eq!(back.source.offset, 5, "the position read stays");
@@ -369,9 +406,15 @@ mod tests {
         let mut legacy = back.clone();
         legacy.origin = None;
         let t = |v: &str| Some(Bytes::from(v.to_string()));
-        legacy.headers.push(("onceflow.source.topic".into(), t("events")));
-        legacy.headers.push(("onceflow.source.partition".into(), t("3")));
-        legacy.headers.push(("onceflow.source.offset".into(), t("17")));
+        legacy
+            .headers
+            .push(("onceflow.source.topic".into(), t("events")));
+        legacy
+            .headers
+            .push(("onceflow.source.partition".into(), t("3")));
+        legacy
+            .headers
+            .push(("onceflow.source.offset".into(), t("17")));
         take_source(&mut legacy, &mut last);
         assert_eq!(legacy.headers, rec.headers);
         assert_eq!(legacy.origin(), back.origin());

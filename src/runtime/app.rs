@@ -169,6 +169,8 @@ struct RunLoop {
     first_record: Option<Instant>,
     /// Lookup tables, loaded before the consumer subscribes (runtime/table.rs).
     tables: crate::state::table::Tables,
+    /// The last origin topic of a repartition record (shared by the records naming it).
+    origin_topic: Option<Arc<str>>,
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
     writer_hold: Option<crate::state::WriterHold>,
@@ -248,7 +250,9 @@ impl RunLoop {
                 .map_err(Error::kafka("pause"))?;
             return Ok(());
         }
-        let record = to_record(m, self.record_topic(p));
+        let reads_hop = self.hop.is_some() && !self.topics.is_router(p);
+        let topic = self.record_topic(p).clone();
+        let record = to_record(m, &topic, reads_hop.then_some(&mut self.origin_topic));
         let Some(task) = self.tasks.get_mut(&p) else {
             return Ok(());
         };
@@ -355,12 +359,32 @@ fn wall_clock_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// The record of `m`; the topic name is shared, not copied.
-fn to_record(m: &BorrowedMessage<'_>, topic: &Arc<str>) -> Record {
+/// The record of `m`; the topic name is shared, not copied. With `origin` (a record of a
+/// repartition topic), its [`SOURCE`](crate::processor::repartition::SOURCE) header becomes
+/// the record's origin without being copied (`origin` caches the topic name).
+fn to_record(
+    m: &BorrowedMessage<'_>,
+    topic: &Arc<str>,
+    mut origin: Option<&mut Option<Arc<str>>>,
+) -> Record {
+    use crate::processor::repartition::{origin_of, SOURCE};
+    let mut from = None;
     let headers = match m.headers() {
         None => Vec::new(),
         Some(h) => h
             .iter()
+            .filter(|h| {
+                let Some(last) = origin.as_deref_mut() else {
+                    return true;
+                };
+                if from.is_some() || h.key != SOURCE {
+                    return true;
+                }
+                // Kept as a header when it does not parse (the task names the record by
+                // its repartition coordinates then).
+                from = h.value.and_then(|v| origin_of(v, last));
+                from.is_none()
+            })
             .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
             .collect(),
     };
@@ -376,7 +400,7 @@ fn to_record(m: &BorrowedMessage<'_>, topic: &Arc<str>) -> Record {
             partition: m.partition(),
             offset: m.offset(),
         },
-        origin: None,
+        origin: from,
     }
 }
 
@@ -476,6 +500,7 @@ impl App {
             first_record: None,
             tables: table_set.handles(),
             writer_hold: None,
+            origin_topic: None,
         };
         let (events_tx, events) = mpsc::channel();
         let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;

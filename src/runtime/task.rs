@@ -264,7 +264,7 @@ impl Task {
             )));
         }
         let offset = record.source.offset;
-        if self.reads_hop {
+        if self.reads_hop && record.origin.is_none() {
             crate::processor::repartition::take_source(&mut record, &mut self.origin_topic);
         }
         if let (Some(r), true) = (&self.router, self.nodes.is_empty()) {
