@@ -107,6 +107,12 @@ pub fn main() -> ExitCode {
             application_id,
         } => match crate::dsl::load(&topology) {
             Ok(t) => {
+                // A hop `onceflow run` refuses is an error here too: its picture would show
+                // a topology that never runs.
+                if let Err(e) = t.hop() {
+                    eprintln!("{}: {e}", topology.display());
+                    return ExitCode::from(1);
+                }
                 print!("{}", t.describe_as(format, &application_id));
                 ExitCode::SUCCESS
             }

@@ -143,16 +143,18 @@ fn describe_mermaid_and_dot() {
         t.describe_as(DescribeFormat::Mermaid, "onceflow"),
         r#"flowchart LR
   t0(["topic analytics.events"])
+  t1(["topic onceflow-seen-events-repartition"])
   s0["dedup seen-events<br/>key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates partitioning=repartition (stated)"]
-  t1(["topic analytics.duplicates"])
+  t2(["topic analytics.duplicates"])
   st0_0[("store seen-events<br/>changelog onceflow-seen-events-changelog")]
   s1["sink unique<br/>topics=analytics.unique key=`value.user_id` header[event-name]=`value.event`"]
-  t2(["topic analytics.unique"])
-  t0 --> s0
-  s0 -->|"duplicates"| t1
+  t3(["topic analytics.unique"])
+  t0 -->|"repartition by json pointer /event_id"| t1
+  t1 --> s0
+  s0 -->|"duplicates"| t2
   s0 -->|"state"| st0_0
   s0 --> s1
-  s1 --> t2
+  s1 --> t3
 "#
     );
     let t = dsl::load(&root().join("topologies/routing-by-event-type.yaml")).unwrap();
@@ -455,4 +457,48 @@ fn validate_shows_the_hop_after_stateless_stages_and_refuses_a_sink_before_it() 
     assert!(err.contains("dedup stage \"dedup\""), "{err}");
     assert!(err.contains("stage \"copy\" (sink)"), "{err}");
     assert!(err.contains("only filter and map stages"), "{err}");
+    // describe refuses it alike: its picture would show a topology that never runs.
+    let f = dir.path().join("t.yaml");
+    for format in ["text", "mermaid", "dot"] {
+        let (code, out, err) = onceflow(&["describe", "--format", format, f.to_str().unwrap()]);
+        assert_eq!((code, out.as_str()), (1, ""), "{format}: {err}");
+        assert!(
+            err.contains("only filter and map stages"),
+            "{format}: {err}"
+        );
+    }
+}
+
+#[test]
+fn describe_graphs_draw_the_repartition_hop() {
+    let t = onceflow::dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in, format: json }\nstages:\n  - filter: { name: keep, when: 'value.n > 0' }\n  - dedup: { name: d, key: { json_pointer: /id } }\n  - sink: { topic: out }\n",
+    )
+    .unwrap();
+    let mermaid = t.describe_as(DescribeFormat::Mermaid, "app");
+    // source -> keep -> repartition topic -> d
+    assert!(
+        mermaid.contains("  t1([\"topic app-d-repartition\"])"),
+        "{mermaid}"
+    );
+    assert!(
+        mermaid.contains("  s0 -->|\"repartition by json pointer /id\"| t1\n  t1 --> s1\n"),
+        "{mermaid}"
+    );
+    let dot = t.describe_as(DescribeFormat::Dot, "app");
+    assert!(dot.contains("label=\"topic app-d-repartition\""), "{dot}");
+    assert!(
+        dot.contains("  s0 -> t1 [label=\"repartition by json pointer /id\"];"),
+        "{dot}"
+    );
+    // Stated `partitioning: source`: no hop drawn.
+    let t = onceflow::dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in, format: json }\nstages:\n  - dedup: { name: d, key: { json_pointer: /id }, partitioning: source }\n  - sink: { topic: out }\n",
+    )
+    .unwrap();
+    assert!(!t
+        .describe_as(DescribeFormat::Mermaid, "app")
+        .contains("repartition"));
 }

@@ -165,9 +165,27 @@ impl Topology {
             table_ids.push((t.name.clone(), tid));
         }
         let mut prev = src;
+        let hop = self.hop().ok().flatten().map(|(k, name, d)| {
+            (
+                k,
+                crate::processor::stages::repartition_topic(app, name),
+                d.key.describe(),
+            )
+        });
         for (i, st) in self.stages.iter().enumerate() {
             let id = format!("s{i}");
             let kind = st.kind.spec();
+            if let Some((_, topic, key)) = hop.as_ref().filter(|(k, ..)| *k == i) {
+                // The repartition hop: what the stages before it pass is routed by the
+                // dedup key through the repartition topic.
+                let t = topic_node(topic, &mut nodes);
+                edges.push((
+                    prev.clone(),
+                    t.clone(),
+                    Some(format!("repartition by {key}")),
+                ));
+                prev = t;
+            }
             let label = format!("{} {}\n{}", st.kind.kind_name(), st.name, kind.settings());
             nodes.push(if dot {
                 format!(
