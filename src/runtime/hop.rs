@@ -84,6 +84,22 @@ impl Topics {
         }
     }
 
+    /// Task ids as a log shows them: `[0, 1]` without a hop (the source partitions);
+    /// with one, each as `topic/partition`, since ids of router tasks are not partitions.
+    pub(crate) fn show(&self, ids: &[i32]) -> String {
+        if self.repartition.is_none() {
+            return format!("{ids:?}");
+        }
+        let names: Vec<String> = ids
+            .iter()
+            .map(|id| {
+                let (t, p) = self.tp(*id);
+                format!("{t}/{p}")
+            })
+            .collect();
+        format!("[{}]", names.join(", "))
+    }
+
     /// The task id of `partition` of `topic` (one of [`Topics::subscription`]).
     pub(crate) fn id(&self, topic: &str, partition: i32) -> i32 {
         match &self.repartition {
@@ -186,5 +202,11 @@ mod tests {
             assert_eq!(s, p, "a stateful task keeps its partition number");
             assert_eq!(hop.tp(s), ("app-d-repartition", p));
         }
+        // Logs name topics and partitions, not task ids.
+        assert_eq!(plain.show(&[0, 3]), "[0, 3]");
+        assert_eq!(
+            hop.show(&[1, hop.id("in", 2)]),
+            "[app-d-repartition/1, in/2]"
+        );
     }
 }

@@ -58,7 +58,7 @@ impl RunLoop {
         if self.protocol.guarantee() == Guarantee::ExactlyOnceV2 && lost {
             // Committing now would put this instance's outputs next to the new owners'.
             tracing::warn!(
-                ?partitions,
+                partitions = %self.topics.show(partitions),
                 "partitions lost (this instance left the group): aborting the open transaction"
             );
             let kept: Vec<i32> = (self.tasks.keys())
@@ -76,7 +76,10 @@ impl RunLoop {
                 self.rewind(consumer, &seek)?;
             }
         } else {
-            tracing::info!(?partitions, "partitions revoked: committing their work");
+            tracing::info!(
+                partitions = %self.topics.show(partitions),
+                "partitions revoked: committing their work"
+            );
             self.commit(consumer, CommitMode::Sync)?;
         }
         self.status_dirty = true;
@@ -160,7 +163,10 @@ impl RunLoop {
     }
 
     fn on_assign(&mut self, consumer: &SourceConsumer, partitions: &[i32]) -> Result<()> {
-        tracing::info!(?partitions, "partitions assigned");
+        tracing::info!(
+            partitions = %self.topics.show(partitions),
+            "partitions assigned"
+        );
         self.assigned_once = true;
         self.status_dirty = true;
         self.group_meta = consumer.group_metadata();
