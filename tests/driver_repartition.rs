@@ -154,6 +154,29 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
         "the Kafka key is kept"
     );
     assert_eq!(h(dl[1], dlq_headers::PARTITION).as_deref(), Some(&b"1"[..]));
+    // Not JSON, with a Kafka key: the router cannot read the key, so the record travels
+    // marked unkeyed, and the task after the hop reads (and refuses) its value instead of
+    // taking the Kafka key as the dedup key.
+    d.pipe(TestRecord::json("{not json").key("k").partition(3))
+        .unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 3);
+    assert_eq!(h(dl[2], dlq_headers::STAGE).as_deref(), Some(&b"source"[..]));
+    assert_eq!(h(dl[2], dlq_headers::PARTITION).as_deref(), Some(&b"3"[..]));
+    for r in &dl {
+        assert!(
+            r.headers.iter().all(|(k, _)| !k.starts_with("onceflow.source")),
+            "{:?}",
+            r.headers
+        );
+    }
+    assert!(d.output("out").is_empty(), "{:?}", d.output_values("out"));
+    let reasons: Vec<_> = dl
+        .iter()
+        .map(|r| String::from_utf8(h(r, dlq_headers::REASON).unwrap().to_vec()).unwrap())
+        .collect();
+    assert_eq!(reasons[0], "key field /id is missing", "{reasons:?}");
+    assert!(reasons[2].starts_with("value is not valid JSON"), "{reasons:?}");
 }
 
 #[test]

@@ -325,6 +325,7 @@ mod tests {
                 offset: 0,
             },
             origin: None,
+            keyed: false,
         }
     }
 

@@ -214,6 +214,7 @@ mod tests {
                 offset: 0,
             },
             origin: None,
+            keyed: false,
         }
     }
 

@@ -40,6 +40,10 @@ pub struct Record {
     /// Behind a repartition hop: the source record this one was routed from (see
     /// [`Record::origin`]).
     pub(crate) origin: Option<SourceMeta>,
+    /// Read from a repartition topic, routed by its dedup key: its Kafka key is the key the
+    /// hop's dedup stage takes, and its value was read as valid by the router when that key
+    /// came from it (see [`crate::processor::repartition::UNKEYED`]).
+    pub(crate) keyed: bool,
 }
 
 impl Record {
@@ -86,6 +90,7 @@ impl Record {
                 offset,
             },
             origin: None,
+            keyed: false,
         }
     }
 }

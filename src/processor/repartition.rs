@@ -26,6 +26,13 @@ use bytes::Bytes;
 /// source record.
 pub const SOURCE: &str = "onceflow.source";
 
+/// Header (null value) of a repartition record the router could not key (a value without
+/// the key, or not decodable): it travels with its Kafka key, which is then not the dedup
+/// key, and the dedup stage after the hop reads the key from the value again (and
+/// dead-letters the record). A record without it is keyed by its dedup key. Taken off
+/// with [`SOURCE`].
+pub(crate) const UNKEYED: &str = "onceflow.source.unkeyed";
+
 /// The three headers that named the source record before [`SOURCE`] (topic, partition,
 /// offset as text); still read, so records routed by an earlier version are processed
 /// alike.
@@ -138,10 +145,15 @@ pub(crate) fn take_source(record: &mut Record, last: &mut Option<std::sync::Arc<
     let Some((topic, partition, offset)) = source_of(&record.headers) else {
         return;
     };
+    // Only the one-header form promises the key (the three-header form came before
+    // [`UNKEYED`] did).
+    let current = record.headers.iter().any(|(n, _)| n == SOURCE);
+    let unkeyed = record.headers.iter().any(|(n, _)| n == UNKEYED);
     record
         .headers
-        .retain(|(n, _)| n != SOURCE && !LEGACY.contains(&n.as_str()));
+        .retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
     record.origin = Some(origin(&topic, partition, offset, last));
+    record.keyed = current && !unkeyed;
 }
 
 /// The origin named by a [`SOURCE`] header's value, or `None` when it is not well formed;
@@ -193,7 +205,13 @@ pub(crate) fn route(
     let mut k = Vec::with_capacity(32);
     key.extract_into(record, &mut k)?;
     let partition = partition_for(&k, partitions);
-    Ok(unrouted(record, topic, partition, Some(Bytes::from(k))))
+    Ok(with_source(
+        record,
+        topic,
+        partition,
+        Some(Bytes::from(k)),
+        true,
+    ))
 }
 
 /// The repartition record for `record` with its Kafka key `key` on `partition`, with value,
@@ -206,6 +224,18 @@ pub(crate) fn unrouted(
     partition: i32,
     key: Option<Bytes>,
 ) -> OutRecord {
+    with_source(record, topic, partition, key, false)
+}
+
+/// [`unrouted`], or with `keyed` the record [`route`] keyed by its dedup key (else it
+/// carries [`UNKEYED`]).
+fn with_source(
+    record: &Record,
+    topic: &str,
+    partition: i32,
+    key: Option<Bytes>,
+    keyed: bool,
+) -> OutRecord {
     let mut headers = record.headers.clone();
     if source_of(&headers).is_none() {
         let s = record.origin();
@@ -216,8 +246,11 @@ pub(crate) fn unrouted(
         push_decimal(&mut text, i64::from(s.partition));
         text.push(b'/');
         push_decimal(&mut text, s.offset);
-        headers.retain(|(n, _)| n != SOURCE && !LEGACY.contains(&n.as_str()));
+        headers.retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
         headers.push((SOURCE.into(), Some(Bytes::from(text))));
+        if !keyed {
+            headers.push((UNKEYED.into(), None));
+        }
     }
     OutRecord {
         topic: topic.to_string(),
@@ -371,6 +404,7 @@ mod tests {
                 offset: 17,
             },
             origin: None,
+            keyed: false,
         };
         let key = KeySource::JsonPointer("/id".into());
         let out = route(&rec, &key, "app-d-repartition", 4).unwrap();

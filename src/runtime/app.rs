@@ -367,8 +367,9 @@ fn to_record(
     topic: &Arc<str>,
     mut origin: Option<&mut Option<Arc<str>>>,
 ) -> Record {
-    use crate::processor::repartition::{origin_of, SOURCE};
+    use crate::processor::repartition::{origin_of, SOURCE, UNKEYED};
     let mut from = None;
+    let mut unkeyed = false;
     let headers = match m.headers() {
         None => Vec::new(),
         Some(h) => h
@@ -377,6 +378,10 @@ fn to_record(
                 let Some(last) = origin.as_deref_mut() else {
                     return true;
                 };
+                if h.key == UNKEYED {
+                    unkeyed = true;
+                    return false;
+                }
                 if from.is_some() || h.key != SOURCE {
                     return true;
                 }
@@ -388,6 +393,7 @@ fn to_record(
             .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
             .collect(),
     };
+    let keyed = from.is_some() && !unkeyed;
     Record {
         key: m.key().map(Bytes::copy_from_slice),
         value: m.payload().map(Bytes::copy_from_slice),
@@ -401,6 +407,7 @@ fn to_record(
             offset: m.offset(),
         },
         origin: from,
+        keyed,
     }
 }
 

@@ -85,6 +85,12 @@ pub(crate) struct Task {
     reads_hop: bool,
     /// The last origin topic seen, shared by the records that name it.
     origin_topic: Option<std::sync::Arc<str>>,
+    /// Behind a hop whose dedup key is read from a JSON value: the pointers (and tokens)
+    /// the stages read besides that key. A record the router keyed
+    /// ([`Record::keyed`](crate::Record)) was scanned by the router, which read its key
+    /// from these very bytes, so its value is valid JSON: it is scanned for these only, and
+    /// not at all when there are none (the dedup takes its Kafka key).
+    keyed_pointers: Option<(std::sync::Arc<[String]>, Vec<Vec<String>>)>,
 }
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
@@ -144,6 +150,7 @@ impl Task {
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
             reads_hop: topology.hop().ok().flatten().is_some(),
             origin_topic: None,
+            keyed_pointers: keyed_pointers(topology),
         })
     }
 
@@ -207,6 +214,7 @@ impl Task {
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
             reads_hop: false,
             origin_topic: None,
+            keyed_pointers: None,
         }
     }
 
@@ -292,18 +300,27 @@ impl Task {
                 &err,
             ));
         };
-        let decoded = match &self.format {
+        let decoded = match (&self.format, &self.keyed_pointers) {
+            // Routed by a key the router read from this value: valid JSON (see
+            // `keyed_pointers`).
+            (Format::Json, Some((ptrs, tokens))) if record.keyed => match record.value.as_deref() {
+                Some(_) if ptrs.is_empty() => Ok(()),
+                Some(v) => crate::processor::json_scan::scan(v, tokens)
+                    .map(|vals| record.fields = Some((ptrs.clone(), vals)))
+                    .map_err(|e| format!("value is not valid JSON: {e}")),
+                None => Err("value is null, expected JSON".to_string()),
+            },
             // One validating pass that picks the fields the stages read; no tree is built
             // (a stage that needs the view parses it, see `codec::view_mut`).
-            Format::Json => match record.value.as_deref() {
+            (Format::Json, _) => match record.value.as_deref() {
                 Some(v) => crate::processor::json_scan::scan(v, &self.pointer_tokens)
                     .map(|vals| record.fields = Some((self.pointers.clone(), vals)))
                     .map_err(|e| format!("value is not valid JSON: {e}")),
                 None => Err("value is null, expected JSON".to_string()),
             },
-            Format::Bytes => Ok(()),
+            (Format::Bytes, _) => Ok(()),
             // String and protobuf values are decoded into the record view when read.
-            other => match record.value.as_deref() {
+            (other, _) => match record.value.as_deref() {
                 Some(v) => other.decode(v).map(|view| record.json = Some(view)),
                 None => Err(format!("value is null, expected {}", other.describe())),
             },
@@ -677,6 +694,24 @@ fn dead_letter_counters(
                 "stage" => stage.to_string())
         })
         .collect()
+}
+
+/// [`Task::keyed_pointers`] of the tasks on a repartition topic: `None` without a hop, or
+/// when the hop's dedup key is not read from the value (the router did not scan it).
+fn keyed_pointers(topology: &Topology) -> Option<(std::sync::Arc<[String]>, Vec<Vec<String>>)> {
+    let (k, _, d) = topology.hop().ok().flatten()?;
+    if !d.key.needs_json() {
+        return None;
+    }
+    let mut ptrs = Vec::new();
+    for s in &topology.stages()[k + 1..] {
+        s.kind.spec().json_pointers(&mut ptrs);
+    }
+    let tokens = ptrs
+        .iter()
+        .map(|p| crate::processor::json_scan::tokens(p))
+        .collect();
+    Some((ptrs.into(), tokens))
 }
 
 /// Build the dead-letter record for a refused source record: its key, value, timestamp and

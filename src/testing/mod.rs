@@ -91,6 +91,7 @@ impl TestRecord {
                 offset,
             },
             origin: None,
+            keyed: false,
         }
     }
 
@@ -379,6 +380,7 @@ impl TestDriver {
                 offset: log.len() as i64,
             },
             origin: None,
+            keyed: false,
         };
         log.push(routed.clone());
         routed

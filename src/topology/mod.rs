@@ -168,6 +168,12 @@ impl Topology {
         Ok(repartitioned.into_iter().next())
     }
 
+    /// The index of the dedup stage of the repartition hop, if the topology has one that
+    /// runs.
+    pub(crate) fn hop_stage_index(&self) -> Option<usize> {
+        self.hop().ok().flatten().map(|(k, ..)| k)
+    }
+
     /// The index of the first stage a task on the repartition topic runs (the dedup of
     /// [`Topology::hop`]), 0 without a hop (or with one that is refused: the runtime and
     /// the test driver refuse such a topology before a task is made).

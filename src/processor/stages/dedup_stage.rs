@@ -233,6 +233,10 @@ pub(crate) struct Dedup {
     reviving: Option<Decision>,
     /// Compiled `fingerprint_fields`.
     fingerprinter: Option<Fingerprinter>,
+    /// The stage is the repartition hop's: a record the router keyed by its dedup key
+    /// ([`Record::keyed`](crate::Record)) is judged by its Kafka key, which holds exactly
+    /// the bytes the key source gave the router, without reading the value again.
+    keyed_by_hop: bool,
 }
 
 /// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
@@ -336,6 +340,7 @@ impl Dedup {
             book: None,
             checks: 0,
             hold_twins: false,
+            keyed_by_hop: false,
             held: Vec::new(),
             mark_owners: std::collections::HashMap::new(),
             reviving: None,
@@ -363,6 +368,12 @@ impl Dedup {
     /// the stage a record fails while it is processed, before any twin arrives.
     pub(crate) fn holding_twins(mut self, on: bool) -> Self {
         self.hold_twins = on;
+        self
+    }
+
+    /// The stage right after a repartition hop (see `keyed_by_hop`).
+    pub(crate) fn keyed_by_hop(mut self, on: bool) -> Self {
+        self.keyed_by_hop = on;
         self
     }
 }
@@ -466,7 +477,10 @@ impl Processor for Dedup {
     }
 
     fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError> {
-        if let Err(e) = self.spec.key.extract_into(&record, &mut self.key_buf) {
+        if let (true, true, Some(k)) = (self.keyed_by_hop, record.keyed, &record.key) {
+            self.key_buf.clear();
+            self.key_buf.extend_from_slice(k);
+        } else if let Err(e) = self.spec.key.extract_into(&record, &mut self.key_buf) {
             self.metrics.error.increment(1);
             return Err(RecordError::new(&self.name, e.to_string()).into());
         }

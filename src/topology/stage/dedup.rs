@@ -139,11 +139,13 @@ impl StageKindSpec for DedupSpec {
     fn processor(&self, cx: &BuildCx<'_>) -> Box<dyn Processor> {
         let n = cx.name;
         Box::new(
-            Dedup::new(cx.topology_name(), n, n, self.clone()).holding_twins(
-                cx.downstream()
-                    .iter()
-                    .any(|s| s.kind.spec().external_effect()),
-            ),
+            Dedup::new(cx.topology_name(), n, n, self.clone())
+                .holding_twins(
+                    cx.downstream()
+                        .iter()
+                        .any(|s| s.kind.spec().external_effect()),
+                )
+                .keyed_by_hop(cx.topology.hop_stage_index() == Some(cx.index)),
         )
     }
 }
