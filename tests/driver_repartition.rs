@@ -161,11 +161,16 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
         .unwrap();
     let dl = d.dead_letters();
     assert_eq!(dl.len(), 3);
-    assert_eq!(h(dl[2], dlq_headers::STAGE).as_deref(), Some(&b"source"[..]));
+    assert_eq!(
+        h(dl[2], dlq_headers::STAGE).as_deref(),
+        Some(&b"source"[..])
+    );
     assert_eq!(h(dl[2], dlq_headers::PARTITION).as_deref(), Some(&b"3"[..]));
     for r in &dl {
         assert!(
-            r.headers.iter().all(|(k, _)| !k.starts_with("onceflow.source")),
+            r.headers
+                .iter()
+                .all(|(k, _)| !k.starts_with("onceflow.source")),
             "{:?}",
             r.headers
         );
@@ -176,7 +181,10 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
         .map(|r| String::from_utf8(h(r, dlq_headers::REASON).unwrap().to_vec()).unwrap())
         .collect();
     assert_eq!(reasons[0], "key field /id is missing", "{reasons:?}");
-    assert!(reasons[2].starts_with("value is not valid JSON"), "{reasons:?}");
+    assert!(
+        reasons[2].starts_with("value is not valid JSON"),
+        "{reasons:?}"
+    );
 }
 
 #[test]

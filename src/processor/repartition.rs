@@ -21,7 +21,7 @@ use bytes::Bytes;
 
 /// Header a repartition record carries naming its source record: `<topic>/<partition>/<offset>`
 /// (decimal; a Kafka topic name holds no `/`), e.g. `events/3/17`. The task reading the
-/// repartition topic takes it off the record ([`take_source`]): the stages after the hop
+/// repartition topic takes it off the record: the stages after the hop
 /// see the headers as the source had them, while dead letters and dedup entries name the
 /// source record.
 pub const SOURCE: &str = "onceflow.source";

@@ -31,6 +31,9 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 /// [`SledBackend::seal`]): one line per store tree, `<name as hex> <entries> <checksum>`.
 const SEAL_FILE: &str = "onceflow.sealed";
 
+/// How long [`SledBackend::open`] waits for sled's file lock (see `open_sled`).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Why a database could not be opened by [`SledBackend::open_checked`].
 enum Damage {
     /// Its content is damaged: set it aside.
@@ -278,13 +281,30 @@ impl SledBackend {
         std::fs::rename(&tmp, &seal).map_err(io)
     }
 
+    /// Open sled in `dir`. sled's file lock is released only when the last handle of a
+    /// database closed in this process is gone, which its background threads may hold for
+    /// a moment after the database was dropped: a lock held is tried again for up to
+    /// [`LOCK_WAIT`]. Another process holding the state dir is refused before this, by
+    /// the state-dir lock ([`crate::state::StateDirLock`]).
     fn open_sled(dir: &Path) -> std::result::Result<::sled::Db, ::sled::Error> {
-        ::sled::Config::new()
-            .path(dir)
-            .cache_capacity(256 * 1024 * 1024)
-            .mode(::sled::Mode::LowSpace)
-            .flush_every_ms(Some(1000))
-            .open()
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            let opened = ::sled::Config::new()
+                .path(dir)
+                .cache_capacity(256 * 1024 * 1024)
+                .mode(::sled::Mode::LowSpace)
+                .flush_every_ms(Some(1000))
+                .open();
+            match opened {
+                Err(e)
+                    if e.to_string().contains("could not acquire lock")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The partitions of `store` that have a tree in this database, ascending. Read-only:
