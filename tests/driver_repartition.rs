@@ -38,6 +38,18 @@ fn last_header(r: &onceflow::OutRecord, name: &str) -> Option<bytes::Bytes> {
     v.clone()
 }
 
+/// `r` carries none of the hop's `onceflow.source*` headers (the task after the hop takes
+/// them off).
+fn assert_no_hop_headers(r: &onceflow::OutRecord) {
+    assert!(
+        r.headers
+            .iter()
+            .all(|(k, _)| !k.starts_with("onceflow.source")),
+        "{:?}",
+        r.headers
+    );
+}
+
 /// The same id on two source partitions with two different Kafka keys.
 fn pipe_copies(d: &mut TestDriver) {
     d.pipe(
@@ -79,15 +91,7 @@ fn repartition_passes_an_id_once_across_partitions() {
             // The source coordinates travel on the repartition topic only: the task after
             // the hop takes its header off, so outputs carry the source's headers alone
             // (the dedup entry names the first copy, see below); the timestamp is kept.
-            for o in &out {
-                assert!(
-                    o.headers
-                        .iter()
-                        .all(|(k, _)| !k.starts_with("onceflow.source")),
-                    "{g:?}: {:?}",
-                    o.headers
-                );
-            }
+            out.iter().for_each(|o| assert_no_hop_headers(o));
             assert_eq!(out[0].timestamp, Some(1_000));
             let c = d.counts();
             assert_eq!(c.duplicates, 1, "{g:?}: the second copy is a duplicate");
@@ -166,15 +170,7 @@ fn a_record_without_key_is_dead_lettered_naming_its_source() {
         Some(&b"source"[..])
     );
     assert_eq!(h(dl[2], dlq_headers::PARTITION).as_deref(), Some(&b"3"[..]));
-    for r in &dl {
-        assert!(
-            r.headers
-                .iter()
-                .all(|(k, _)| !k.starts_with("onceflow.source")),
-            "{:?}",
-            r.headers
-        );
-    }
+    dl.iter().for_each(|r| assert_no_hop_headers(r));
     assert!(d.output("out").is_empty(), "{:?}", d.output_values("out"));
     let reasons: Vec<_> = dl
         .iter()

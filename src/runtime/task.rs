@@ -287,12 +287,16 @@ impl Task {
         // The source record as read, kept for the dead-letter topic (clones share bytes).
         let original = (record.key.clone(), record.value.clone(), record.timestamp);
         let headers = record.headers.clone();
-        let origin = record.origin().clone();
+        // Behind a hop, the source record it was routed from (no copy without a hop).
+        let origin = record.origin.clone();
         let dead = |err: RecordError, out: &mut Vec<OutRecord>, counts: &mut Counts| {
             counts.dead_lettered += 1;
             out.push(dead_letter(
                 &self.dlq_topic,
-                &(origin.topic.to_string(), origin.partition, origin.offset),
+                &origin.as_ref().map_or_else(
+                    || (self.topic.to_string(), self.partition, offset),
+                    |o| (o.topic.to_string(), o.partition, o.offset),
+                ),
                 original.0.clone(),
                 original.1.clone(),
                 headers.clone(),
