@@ -163,6 +163,42 @@ impl OutputProducer {
         self.send_record(record)
     }
 
+    /// Queue one record to `topic`/`partition` from borrowed parts (the repartition router's
+    /// records); as [`OutputProducer::send`].
+    ///
+    /// # Errors
+    /// As [`OutputProducer::send`].
+    pub(crate) fn send_parts(
+        &self,
+        topic: &str,
+        partition: i32,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        headers: &[(&str, Option<&[u8]>)],
+        timestamp: Option<i64>,
+    ) -> Result<()> {
+        let slot = (self.epoch.load(Ordering::Relaxed) % EPOCH_SLOTS as u64) as usize;
+        let mut record: BaseRecord<'_, [u8], [u8], usize> =
+            BaseRecord::with_opaque_to(topic, slot).partition(partition);
+        if let Some(k) = key {
+            record = record.key(k);
+        }
+        if let Some(v) = value {
+            record = record.payload(v);
+        }
+        if let Some(ts) = timestamp {
+            record = record.timestamp(ts);
+        }
+        if !headers.is_empty() {
+            let mut h = OwnedHeaders::new_with_capacity(headers.len());
+            for (k, v) in headers {
+                h = h.insert(Header { key: k, value: *v });
+            }
+            record = record.headers(h);
+        }
+        self.send_record(record)
+    }
+
     /// Queue one changelog record `write` (its `value` `None`: a tombstone) to `topic`,
     /// from borrowed bytes; as [`OutputProducer::send`].
     ///

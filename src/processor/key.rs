@@ -86,15 +86,19 @@ impl KeySource {
     /// # Errors
     /// [`KeyError::Missing`] when the field, header or Kafka key is absent or null;
     /// [`KeyError::WrongType`] when a JSON field is not a string or number.
-    pub(crate) fn extract_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+    pub(crate) fn extract_into<R: KeyInput + ?Sized>(
+        &self,
+        record: &R,
+        out: &mut Vec<u8>,
+    ) -> Result<(), KeyError> {
         out.clear();
         self.append(record, out)
     }
 
-    fn append(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), KeyError> {
+    fn append<R: KeyInput + ?Sized>(&self, record: &R, out: &mut Vec<u8>) -> Result<(), KeyError> {
         match self {
             KeySource::JsonPointer(ptr) => {
-                if let Some((ptrs, vals)) = &record.fields {
+                if let Some((ptrs, vals)) = record.fields() {
                     if let Some(i) = ptrs.iter().position(|p| p == ptr) {
                         use super::json_scan::Scalar;
                         return match &vals[i] {
@@ -114,7 +118,7 @@ impl KeySource {
                         };
                     }
                 }
-                let Some(json) = record.json.as_ref() else {
+                let Some(json) = record.json() else {
                     return Err(KeyError::Missing(format!(
                         "key field {ptr}: the value is not decoded JSON (source format must be json)"
                     )));
@@ -143,7 +147,7 @@ impl KeySource {
                     Ok(())
                 }
             },
-            KeySource::KafkaKey => match &record.key {
+            KeySource::KafkaKey => match record.kafka_key() {
                 None => Err(KeyError::Missing("the Kafka key is null".into())),
                 Some(k) => {
                     out.extend_from_slice(k);
@@ -151,7 +155,7 @@ impl KeySource {
                 }
             },
             KeySource::ValueHash => {
-                let bytes = record.value.as_deref().unwrap_or_default();
+                let bytes = record.value().unwrap_or_default();
                 out.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(bytes).to_be_bytes());
                 Ok(())
             }
@@ -165,6 +169,39 @@ impl KeySource {
                 Ok(())
             }
         }
+    }
+}
+
+/// What a key is read from: a [`Record`], or the parts of a message read in place (the
+/// repartition router reads a source message without copying it into a record).
+pub(crate) trait KeyInput {
+    /// The JSON fields scanned from the value: the pointers and their values.
+    fn fields(&self) -> Option<(&[String], &[super::json_scan::Scalar])>;
+    /// The decoded value (a non-JSON source, or a value a stage rewrote).
+    fn json(&self) -> Option<&serde_json::Value>;
+    /// The first header named `name` (`Some(None)`: a null value).
+    fn header(&self, name: &str) -> Option<Option<&[u8]>>;
+    /// The Kafka key.
+    fn kafka_key(&self) -> Option<&[u8]>;
+    /// The value bytes.
+    fn value(&self) -> Option<&[u8]>;
+}
+
+impl KeyInput for Record {
+    fn fields(&self) -> Option<(&[String], &[super::json_scan::Scalar])> {
+        self.fields.as_ref().map(|(p, v)| (&p[..], &v[..]))
+    }
+    fn json(&self) -> Option<&serde_json::Value> {
+        self.json.as_ref()
+    }
+    fn header(&self, name: &str) -> Option<Option<&[u8]>> {
+        Record::header(self, name)
+    }
+    fn kafka_key(&self) -> Option<&[u8]> {
+        self.key.as_deref()
+    }
+    fn value(&self) -> Option<&[u8]> {
+        self.value.as_deref()
     }
 }
 

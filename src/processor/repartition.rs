@@ -109,6 +109,27 @@ fn parse_source(v: &str) -> Option<(&str, i32, i64)> {
     Some((topic, partition, offset))
 }
 
+/// The [`SOURCE`] header's value for a record at `topic`/`partition`/`offset`, written to
+/// `out` (cleared first).
+pub(crate) fn source_text(topic: &str, partition: i32, offset: i64, out: &mut Vec<u8>) {
+    // Written by hand: `format!` was a visible share of routing.
+    out.clear();
+    out.reserve(topic.len() + 32);
+    out.extend_from_slice(topic.as_bytes());
+    out.push(b'/');
+    push_decimal(out, i64::from(partition));
+    out.push(b'/');
+    push_decimal(out, offset);
+}
+
+/// Whether a header named `name` is one the router writes ([`SOURCE`], [`UNKEYED`], or the
+/// legacy three): a record that already carries one is routed as a [`Record`], which keeps
+/// a source header as it is.
+pub(crate) fn is_hop_header(name: &str) -> bool {
+    name.starts_with("onceflow.source")
+        && (name == SOURCE || name == UNKEYED || LEGACY.contains(&name))
+}
+
 /// Append `n` in decimal.
 fn push_decimal(out: &mut Vec<u8>, n: i64) {
     if n < 0 {
@@ -239,13 +260,8 @@ fn with_source(
     let mut headers = record.headers.clone();
     if source_of(&headers).is_none() {
         let s = record.origin();
-        // Written by hand: `format!` was a visible share of routing.
-        let mut text = Vec::with_capacity(s.topic.len() + 32);
-        text.extend_from_slice(s.topic.as_bytes());
-        text.push(b'/');
-        push_decimal(&mut text, i64::from(s.partition));
-        text.push(b'/');
-        push_decimal(&mut text, s.offset);
+        let mut text = Vec::new();
+        source_text(&s.topic, s.partition, s.offset, &mut text);
         headers.retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
         headers.push((SOURCE.into(), Some(Bytes::from(text))));
         if !keyed {
@@ -259,6 +275,38 @@ fn with_source(
         value: record.value.clone(),
         headers,
         timestamp: record.timestamp,
+    }
+}
+
+/// A source message's parts as a key reads them, with what the router read from the value
+/// (see [`Router::route_parts`]).
+struct PartsView<'p> {
+    key: Option<&'p [u8]>,
+    value: Option<&'p [u8]>,
+    headers: &'p [(&'p str, Option<&'p [u8]>)],
+    pointers: &'p [String],
+    fields: Option<Vec<super::json_scan::Scalar>>,
+    json: Option<serde_json::Value>,
+}
+
+impl super::key::KeyInput for PartsView<'_> {
+    fn fields(&self) -> Option<(&[String], &[super::json_scan::Scalar])> {
+        self.fields.as_deref().map(|v| (self.pointers, v))
+    }
+    fn json(&self) -> Option<&serde_json::Value> {
+        self.json.as_ref()
+    }
+    fn header(&self, name: &str) -> Option<Option<&[u8]>> {
+        self.headers
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| *v)
+    }
+    fn kafka_key(&self) -> Option<&[u8]> {
+        self.key
+    }
+    fn value(&self) -> Option<&[u8]> {
+        self.value
     }
 }
 
@@ -315,6 +363,59 @@ impl Router {
     /// never from a view or fields the stages before the hop left: the two can differ (a
     /// map re-encodes numbers beyond 64 bits as floats), and a key read here but not there
     /// (or the reverse) would split the copies of an id over partitions.
+    /// Route a source message given by its parts, in place (the Kafka run loop routes a
+    /// message without copying it into a [`Record`] when no stage runs before the hop),
+    /// exactly as [`Router::route`] routes the record made of them: `headers` holds the
+    /// message's headers, and gets the [`SOURCE`] header (its value written to `text`) and
+    /// [`UNKEYED`] as `route` adds them. Returns the partition and whether the message is
+    /// keyed by its dedup key, which is then in `key_out`; otherwise it keeps its Kafka key.
+    /// A message that already carries a [hop header](is_hop_header) is routed as a record.
+    pub(crate) fn route_parts<'a>(
+        &self,
+        (kafka_key, value): (Option<&[u8]>, Option<&[u8]>),
+        headers: &mut Vec<(&'a str, Option<&'a [u8]>)>,
+        (topic, partition, offset): (&str, i32, i64),
+        key_out: &mut Vec<u8>,
+        text: &'a mut Vec<u8>,
+    ) -> (i32, bool) {
+        use crate::codec::Format;
+        let mut view = PartsView {
+            key: kafka_key,
+            value,
+            headers,
+            pointers: &self.pointers,
+            fields: None,
+            json: None,
+        };
+        if self.key.needs_json() {
+            match (&self.format, value) {
+                (Format::Json, Some(v)) => {
+                    if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {
+                        view.fields = Some(vals);
+                    }
+                }
+                (Format::Bytes, _) | (_, None) => {}
+                (other, Some(v)) => view.json = other.decode(v).ok(),
+            }
+        }
+        let (to, keyed) = match self.key.extract_into(&view, key_out) {
+            Ok(()) => (partition_for(key_out, self.partitions), true),
+            Err(_) => (
+                match kafka_key {
+                    Some(k) => partition_for(k, self.partitions),
+                    None => partition.rem_euclid(self.partitions),
+                },
+                false,
+            ),
+        };
+        source_text(topic, partition, offset, text);
+        headers.push((SOURCE, Some(&text[..])));
+        if !keyed {
+            headers.push((UNKEYED, None));
+        }
+        (to, keyed)
+    }
+
     pub(crate) fn route(&self, mut record: Record) -> OutRecord {
         use crate::codec::Format;
         record.json = None;
@@ -482,5 +583,80 @@ mod tests {
         let mut none = rec;
         none.json = Some(serde_json::json!({}));
         assert!(route(&none, &key, "t", 4).is_err());
+    }
+
+    /// The run loop routes a message in place ([`Router::route_parts`]) when no stage runs
+    /// before the hop; it must write exactly the record [`Router::route`] writes for the
+    /// same message, or copies of an id could land on two partitions.
+    #[test]
+    fn routing_in_place_writes_what_routing_a_record_writes() {
+        use crate::codec::Format;
+        let json = KeySource::JsonPointer("/id".into());
+        let keys = [
+            (json.clone(), Format::Json),
+            (json.clone(), Format::String),
+            (json.clone(), Format::Bytes),
+            (KeySource::Header("msg-id".into()), Format::Json),
+            (KeySource::KafkaKey, Format::Json),
+            (KeySource::ValueHash, Format::Bytes),
+            (
+                KeySource::Composite(vec![json, KeySource::Header("msg-id".into())]),
+                Format::Json,
+            ),
+        ];
+        let values = [
+            r#"{"id":"a-1","n":1}"#,
+            r#"{"id":18446744073709551617}"#,
+            r#"{"id":null}"#,
+            r#"{"n":2}"#,
+            r#"{"id":{"x":1}}"#,
+            "not json",
+        ];
+        let headers: [&[(&str, &[u8])]; 3] =
+            [&[], &[("msg-id", b"m7")], &[("a", b"1"), ("msg-id", b"")]];
+        let mut checked = 0;
+        for (key, format) in &keys {
+            let router = Router::new(key.clone(), format.clone(), "app-d-repartition", 6);
+            for value in values {
+                for hs in headers {
+                    for kafka_key in [Some(&b"k9"[..]), None] {
+                        let mut rec = Record::for_test(b"", value, hs, ("events", 5, 1234), 42);
+                        rec.key = kafka_key.map(Bytes::copy_from_slice);
+                        let want = router.route(rec.clone());
+                        let mut borrowed: Vec<(&str, Option<&[u8]>)> =
+                            hs.iter().map(|(k, v)| (*k, Some(*v))).collect();
+                        let (mut key_out, mut text) = (Vec::new(), Vec::new());
+                        let (partition, keyed) = router.route_parts(
+                            (kafka_key, rec.value.as_deref()),
+                            &mut borrowed,
+                            ("events", 5, 1234),
+                            &mut key_out,
+                            &mut text,
+                        );
+                        let got = super::super::OutRecord {
+                            topic: router.topic().to_string(),
+                            partition: Some(partition),
+                            key: if keyed {
+                                Some(Bytes::from(key_out.clone()))
+                            } else {
+                                kafka_key.map(Bytes::copy_from_slice)
+                            },
+                            value: rec.value.clone(),
+                            headers: borrowed
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v.map(Bytes::copy_from_slice)))
+                                .collect(),
+                            timestamp: rec.timestamp,
+                        };
+                        assert_eq!(got, want, "{key:?} {format:?} {value} {hs:?} {kafka_key:?}");
+                        checked += usize::from(keyed);
+                    }
+                }
+            }
+        }
+        assert!(
+            checked > 20,
+            "most cases are keyed by the dedup key: {checked}"
+        );
     }
 }

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::kafka::consumer::{self, RebalanceEvent, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
-use crate::runtime::commit::{Outcome, Protocol};
+use crate::runtime::commit::{Outcome, Protocol, Routed};
 use crate::runtime::log::KafkaLog;
 use crate::runtime::task::RestoreRecord;
 use crate::runtime::Task;
@@ -171,6 +171,11 @@ struct RunLoop {
     tables: crate::state::table::Tables,
     /// The last origin topic of a repartition record (shared by the records naming it).
     origin_topic: Option<Arc<str>>,
+    /// The dedup key of the record last routed in place (reused; see
+    /// [`Router::route_parts`](crate::processor::repartition::Router::route_parts)).
+    route_key: Vec<u8>,
+    /// The source header's value of the record last routed in place (reused).
+    route_text: Vec<u8>,
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
     writer_hold: Option<crate::state::WriterHold>,
@@ -249,6 +254,40 @@ impl RunLoop {
                 .pause(&self.tpl_id(p, None)?)
                 .map_err(Error::kafka("pause"))?;
             return Ok(());
+        }
+        if let (Some(hop), true) = (&self.hop, task.routes_only()) {
+            // Routed in place, without copying the message into a record.
+            use crate::processor::repartition::is_hop_header;
+            let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::new();
+            let source = m.headers();
+            if let Some(h) = source {
+                headers.reserve(h.count() + 2);
+                headers.extend(h.iter().map(|h| (h.key, h.value)));
+            }
+            if !headers.iter().any(|(k, _)| is_hop_header(k)) {
+                let (partition, keyed) = hop.router.route_parts(
+                    (m.key(), m.payload()),
+                    &mut headers,
+                    (m.topic(), m.partition(), m.offset()),
+                    &mut self.route_key,
+                    &mut self.route_text,
+                );
+                task.routed(m.offset());
+                let rec = Routed {
+                    topic: &hop.name,
+                    partition,
+                    key: if keyed {
+                        Some(&self.route_key[..])
+                    } else {
+                        m.key()
+                    },
+                    value: m.payload(),
+                    headers: &headers,
+                    timestamp: m.timestamp().to_millis(),
+                };
+                let mut log = kafka_log!(self, consumer, CommitMode::Async);
+                return self.protocol.processed_routed(&mut log, &rec);
+            }
         }
         let reads_hop = self.hop.is_some() && !self.topics.is_router(p);
         let topic = self.record_topic(p).clone();
@@ -508,6 +547,8 @@ impl App {
             tables: table_set.handles(),
             writer_hold: None,
             origin_topic: None,
+            route_key: Vec::new(),
+            route_text: Vec::new(),
         };
         let (events_tx, events) = mpsc::channel();
         let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;

@@ -144,6 +144,38 @@ pub fn commit_failpoints(g: Guarantee) -> &'static [&'static str] {
 /// The log a commit writes to: output and changelog topics, transactions, source offsets.
 ///
 /// Offsets are `(source partition, offset of the next record to read)`.
+/// A repartition record made of borrowed parts: a source message the Kafka run loop routes
+/// in place, without copying it into a [`Record`](crate::Record) and an [`OutRecord`].
+pub(crate) struct Routed<'a> {
+    /// The repartition topic.
+    pub(crate) topic: &'a str,
+    pub(crate) partition: i32,
+    pub(crate) key: Option<&'a [u8]>,
+    pub(crate) value: Option<&'a [u8]>,
+    /// The source's headers followed by the router's (`None`: a null value).
+    pub(crate) headers: &'a [(&'a str, Option<&'a [u8]>)],
+    /// Milliseconds since the epoch (`None`: the producer stamps it).
+    pub(crate) timestamp: Option<i64>,
+}
+
+impl Routed<'_> {
+    /// The same record, owned.
+    pub(crate) fn to_out(&self) -> OutRecord {
+        OutRecord {
+            topic: self.topic.to_string(),
+            partition: Some(self.partition),
+            key: self.key.map(bytes::Bytes::copy_from_slice),
+            value: self.value.map(bytes::Bytes::copy_from_slice),
+            headers: self
+                .headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.map(bytes::Bytes::copy_from_slice)))
+                .collect(),
+            timestamp: self.timestamp,
+        }
+    }
+}
+
 pub(crate) trait CommitLog {
     /// Queue one output or dead-letter record (inside the open transaction, if any),
     /// counted towards the commit epoch last opened ([`CommitLog::open_epoch`]).
@@ -151,6 +183,15 @@ pub(crate) trait CommitLog {
     /// # Errors
     /// The record is refused (unknown topic, too large; fenced under exactly_once_v2).
     fn send_output(&mut self, rec: &OutRecord) -> Result<()>;
+
+    /// Queue one repartition record given by borrowed parts, as [`CommitLog::send_output`]
+    /// queues an output (the default makes it one).
+    ///
+    /// # Errors
+    /// As [`CommitLog::send_output`].
+    fn send_routed(&mut self, rec: &Routed<'_>) -> Result<()> {
+        self.send_output(&rec.to_out())
+    }
 
     /// Count the outputs sent from now on towards at_least_once commit `epoch` (epochs
     /// grow by one; the first is 0).
@@ -355,6 +396,21 @@ impl Protocol {
 
     fn eos(&self) -> bool {
         self.guarantee == Guarantee::ExactlyOnceV2
+    }
+
+    /// Count one processed source record that became the one repartition record `rec`
+    /// (routed in place, see [`Routed`]) and send it, as [`Protocol::processed`] does.
+    ///
+    /// # Errors
+    /// As [`Protocol::processed`].
+    pub(crate) fn processed_routed(
+        &mut self,
+        log: &mut dyn CommitLog,
+        rec: &Routed<'_>,
+    ) -> Result<()> {
+        self.processed += 1;
+        self.open(log)?;
+        log.send_routed(rec)
     }
 
     /// Count one processed source record and send its outputs (`out` is drained); under

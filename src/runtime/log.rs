@@ -133,6 +133,19 @@ impl CommitLog for KafkaLog<'_> {
         self.producer.send(rec).map_err(|e| self.fenced_or(e))
     }
 
+    fn send_routed(&mut self, rec: &crate::runtime::commit::Routed<'_>) -> Result<()> {
+        self.producer
+            .send_parts(
+                rec.topic,
+                rec.partition,
+                rec.key,
+                rec.value,
+                rec.headers,
+                rec.timestamp,
+            )
+            .map_err(|e| self.fenced_or(e))
+    }
+
     fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()> {
         let topic = self
             .changelogs

@@ -255,6 +255,18 @@ impl Task {
         }
     }
 
+    /// Whether this task only routes: a router task without stages before the hop, whose
+    /// records become repartition records as they are ([`Task::routed`]).
+    pub(crate) fn routes_only(&self) -> bool {
+        self.router.is_some() && self.nodes.is_empty()
+    }
+
+    /// A [routes-only](Task::routes_only) task's record at `offset` was routed in place by
+    /// the run loop (as [`Task::process`] would route it; counted where the stages read it).
+    pub(crate) fn routed(&mut self, offset: i64) {
+        self.position = Some(offset + 1);
+    }
+
     /// Process one source record; outputs and dead letters are appended to `out`.
     ///
     /// # Errors
