@@ -402,19 +402,38 @@ fn a_record_a_stage_before_the_hop_refuses_is_dead_lettered_at_its_source() {
 /// effects there is refused by the driver, naming both stages and why.
 #[test]
 fn a_stateful_stage_before_the_hop_is_refused() {
-    let t = dsl::parse(
+    // In a file: refused when the file is read, at the refused dedup's line and column.
+    let err = dsl::parse(
         "t.yaml",
         "name: t\nsource: { topic: in, format: json }\nstages:\n  - dedup: { name: first, key: kafka_key }\n  - dedup: { name: by-id, key: { json_pointer: /id } }\n  - sink: { topic: out }\n",
     )
-    .unwrap();
-    let mut d = TestDriver::new(t);
-    let err = d
-        .pipe(TestRecord::json(r#"{"id":1}"#).key("k"))
-        .unwrap_err()
-        .to_string();
+    .unwrap_err()
+    .to_string();
+    assert!(err.starts_with("t.yaml:5:"), "{err}");
     assert!(err.contains("\"by-id\""), "{err}");
     assert!(err.contains("\"first\" (dedup)"), "{err}");
     assert!(err.contains("only filter and map"), "{err}");
+    // With the builder: refused by `build`, naming the stage and the field.
+    let errs = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup("first", DedupSpec::new(KeySource::KafkaKey))
+        .dedup(
+            "by-id",
+            DedupSpec::new(KeySource::JsonPointer("/id".into())),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap_err();
+    let text = errs
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_eq!(errs.len(), 1, "{text}");
+    assert!(
+        text.contains("by-id") && text.contains("partitioning"),
+        "{text}"
+    );
 }
 
 /// `describe` prints the hop between the stateless prefix and the dedup.

@@ -454,6 +454,11 @@ fn validate_shows_the_hop_after_stateless_stages_and_refuses_a_sink_before_it() 
         "  - sink: { name: copy, topic: copy }\n  - dedup: { name: dedup, key: { json_pointer: /id } }\n",
     );
     assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    // At the dedup's line and column, as any other error of the file.
+    assert!(
+        err.contains("t.yaml:5:5: stage `dedup` (dedup), field `partitioning`: "),
+        "{err}"
+    );
     assert!(err.contains("dedup stage \"dedup\""), "{err}");
     assert!(err.contains("stage \"copy\" (sink)"), "{err}");
     assert!(err.contains("only filter and map stages"), "{err}");

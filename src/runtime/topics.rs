@@ -259,15 +259,16 @@ mod tests {
                 "copy" => b.sink("copy", "copy"),
                 _ => b.dedup("first", by_id(None)),
             };
-            let later = b
+            // Refused when built, a second repartitioning dedup included (one hop per
+            // topology).
+            let errs = b
                 .dedup("by-id", by_id(None))
                 .sink("out", "out")
                 .build()
-                .unwrap();
-            let app = App::new(cfg.clone(), later);
-            // Refused, a second repartitioning dedup included (one hop per topology).
-            assert_eq!(app.repartition_topic(), None);
-            let err = app.prepare_topics().unwrap_err().to_string();
+                .unwrap_err();
+            assert_eq!(errs.len(), 1);
+            let err = errs[0].to_string();
+            assert!(err.contains("field `partitioning`"), "{err}");
             assert!(err.contains("\"by-id\""), "{err}");
             assert!(err.contains(&format!("{before:?} ({kind})")), "{err}");
             assert!(err.contains("only filter and map stages"), "{err}");

@@ -58,7 +58,9 @@ impl TopologyBuilder {
     /// # Errors
     /// Every problem found, each an [`Error::Topology`] naming the stage (its kind when
     /// unnamed; `topology`, `source`, `stages`, `table <name>` or `topic <name>` for the
-    /// rest) and, in its reason, the field: ``field `ttl`: must be positive``.
+    /// rest) and, in its reason, the field: ``field `ttl`: must be positive``. A dedup stage
+    /// that repartitions with a stage other than a filter or map before it is refused at
+    /// its field `partitioning` (see [`Partitioning`](crate::Partitioning)).
     pub fn build(self) -> Result<Topology, Vec<Error>> {
         self.build_detailed()
             .map_err(|es| es.into_iter().map(BuildError::into_error).collect())
@@ -185,16 +187,26 @@ impl TopologyBuilder {
                 reason: "a topology needs at least one sink, route or external sink".into(),
             });
         }
-        match (errors.is_empty(), source) {
-            (true, Some(source)) => Ok(Topology {
+        let topology = match (errors.is_empty(), source) {
+            (true, Some(source)) => Topology {
                 name: self.name,
                 source,
                 stages: self.stages,
                 tables: self.tables,
                 topic_formats: self.topic_formats,
-            }),
-            _ => Err(errors),
+            },
+            _ => return Err(errors),
+        };
+        // A repartition hop with a stage that has state or effects before it.
+        if let Err((i, reason)) = topology.hop_at() {
+            return Err(vec![BuildError {
+                stage: Some(i),
+                node: topology.stages[i].name.clone(),
+                field: Some("partitioning".into()),
+                reason,
+            }]);
         }
+        Ok(topology)
     }
 }
 

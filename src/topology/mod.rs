@@ -136,6 +136,11 @@ impl Topology {
     /// sink or external sink): its state or effects would run on the source partitions,
     /// before the copies of a key meet.
     pub(crate) fn hop(&self) -> Result<Option<(usize, &str, &DedupSpec)>, String> {
+        self.hop_at().map_err(|(_, why)| why)
+    }
+
+    /// As [`Topology::hop`]; the error also gives the index of the dedup stage refused.
+    pub(crate) fn hop_at(&self) -> Result<Option<(usize, &str, &DedupSpec)>, (usize, String)> {
         let repartitioned = self.repartitioned();
         for (i, name, d) in &repartitioned {
             let Some(before) = self.stages[..*i]
@@ -158,12 +163,12 @@ impl Topology {
                 }
                 _ => "its outputs or effects would be made on the source partitions for every copy, before the dedup drops the repeats",
             };
-            return Err(format!(
+            return Err((*i, format!(
                 "dedup stage {name:?} (key {}) needs `partitioning: repartition` (the default for a key other than kafka_key), which routes its input by the dedup key; stage {:?} ({}) comes before it, and only filter and map stages may run before the hop: {why}; move the dedup before it, or, if every copy of a key is published on one partition (e.g. the Kafka key is the dedup key or determines it), state `partitioning: source` on the stage",
                 d.key.describe(),
                 before.name,
                 before.kind.kind_name(),
-            ));
+            )));
         }
         Ok(repartitioned.into_iter().next())
     }
