@@ -626,7 +626,45 @@ impl App {
             commits: e.protocol.commits(),
             restored: e.restored,
         };
+        close_within(CLOSE_TIMEOUT, consumer);
         result.map(|_| summary)
+    }
+}
+
+/// How long closing the source consumer may take once the run is over: see
+/// [`close_within`].
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Close the source consumer (it leaves the group), waiting at most `timeout`. Nothing is
+/// left to commit by then; a close that takes longer (librdkafka's consumer close waits for
+/// a rebalance the group is in the middle of, which can last until the rebalance timeout)
+/// goes on in the background, with a warning, and the run returns: the group gives the
+/// member's partitions to the others after `session.timeout.ms` at the latest.
+fn close_within(timeout: Duration, consumer: SourceConsumer) {
+    let (done_tx, done) = mpsc::channel::<()>();
+    let closing = std::thread::Builder::new()
+        .name("onceflow-close".into())
+        .spawn(move || {
+            drop(consumer);
+            drop(done_tx);
+        });
+    if closing.is_err() {
+        tracing::warn!(
+            "stop: could not start a thread to close the source consumer: it is left open"
+        );
+        return;
+    }
+    let t0 = Instant::now();
+    if let Err(mpsc::RecvTimeoutError::Timeout) = done.recv_timeout(timeout) {
+        tracing::warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            "stop: the source consumer did not close in time (leaving the group); the run ends without waiting, with offsets committed and state persisted"
+        );
+    } else {
+        tracing::info!(
+            ms = t0.elapsed().as_millis() as u64,
+            "stop: source consumer closed"
+        );
     }
 }
 

@@ -189,6 +189,17 @@ impl Running {
     }
 }
 
+/// A test that fails (panics) with instances still running does not leave them behind:
+/// they would run on, holding CPU and group members, while the rest of the suite runs.
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// Event time for synthetic events published next to the GH Archive hours: 2015-01-01T02:00Z,
 /// right after the two hours. Stamped with the wall clock instead, they move a partition's
 /// stream time on by years, and the expiry sweep then deletes the GH events' marks (TTL 24 h
