@@ -130,37 +130,25 @@ impl OutputProducer {
     /// [`Error::Kafka`] when librdkafka refuses the record for a reason other than a full
     /// queue (unknown topic, record too large).
     pub(crate) fn send(&self, rec: &OutRecord) -> Result<()> {
-        let headers = if rec.headers.is_empty() {
-            None
-        } else {
-            let mut h = OwnedHeaders::new_with_capacity(rec.headers.len());
-            for (k, v) in &rec.headers {
-                h = h.insert(Header {
-                    key: k.as_str(),
-                    value: v.as_deref(),
-                });
-            }
-            Some(h)
-        };
-        let slot = (self.epoch.load(Ordering::Relaxed) % EPOCH_SLOTS as u64) as usize;
-        let mut record: BaseRecord<'_, [u8], [u8], usize> =
-            BaseRecord::with_opaque_to(&rec.topic, slot);
-        if let Some(k) = &rec.key {
-            record = record.key(&k[..]);
-        }
-        if let Some(v) = &rec.value {
-            record = record.payload(&v[..]);
-        }
-        if let Some(p) = rec.partition {
-            record = record.partition(p);
-        }
-        if let Some(ts) = rec.timestamp {
-            record = record.timestamp(ts);
-        }
-        if let Some(h) = headers {
-            record = record.headers(h);
-        }
-        self.send_record(record)
+        let headers = (!rec.headers.is_empty()).then(|| {
+            rec.headers.iter().fold(
+                OwnedHeaders::new_with_capacity(rec.headers.len()),
+                |h, (k, v)| {
+                    h.insert(Header {
+                        key: k.as_str(),
+                        value: v.as_deref(),
+                    })
+                },
+            )
+        });
+        self.send_output(
+            &rec.topic,
+            rec.partition,
+            rec.key.as_deref(),
+            rec.value.as_deref(),
+            headers,
+            rec.timestamp,
+        )
     }
 
     /// Queue one record to `topic`/`partition` from borrowed parts (the repartition router's
@@ -177,23 +165,40 @@ impl OutputProducer {
         headers: &[(&str, Option<&[u8]>)],
         timestamp: Option<i64>,
     ) -> Result<()> {
+        let headers = (!headers.is_empty()).then(|| {
+            headers.iter().fold(
+                OwnedHeaders::new_with_capacity(headers.len()),
+                |h, (k, v)| h.insert(Header { key: k, value: *v }),
+            )
+        });
+        self.send_output(topic, Some(partition), key, value, headers, timestamp)
+    }
+
+    /// Queue an output (counted towards the current epoch) from its parts.
+    fn send_output(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        headers: Option<OwnedHeaders>,
+        timestamp: Option<i64>,
+    ) -> Result<()> {
         let slot = (self.epoch.load(Ordering::Relaxed) % EPOCH_SLOTS as u64) as usize;
-        let mut record: BaseRecord<'_, [u8], [u8], usize> =
-            BaseRecord::with_opaque_to(topic, slot).partition(partition);
+        let mut record: BaseRecord<'_, [u8], [u8], usize> = BaseRecord::with_opaque_to(topic, slot);
         if let Some(k) = key {
             record = record.key(k);
         }
         if let Some(v) = value {
             record = record.payload(v);
         }
+        if let Some(p) = partition {
+            record = record.partition(p);
+        }
         if let Some(ts) = timestamp {
             record = record.timestamp(ts);
         }
-        if !headers.is_empty() {
-            let mut h = OwnedHeaders::new_with_capacity(headers.len());
-            for (k, v) in headers {
-                h = h.insert(Header { key: k, value: *v });
-            }
+        if let Some(h) = headers {
             record = record.headers(h);
         }
         self.send_record(record)

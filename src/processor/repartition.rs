@@ -358,11 +358,36 @@ impl Router {
         &self.topic
     }
 
-    /// The repartition record of `record` (see [`route`] and the type's docs). The key is
-    /// always read from the value bytes routed, as the dedup stage after the hop reads it,
-    /// never from a view or fields the stages before the hop left: the two can differ (a
-    /// map re-encodes numbers beyond 64 bits as floats), and a key read here but not there
-    /// (or the reverse) would split the copies of an id over partitions.
+    /// What the key reads from `value`: its scanned JSON fields (a `json` source) or its
+    /// decoded view (another decoding format); neither when the key reads no field or the
+    /// value does not decode.
+    fn read_value(
+        &self,
+        value: Option<&[u8]>,
+    ) -> (
+        Option<Vec<super::json_scan::Scalar>>,
+        Option<serde_json::Value>,
+    ) {
+        use crate::codec::Format;
+        if !self.key.needs_json() {
+            return (None, None);
+        }
+        match (&self.format, value) {
+            (Format::Json, Some(v)) => (super::json_scan::scan(v, &self.tokens).ok(), None),
+            (Format::Bytes, _) | (_, None) => (None, None),
+            (other, Some(v)) => (None, other.decode(v).ok()),
+        }
+    }
+
+    /// The partition of a record whose dedup key could not be read: its Kafka key's, or
+    /// without one its source partition's (modulo the count).
+    fn unkeyed_partition(&self, kafka_key: Option<&[u8]>, source_partition: i32) -> i32 {
+        match kafka_key {
+            Some(k) => partition_for(k, self.partitions),
+            None => source_partition.rem_euclid(self.partitions),
+        }
+    }
+
     /// Route a source message given by its parts, in place (the Kafka run loop routes a
     /// message without copying it into a [`Record`] when no stage runs before the hop),
     /// exactly as [`Router::route`] routes the record made of them: `headers` holds the
@@ -378,35 +403,18 @@ impl Router {
         key_out: &mut Vec<u8>,
         text: &'a mut Vec<u8>,
     ) -> (i32, bool) {
-        use crate::codec::Format;
-        let mut view = PartsView {
+        let (fields, json) = self.read_value(value);
+        let view = PartsView {
             key: kafka_key,
             value,
             headers,
             pointers: &self.pointers,
-            fields: None,
-            json: None,
+            fields,
+            json,
         };
-        if self.key.needs_json() {
-            match (&self.format, value) {
-                (Format::Json, Some(v)) => {
-                    if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {
-                        view.fields = Some(vals);
-                    }
-                }
-                (Format::Bytes, _) | (_, None) => {}
-                (other, Some(v)) => view.json = other.decode(v).ok(),
-            }
-        }
         let (to, keyed) = match self.key.extract_into(&view, key_out) {
             Ok(()) => (partition_for(key_out, self.partitions), true),
-            Err(_) => (
-                match kafka_key {
-                    Some(k) => partition_for(k, self.partitions),
-                    None => partition.rem_euclid(self.partitions),
-                },
-                false,
-            ),
+            Err(_) => (self.unkeyed_partition(kafka_key, partition), false),
         };
         source_text(topic, partition, offset, text);
         headers.push((SOURCE, Some(&text[..])));
@@ -416,26 +424,17 @@ impl Router {
         (to, keyed)
     }
 
+    /// The repartition record of `record` (see [`route`] and the type's docs). The key is
+    /// always read from the value bytes routed, as the dedup stage after the hop reads it,
+    /// never from a view or fields the stages before the hop left: the two can differ (a
+    /// map re-encodes numbers beyond 64 bits as floats), and a key read here but not there
+    /// (or the reverse) would split the copies of an id over partitions.
     pub(crate) fn route(&self, mut record: Record) -> OutRecord {
-        use crate::codec::Format;
-        record.json = None;
-        record.fields = None;
-        if self.key.needs_json() {
-            match (&self.format, record.value.as_deref()) {
-                (Format::Json, Some(v)) => {
-                    if let Ok(vals) = super::json_scan::scan(v, &self.tokens) {
-                        record.fields = Some((self.pointers.clone(), vals));
-                    }
-                }
-                (Format::Bytes, _) | (_, None) => {}
-                (other, Some(v)) => record.json = other.decode(v).ok(),
-            }
-        }
+        let (fields, json) = self.read_value(record.value.as_deref());
+        record.fields = fields.map(|vals| (self.pointers.clone(), vals));
+        record.json = json;
         route(&record, &self.key, &self.topic, self.partitions).unwrap_or_else(|_| {
-            let p = match record.key.as_deref() {
-                Some(k) => partition_for(k, self.partitions),
-                None => record.source.partition.rem_euclid(self.partitions),
-            };
+            let p = self.unkeyed_partition(record.key.as_deref(), record.source.partition);
             unrouted(&record, &self.topic, p, record.key.clone())
         })
     }

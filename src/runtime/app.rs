@@ -268,7 +268,9 @@ impl RunLoop {
                 let (partition, keyed) = hop.router.route_parts(
                     (m.key(), m.payload()),
                     &mut headers,
-                    (m.topic(), m.partition(), m.offset()),
+                    // The source topic's name, shared: `m.topic()` measures the C
+                    // string of every message.
+                    (&self.source_name, m.partition(), m.offset()),
                     &mut self.route_key,
                     &mut self.route_text,
                 );
