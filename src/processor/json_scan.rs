@@ -48,6 +48,16 @@ pub(crate) fn scan(
     bytes: &[u8],
     pointers: &[Vec<String>],
 ) -> Result<Vec<Scalar>, serde_json::Error> {
+    // Most values take the byte-level pass alone; whatever it is unsure of (and every
+    // error) is decided by the serde walk below.
+    if let Some(found) = super::json_fast::scan(bytes, pointers) {
+        return Ok(found);
+    }
+    serde_scan(bytes, pointers)
+}
+
+/// [`scan`] by the serde walk alone.
+fn serde_scan(bytes: &[u8], pointers: &[Vec<String>]) -> Result<Vec<Scalar>, serde_json::Error> {
     let mut found = vec![Scalar::Missing; pointers.len()];
     let paths: Vec<(usize, &[String])> = pointers
         .iter()
@@ -230,9 +240,7 @@ impl<'de> Visitor<'de> for Walk<'_, '_> {
             sub.clear();
             for (i, rest) in self.paths {
                 if let Some((first, tail)) = rest.split_first() {
-                    if first.parse::<usize>().ok() == Some(index)
-                        && (first == "0" || !first.starts_with('0'))
-                    {
+                    if super::json_fast::index_matches(first, index) {
                         sub.push((*i, tail));
                     }
                 }
@@ -372,6 +380,163 @@ mod tests {
         assert_eq!(got, vec![Scalar::Num("1.50".into())]);
         let got = scan(br#"{"id":1.50,"id":2}"#, &[tokens("/id")]).unwrap();
         assert_eq!(got, vec![Scalar::Num("2".into())]);
+    }
+
+    /// A JSON value whose keys come from a few names the pointers below use.
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        use serde_json::Value;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            "[a-z\"\\/é\n\t\u{1}\u{7f}\u{1F600}]{0,6}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 5, |inner| {
+            let key = prop_oneof![
+                Just("id".to_string()),
+                Just("a".to_string()),
+                Just("0".to_string()),
+                Just("a/b".to_string()),
+                Just("q\"\n".to_string()),
+                Just("é".to_string()),
+            ];
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+                proptest::collection::vec((key, inner), 0..4)
+                    .prop_map(|kv| serde_json::Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    #[derive(Debug, Clone)]
+    enum Edit {
+        Insert(&'static str),
+        Remove,
+        Replace(u8),
+    }
+
+    const POINTERS: [&str; 10] = [
+        "", "/id", "/a", "/a/id", "/0", "/a/0", "/a~1b", "/q\"\n", "/é", "/a/1/id",
+    ];
+
+    /// The fast path and the serde walk over `bytes`: if the fast path answers, the serde
+    /// walk accepts the bytes and picks the same values. Returns whether it answered.
+    fn agrees(bytes: &[u8]) -> Result<bool, TestCaseError> {
+        let toks: Vec<Vec<String>> = POINTERS.iter().map(|p| tokens(p)).collect();
+        match super::super::json_fast::scan(bytes, &toks) {
+            None => Ok(false),
+            Some(fast) => {
+                let slow = serde_scan(bytes, &toks);
+                prop_assert!(
+                    slow.is_ok(),
+                    "fast path accepted {:?}, serde refused: {:?}",
+                    String::from_utf8_lossy(bytes),
+                    slow
+                );
+                prop_assert_eq!(Some(fast), slow.ok());
+                Ok(true)
+            }
+        }
+    }
+
+    #[test]
+    fn fast_path_answers_for_plain_documents() {
+        let toks: Vec<Vec<String>> = ["/id", "/actor/login", "/n/0"]
+            .iter()
+            .map(|p| tokens(p))
+            .collect();
+        for doc in [
+            r#"{"id":"2489368070","actor":{"login":"plain é","x":[1,2.5e3,true,null,{}]},"n":[-7]}"#,
+            " { \"id\" : 12 , \"n\" : [ 0 ] , \"s\":\"tab\\t\\\"q\\\"\" } ",
+            r#"{"id":"a\"b\\c\/d\n","actor":{"login":null},"n":[[],"x"]}"#,
+        ] {
+            let fast = super::super::json_fast::scan(doc.as_bytes(), &toks);
+            assert!(fast.is_some(), "{doc}");
+            assert_eq!(fast, serde_scan(doc.as_bytes(), &toks).ok(), "{doc}");
+        }
+    }
+
+    /// Not a timed test: prints ns per ~200-byte event for each path (run with
+    /// `cargo test --release --lib scan_speed -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn scan_speed() {
+        let doc = br#"{"id":"e-000123456","user":"user-01234","type":"PushEvent","ts":1796228746123,"payload":"Kq3ZpLmW9xT2vBnR8sYfGhJcDe4aU7iO1lMzQwEr5tXyNb6VkPjHgFdSaZxCvBnMqWeRtYuIoPlKjHgFdSa0123456789abcdefghijklmn"}"#;
+        let toks = vec![tokens("/id")];
+        let n = 100_000;
+        let time = |f: &dyn Fn() -> Vec<Scalar>| {
+            let t = std::time::Instant::now();
+            let mut last = Vec::new();
+            for _ in 0..n {
+                last = std::hint::black_box(f());
+            }
+            (t.elapsed().as_nanos() as f64 / n as f64, last)
+        };
+        // Alternating rounds, medians: the machine is shared.
+        let (mut fasts, mut slows) = (Vec::new(), Vec::new());
+        for _ in 0..15 {
+            let (f, a) = time(&|| scan(doc, &toks).unwrap());
+            let (s, b) = time(&|| serde_scan(doc, &toks).unwrap());
+            assert_eq!(a, b);
+            assert_eq!(a, vec![Scalar::Str("e-000123456".into())]);
+            fasts.push(f);
+            slows.push(s);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (fast, slow) = (median(&mut fasts), median(&mut slows));
+        println!(
+            "scan_speed: fast path {fast:.0} ns, serde walk {slow:.0} ns, ratio {:.2}",
+            slow / fast
+        );
+    }
+
+    proptest! {
+        // Grammar edges (a leading zero after an edit) show up in about 1 case of 1,000.
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+
+        #[test]
+        fn fast_path_agrees_with_the_serde_path(v in json_value(), pretty in any::<bool>()) {
+            let text = if pretty { serde_json::to_string_pretty(&v) } else { serde_json::to_string(&v) };
+            agrees(text.unwrap().as_bytes())?;
+        }
+
+        /// Valid documents with one to three small edits (a token inserted, a byte
+        /// removed or replaced): mostly invalid, and near the grammar's edges.
+        #[test]
+        fn fast_path_never_accepts_what_serde_refuses(
+            v in json_value(),
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), prop_oneof![
+                Just(Edit::Remove),
+                any::<u8>().prop_map(Edit::Replace),
+                prop::sample::select(vec![
+                    "{", "}", "[", "]", ":", ",", "\"", "\\", "\\u0041", "\\x", "0", "1", "-",
+                    ".", "e", "+", " ", "\u{1}", "true", "nul", "é", "\u{FFFD}",
+                ]).prop_map(Edit::Insert),
+            ]), 1..4),
+        ) {
+            let mut bytes = serde_json::to_vec(&v).unwrap();
+            for (at, edit) in edits {
+                let i = at.index(bytes.len() + 1);
+                match edit {
+                    Edit::Insert(t) => {
+                        bytes.splice(i..i, t.bytes());
+                    }
+                    Edit::Remove if i < bytes.len() => {
+                        bytes.remove(i);
+                    }
+                    Edit::Replace(b) if i < bytes.len() => bytes[i] = b,
+                    _ => {}
+                }
+            }
+            agrees(&bytes)?;
+        }
     }
 
     proptest! {

@@ -10,6 +10,7 @@ pub(crate) mod dedup;
 pub(crate) mod enrich;
 pub(crate) mod expr;
 pub(crate) mod fingerprint;
+mod json_fast;
 pub(crate) mod json_scan;
 pub(crate) mod key;
 pub(crate) mod record;

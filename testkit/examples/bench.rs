@@ -44,7 +44,7 @@
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
 //! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_LOG (warn), ONCEFLOW_BENCH_MODE
-//! (unset, or `repartition`), ONCEFLOW_BENCH_GUARANTEES (`at_least_once`).
+//! (unset, `repartition`, or `tasks`: part 3 alone, no broker), ONCEFLOW_BENCH_GUARANTEES (`at_least_once`).
 
 #[path = "bench_support/mod.rs"]
 mod support;
@@ -594,9 +594,32 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         res.onceflow_usage.push(child);
     }
 
+    dedup_alone_rounds(s, &ds, &mut res)?;
+    report(s, &ds, &res);
+    Ok(())
+}
+
+/// `ONCEFLOW_BENCH_MODE=tasks`: only the broker-free part (3), for profiling the task path.
+fn run_tasks(s: &Settings) -> Res<()> {
+    let ds = generate(s.records, 42);
+    let mut res = Results::default();
+    dedup_alone_rounds(s, &ds, &mut res)?;
+    println!(
+        "bench-tasks: records={} rounds={} sled_dps={:.0} memory_dps={:.0} (targets: sled >= 1000000, memory >= 2000000)",
+        s.records,
+        s.rounds,
+        median(&res.sled),
+        median(&res.memory)
+    );
+    Ok(())
+}
+
+/// Part (3), `s.rounds` times: the dedup tasks over the pre-built records, with sled and
+/// in memory.
+fn dedup_alone_rounds(s: &Settings, ds: &Dataset, res: &mut Results) -> Res<()> {
     for round in 1..=s.rounds {
         let dir = tempfile::tempdir()?;
-        let (c, secs) = dedup_alone(&ds, Some(dir.path()))?;
+        let (c, secs) = dedup_alone(ds, Some(dir.path()))?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, sled: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
@@ -604,7 +627,7 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         );
         res.sled.push(dps);
 
-        let (c, secs) = dedup_alone(&ds, None)?;
+        let (c, secs) = dedup_alone(ds, None)?;
         let dps = c.records_in as f64 / secs;
         println!(
             "round {round} dedup alone, memory: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
@@ -612,7 +635,6 @@ fn run(s: &Settings, created: &mut Created) -> Res<()> {
         );
         res.memory.push(dps);
     }
-    report(s, &ds, &res);
     Ok(())
 }
 
@@ -897,8 +919,9 @@ fn main() -> ExitCode {
     let mut created = Created::default();
     let res = match std::env::var("ONCEFLOW_BENCH_MODE").as_deref() {
         Ok("repartition") => run_repartition(&s, &mut created),
+        Ok("tasks") => run_tasks(&s),
         Ok(other) if !other.is_empty() => {
-            Err(format!("ONCEFLOW_BENCH_MODE: unknown mode {other:?} (repartition)").into())
+            Err(format!("ONCEFLOW_BENCH_MODE: unknown mode {other:?} (repartition, tasks)").into())
         }
         _ => run(&s, &mut created),
     };

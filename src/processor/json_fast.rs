@@ -1,0 +1,397 @@
+//! The fast path of [`super::json_scan::scan`]: a byte-level pass over a JSON value that
+//! picks the values at a few pointers, for the values it is sure about.
+//!
+//! It answers only when it is certain that `serde_json` accepts the bytes and that the
+//! serde walk would pick the same values; anything it is not sure of gives `None` and the
+//! caller takes the `serde_json` path, which also words every error. So it never accepts
+//! what the serde path refuses, and never decides an error on its own:
+//! - `\u` escapes, control characters in strings, invalid UTF-8, nesting deeper than
+//!   [`MAX_DEPTH`], and any syntax error give `None`;
+//! - a number where a pointer leads (serde parses those, and may refuse an out-of-range
+//!   float) gives `None` unless it is an integer of at most [`MAX_INT_DIGITS`] digits;
+//!   elsewhere a number is checked against the JSON grammar only, as serde does when it
+//!   skips a value.
+//!
+//! `json_scan::tests::fast_path_agrees_with_the_serde_path` checks both directions on
+//! generated documents and byte strings.
+
+use super::json_scan::Scalar;
+
+/// Deeper nesting is left to `serde_json` (its recursion limit is 128).
+const MAX_DEPTH: usize = 100;
+/// Longer integers are left to `serde_json` (it reads them as `f64`, which overflows past
+/// ~309 digits).
+const MAX_INT_DIGITS: usize = 300;
+
+/// The values at `pointers` (tokenized), or `None` when the serde path must decide.
+pub(super) fn scan(bytes: &[u8], pointers: &[Vec<String>]) -> Option<Vec<Scalar>> {
+    let mut found = vec![Scalar::Missing; pointers.len()];
+    let paths: Paths<'_> = pointers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i, p.as_slice()))
+        .collect();
+    let mut p = Parser { b: bytes, i: 0 };
+    p.ws();
+    p.value(&paths, &mut found, 0)?;
+    p.ws();
+    (p.i == bytes.len()).then_some(found)
+}
+
+/// Whether array element `index` is the one an RFC 6901 token names (as the serde walk
+/// reads it: decimal, no leading zero).
+pub(super) fn index_matches(token: &str, index: usize) -> bool {
+    token.parse::<usize>().ok() == Some(index) && (token == "0" || !token.starts_with('0'))
+}
+
+/// The pointers that lead into a value: (index, tokens left). Rarely more than a few,
+/// kept on the stack.
+type Paths<'p> = smallvec::SmallVec<[(usize, &'p [String]); 4]>;
+
+struct Parser<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+fn set(paths: &[(usize, &[String])], found: &mut [Scalar], v: &Scalar) {
+    for (i, rest) in paths {
+        if rest.is_empty() {
+            found[*i] = v.clone();
+        }
+    }
+}
+
+impl<'a> Parser<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek()? == c).then(|| self.i += 1)
+    }
+
+    fn value(
+        &mut self,
+        paths: &[(usize, &[String])],
+        found: &mut [Scalar],
+        depth: usize,
+    ) -> Option<()> {
+        match self.peek()? {
+            b'{' => {
+                if !paths.is_empty() {
+                    set(paths, found, &Scalar::Other("an object"));
+                }
+                self.object(paths, found, depth + 1)
+            }
+            b'[' => {
+                if !paths.is_empty() {
+                    set(paths, found, &Scalar::Other("an array"));
+                }
+                self.array(paths, found, depth + 1)
+            }
+            b'"' => {
+                let (s, escaped) = self.string()?;
+                if paths.iter().any(|(_, rest)| rest.is_empty()) {
+                    let text = if escaped {
+                        unescape(s)?
+                    } else {
+                        // Checked by `string`.
+                        std::str::from_utf8(s).ok()?.to_string()
+                    };
+                    set(paths, found, &Scalar::Str(text));
+                }
+                Some(())
+            }
+            b't' => self.literal(b"true", paths, found, Scalar::Other("a boolean")),
+            b'f' => self.literal(b"false", paths, found, Scalar::Other("a boolean")),
+            b'n' => self.literal(b"null", paths, found, Scalar::Null),
+            b'-' | b'0'..=b'9' => {
+                let start = self.i;
+                let integer = self.number()?;
+                if !paths.is_empty() {
+                    let text = &self.b[start..self.i];
+                    if !integer || text.len() > MAX_INT_DIGITS {
+                        return None;
+                    }
+                    let text = std::str::from_utf8(text).ok()?;
+                    set(paths, found, &Scalar::Num(text.to_string()));
+                }
+                Some(())
+            }
+            _ => None,
+        }
+    }
+
+    fn literal(
+        &mut self,
+        word: &[u8],
+        paths: &[(usize, &[String])],
+        found: &mut [Scalar],
+        v: Scalar,
+    ) -> Option<()> {
+        if !self.b[self.i..].starts_with(word) {
+            return None;
+        }
+        self.i += word.len();
+        if !paths.is_empty() {
+            set(paths, found, &v);
+        }
+        Some(())
+    }
+
+    fn object(
+        &mut self,
+        paths: &[(usize, &[String])],
+        found: &mut [Scalar],
+        depth: usize,
+    ) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.i += 1;
+        self.ws();
+        if self.eat(b'}').is_some() {
+            return Some(());
+        }
+        let mut sub: Paths<'_> = Paths::new();
+        loop {
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let (key, escaped) = self.string()?;
+            sub.clear();
+            if !paths.is_empty() {
+                let owned;
+                let key: &[u8] = if escaped {
+                    owned = unescape(key)?;
+                    owned.as_bytes()
+                } else {
+                    key
+                };
+                for (i, rest) in paths {
+                    if let Some((first, tail)) = rest.split_first() {
+                        if first.as_bytes() == key {
+                            sub.push((*i, tail));
+                            // A repeated key: the last occurrence wins, as on the serde path.
+                            found[*i] = Scalar::Missing;
+                        }
+                    }
+                }
+            }
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            self.value(&sub, found, depth)?;
+            self.ws();
+            match self.peek()? {
+                b',' => {
+                    self.i += 1;
+                    self.ws();
+                }
+                b'}' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn array(
+        &mut self,
+        paths: &[(usize, &[String])],
+        found: &mut [Scalar],
+        depth: usize,
+    ) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.i += 1;
+        self.ws();
+        if self.eat(b']').is_some() {
+            return Some(());
+        }
+        let mut sub: Paths<'_> = Paths::new();
+        let mut index = 0usize;
+        loop {
+            sub.clear();
+            for (i, rest) in paths {
+                if let Some((first, tail)) = rest.split_first() {
+                    if index_matches(first, index) {
+                        sub.push((*i, tail));
+                    }
+                }
+            }
+            self.value(&sub, found, depth)?;
+            self.ws();
+            match self.peek()? {
+                b',' => {
+                    self.i += 1;
+                    self.ws();
+                    index += 1;
+                }
+                b']' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A string at `self.i` (its opening quote): its raw bytes between the quotes and
+    /// whether it holds escapes. `None` for a `\u` escape, a control character, invalid
+    /// UTF-8 or no closing quote.
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+        let start = self.i + 1;
+        let mut j = start;
+        let mut escaped = false;
+        let mut ascii = true;
+        loop {
+            j = skip_plain(self.b, j);
+            match *self.b.get(j)? {
+                b'"' => break,
+                b'\\' => {
+                    match self.b.get(j + 1)? {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                        _ => return None,
+                    }
+                    escaped = true;
+                    j += 2;
+                }
+                0..=0x1f => return None,
+                0x80.. => {
+                    ascii = false;
+                    j += 1;
+                }
+                _ => j += 1,
+            }
+        }
+        let s = &self.b[start..j];
+        if !ascii {
+            std::str::from_utf8(s).ok()?;
+        }
+        self.i = j + 1;
+        Some((s, escaped))
+    }
+
+    /// A number at `self.i` by the JSON grammar; whether it is an integer (no fraction,
+    /// no exponent).
+    fn number(&mut self) -> Option<bool> {
+        let _ = self.eat(b'-');
+        match self.peek()? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        let mut integer = true;
+        if self.eat(b'.').is_some() {
+            integer = false;
+            if !self.peek()?.is_ascii_digit() {
+                return None;
+            }
+            self.digits();
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            integer = false;
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.i += 1;
+            }
+            if !self.peek()?.is_ascii_digit() {
+                return None;
+            }
+            self.digits();
+        }
+        Some(integer)
+    }
+
+    fn digits(&mut self) {
+        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+            self.i += 1;
+        }
+    }
+}
+
+/// The first position from `j` on, in steps of 16 bytes, where a byte may need a look in
+/// a string (a quote, a backslash, a control character or a byte that is not ASCII): `j`
+/// itself when the next 16 bytes hold one, a position whose next 16 bytes hold one, or
+/// one less than 16 bytes before the end.
+#[cfg(target_arch = "x86_64")]
+fn skip_plain(b: &[u8], mut j: usize) -> usize {
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128,
+        _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of every x86_64 CPU; each load reads 16 bytes inside `b`
+    // (`j + 16 <= b.len()`), unaligned loads allowed.
+    unsafe {
+        let quote = _mm_set1_epi8(b'"' as i8);
+        let backslash = _mm_set1_epi8(b'\\' as i8);
+        let space = _mm_set1_epi8(0x20);
+        while j + 16 <= b.len() {
+            let x = _mm_loadu_si128(b.as_ptr().add(j).cast::<__m128i>());
+            // Signed: bytes of 0x80 and above are negative, so below a space too.
+            let hit = _mm_or_si128(
+                _mm_or_si128(_mm_cmpeq_epi8(x, quote), _mm_cmpeq_epi8(x, backslash)),
+                _mm_cmplt_epi8(x, space),
+            );
+            if _mm_movemask_epi8(hit) != 0 {
+                break;
+            }
+            j += 16;
+        }
+    }
+    j
+}
+
+/// [`skip_plain`] elsewhere, eight bytes at a time.
+#[cfg(not(target_arch = "x86_64"))]
+fn skip_plain(b: &[u8], mut j: usize) -> usize {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    // Flags a zero byte (may flag a byte after one; never misses one).
+    let zero = |v: u64| v.wrapping_sub(LO) & !v & HI;
+    while let Some(chunk) = b.get(j..j + 8) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(chunk);
+        let x = u64::from_le_bytes(w);
+        let quote = zero(x ^ (LO * u64::from(b'"')));
+        let backslash = zero(x ^ (LO * u64::from(b'\\')));
+        let control = x.wrapping_sub(LO * 0x20) & !x & HI;
+        if (quote | backslash | control | (x & HI)) != 0 {
+            break;
+        }
+        j += 8;
+    }
+    j
+}
+
+/// The text of a string's raw bytes holding only the escapes [`Parser::string`] accepts
+/// (valid UTF-8, checked there).
+fn unescape(s: &[u8]) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut it = s.iter();
+    while let Some(&c) = it.next() {
+        if c != b'\\' {
+            out.push(c);
+            continue;
+        }
+        out.push(match it.next() {
+            Some(b'b') => 0x08,
+            Some(b'f') => 0x0c,
+            Some(b'n') => b'\n',
+            Some(b'r') => b'\r',
+            Some(b't') => b'\t',
+            Some(&other) => other,
+            None => break,
+        });
+    }
+    String::from_utf8(out).ok()
+}
