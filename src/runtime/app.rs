@@ -30,7 +30,6 @@ use crate::runtime::task::RestoreRecord;
 use crate::runtime::Task;
 use crate::state::{SledBackend, StateBackend, StateDirLock};
 use crate::topology::Topology;
-use bytes::Bytes;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
@@ -171,6 +170,9 @@ struct RunLoop {
     tables: crate::state::table::Tables,
     /// The last origin topic of a repartition record (shared by the records naming it).
     origin_topic: Option<Arc<str>>,
+    /// Blocks the fetched records' keys, values and header values are copied into (see
+    /// [`to_record`]).
+    arena: crate::state::Arena,
     /// The dedup key of the record last routed in place (reused; see
     /// [`Router::route_parts`](crate::processor::repartition::Router::route_parts)).
     route_key: Vec<u8>,
@@ -293,7 +295,12 @@ impl RunLoop {
         }
         let reads_hop = self.hop.is_some() && !self.topics.is_router(p);
         let topic = self.record_topic(p).clone();
-        let record = to_record(m, &topic, reads_hop.then_some(&mut self.origin_topic));
+        let record = to_record(
+            m,
+            &topic,
+            reads_hop.then_some(&mut self.origin_topic),
+            &mut self.arena,
+        );
         let Some(task) = self.tasks.get_mut(&p) else {
             return Ok(());
         };
@@ -402,11 +409,14 @@ fn wall_clock_ms() -> i64 {
 
 /// The record of `m`; the topic name is shared, not copied. With `origin` (a record of a
 /// repartition topic), its [`SOURCE`](crate::processor::repartition::SOURCE) header becomes
-/// the record's origin without being copied (`origin` caches the topic name).
+/// the record's origin without being copied (`origin` caches the topic name). Key, value
+/// and header values are copied into `arena`: no allocation per record, and the task's
+/// dead-letter copy of them is a reference count.
 fn to_record(
     m: &BorrowedMessage<'_>,
     topic: &Arc<str>,
     mut origin: Option<&mut Option<Arc<str>>>,
+    arena: &mut crate::state::Arena,
 ) -> Record {
     use crate::processor::repartition::{origin_of, SOURCE, UNKEYED};
     let mut from = None;
@@ -431,13 +441,13 @@ fn to_record(
                 from = h.value.and_then(|v| origin_of(v, last));
                 from.is_none()
             })
-            .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
+            .map(|h| (h.key.to_string(), h.value.map(|v| arena.copy(v))))
             .collect(),
     };
     let keyed = from.is_some() && !unkeyed;
     Record {
-        key: m.key().map(Bytes::copy_from_slice),
-        value: m.payload().map(Bytes::copy_from_slice),
+        key: m.key().map(|k| arena.copy(k)),
+        value: m.payload().map(|v| arena.copy(v)),
         headers,
         timestamp: m.timestamp().to_millis(),
         json: None,
@@ -549,6 +559,7 @@ impl App {
             tables: table_set.handles(),
             writer_hold: None,
             origin_topic: None,
+            arena: crate::state::Arena::new(),
             route_key: Vec::new(),
             route_text: Vec::new(),
         };

@@ -26,7 +26,7 @@ pub(crate) use writer::set_before_chunk;
 pub(crate) use self::lock::StateDirLock;
 pub(crate) use self::memory::MemoryBackend;
 pub(crate) use self::sled::SledBackend;
-pub(crate) use self::staged::{StagedStore, Withdrawn};
+pub(crate) use self::staged::{Arena, StagedStore, Withdrawn};
 pub(crate) use self::writer::{Writer, WriterHold};
 use self::{behind::*, resident::*, writer::*};
 

@@ -113,10 +113,11 @@ pub(crate) struct StagedStore {
     pub(super) sealed: std::collections::VecDeque<(u64, Staged)>,
 }
 
-/// Keys and values copied into shared blocks: one allocation per block instead of one per
-/// buffer, and clones (pending map, in-memory state, writer) are reference counts. A block
-/// lives while any buffer cut from it does.
-pub(super) struct Arena {
+/// Byte strings copied into shared blocks: one allocation per block instead of one per
+/// buffer, and clones (pending map, in-memory state, writer; a record's dead-letter copy)
+/// are reference counts. A block lives while any buffer cut from it does, so an arena
+/// suits buffers that are dropped about as soon as their neighbours.
+pub(crate) struct Arena {
     pub(super) block: bytes::BytesMut,
 }
 
@@ -124,13 +125,15 @@ pub(super) struct Arena {
 pub(super) const ARENA_BLOCK: usize = 64 * 1024;
 
 impl Arena {
-    pub(super) fn new() -> Arena {
+    /// An arena with no block yet.
+    pub(crate) fn new() -> Arena {
         Arena {
             block: bytes::BytesMut::new(),
         }
     }
 
-    pub(super) fn copy(&mut self, data: &[u8]) -> Bytes {
+    /// `data` copied into the current block (a new one when it does not fit).
+    pub(crate) fn copy(&mut self, data: &[u8]) -> Bytes {
         if self.block.capacity() - self.block.len() < data.len() {
             self.block = bytes::BytesMut::with_capacity(ARENA_BLOCK.max(data.len()));
         }
