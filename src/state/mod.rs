@@ -32,7 +32,7 @@ use self::{behind::*, resident::*, writer::*};
 
 use crate::error::Result;
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The writes of one commit to one store, applied atomically.

@@ -5,33 +5,50 @@
 use super::*;
 
 /// The writes of one commit: the ops in first-write order (a withdrawn op is replaced by
-/// the last one), each key once with its last value, and an index from key to op. Iterating and committing walk the ops in order
-/// without a lookup per key.
+/// the last one), each key once with its last value, and an index from key to op.
+/// Iterating and committing walk the ops in order without a lookup per key. The index holds
+/// op positions only (the key lives once, in its op).
 #[derive(Debug, Default)]
 pub(super) struct Staged {
+    /// Position in `ops` of each key's op, by the key's hash.
+    index: hashbrown::HashTable<usize>,
     // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
-    pub(super) index: HashMap<Bytes, usize, ahash::RandomState>,
+    hash: ahash::RandomState,
     pub(super) ops: Vec<(Bytes, Option<Bytes>)>,
 }
 
 impl Staged {
     pub(super) fn with_capacity(n: usize) -> Staged {
         Staged {
-            index: HashMap::with_capacity_and_hasher(n, ahash::RandomState::new()),
+            index: hashbrown::HashTable::with_capacity(n),
+            hash: ahash::RandomState::new(),
             ops: Vec::with_capacity(n),
         }
     }
 
+    /// Position of `key`'s op.
+    pub(super) fn find(&self, key: &[u8]) -> Option<usize> {
+        let ops = &self.ops;
+        self.index
+            .find(self.hash.hash_one(key), |&i| ops[i].0[..] == *key)
+            .copied()
+    }
+
     pub(super) fn get(&self, key: &[u8]) -> Option<&Option<Bytes>> {
-        self.index.get(key).map(|i| &self.ops[*i].1)
+        self.find(key).map(|i| &self.ops[i].1)
     }
 
     pub(super) fn get_mut(&mut self, key: &[u8]) -> Option<&mut Option<Bytes>> {
-        self.index.get(key).map(|i| &mut self.ops[*i].1)
+        self.find(key).map(|i| &mut self.ops[i].1)
     }
 
+    /// Add the op of a key not in the batch.
     pub(super) fn insert_new(&mut self, key: Bytes, value: Option<Bytes>) {
-        self.index.insert(key.clone(), self.ops.len());
+        let (ops, hash) = (&self.ops, &self.hash);
+        self.index
+            .insert_unique(hash.hash_one(&key[..]), ops.len(), |&i| {
+                hash.hash_one(&ops[i].0[..])
+            });
         self.ops.push((key, value));
     }
 
@@ -42,12 +59,23 @@ impl Staged {
     /// Take `key` out of the batch (its op is replaced by the last one: keys are unique
     /// in a batch, so their order carries no meaning).
     pub(super) fn remove(&mut self, key: &[u8]) {
-        let Some(i) = self.index.remove(key) else {
+        let ops = &self.ops;
+        let Ok(entry) = self
+            .index
+            .find_entry(self.hash.hash_one(key), |&i| ops[i].0[..] == *key)
+        else {
             return;
         };
+        let (i, _) = entry.remove();
+        let last = self.ops.len() - 1;
         self.ops.swap_remove(i);
-        if let Some((moved, _)) = self.ops.get(i) {
-            if let Some(slot) = self.index.get_mut(moved) {
+        if i < last {
+            // The last op moved to `i`: point its key there.
+            let ops = &self.ops;
+            if let Some(slot) = self
+                .index
+                .find_mut(self.hash.hash_one(&ops[i].0[..]), |&j| j == last)
+            {
                 *slot = i;
             }
         }
@@ -240,8 +268,8 @@ impl StagedStore {
     /// it back if that record ends in the dead-letter topic.
     pub(crate) fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
         let written = value.map(|v| self.arena.copy(v));
-        let (key, before) = match self.pending.index.get(key) {
-            Some(&i) => {
+        let (key, before) = match self.pending.find(key) {
+            Some(i) => {
                 let op = &mut self.pending.ops[i];
                 let before = std::mem::replace(&mut op.1, written.clone());
                 (op.0.clone(), Some(before))
@@ -569,6 +597,50 @@ impl Drop for StagedStore {
         // engine's offset is older, so the next restore replays them from the changelog).
         if let Some(b) = &self.behind {
             b.stop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A batch's lookups, ops and their order agree with a map model across inserts,
+        /// overwrites and removes (a remove moves the last op into the hole).
+        #[test]
+        fn a_batch_matches_a_map_model(steps in proptest::collection::vec((0u8..3, 0u8..12, any::<u8>()), 0..80)) {
+            let mut staged = Staged::with_capacity(2);
+            let mut model: std::collections::HashMap<Vec<u8>, Option<Vec<u8>>> = Default::default();
+            for (op, k, v) in steps {
+                let key = vec![b'k', k];
+                let value = (v % 4 != 0).then(|| vec![v]);
+                match op {
+                    0 | 1 => {
+                        let value_b = value.clone().map(Bytes::from);
+                        match staged.get_mut(&key) {
+                            Some(slot) => *slot = value_b,
+                            None => staged.insert_new(Bytes::from(key.clone()), value_b),
+                        }
+                        model.insert(key, value);
+                    }
+                    _ => {
+                        staged.remove(&key);
+                        model.remove(&key);
+                    }
+                }
+                prop_assert_eq!(staged.len(), model.len());
+                for k in 0u8..12 {
+                    let key = vec![b'k', k];
+                    let got = staged.get(&key).map(|v| v.as_deref().map(<[u8]>::to_vec));
+                    prop_assert_eq!(got, model.get(&key).cloned(), "key {}", k);
+                }
+                for (i, (k, v)) in staged.ops.iter().enumerate() {
+                    prop_assert_eq!(staged.find(k), Some(i));
+                    prop_assert_eq!(model.get(&k[..]).cloned(), Some(v.as_deref().map(<[u8]>::to_vec)));
+                }
+            }
         }
     }
 }
