@@ -44,9 +44,8 @@ pub(super) fn index_matches(token: &str, index: usize) -> bool {
     token.parse::<usize>().ok() == Some(index) && (token == "0" || !token.starts_with('0'))
 }
 
-/// The pointers that lead into a value: (index, tokens left). Rarely more than a few,
-/// kept on the stack.
-type Paths<'p> = smallvec::SmallVec<[(usize, &'p [String]); 4]>;
+/// The pointers that lead into a value: (index, tokens left).
+type Paths<'p> = Vec<(usize, &'p [String])>;
 
 struct Parser<'a> {
     b: &'a [u8],
@@ -84,15 +83,11 @@ impl<'a> Parser<'a> {
     ) -> Option<()> {
         match self.peek()? {
             b'{' => {
-                if !paths.is_empty() {
-                    set(paths, found, &Scalar::Other("an object"));
-                }
+                set(paths, found, &Scalar::Other("an object"));
                 self.object(paths, found, depth + 1)
             }
             b'[' => {
-                if !paths.is_empty() {
-                    set(paths, found, &Scalar::Other("an array"));
-                }
+                set(paths, found, &Scalar::Other("an array"));
                 self.array(paths, found, depth + 1)
             }
             b'"' => {
@@ -139,9 +134,7 @@ impl<'a> Parser<'a> {
             return None;
         }
         self.i += word.len();
-        if !paths.is_empty() {
-            set(paths, found, &v);
-        }
+        set(paths, found, &v);
         Some(())
     }
 
@@ -151,12 +144,7 @@ impl<'a> Parser<'a> {
         found: &mut [Scalar],
         depth: usize,
     ) -> Option<()> {
-        if depth > MAX_DEPTH {
-            return None;
-        }
-        self.i += 1;
-        self.ws();
-        if self.eat(b'}').is_some() {
+        if !self.open(b'}', depth)? {
             return Some(());
         }
         let mut sub: Paths<'_> = Paths::new();
@@ -188,17 +176,8 @@ impl<'a> Parser<'a> {
             self.eat(b':')?;
             self.ws();
             self.value(&sub, found, depth)?;
-            self.ws();
-            match self.peek()? {
-                b',' => {
-                    self.i += 1;
-                    self.ws();
-                }
-                b'}' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => return None,
+            if !self.more(b'}')? {
+                return Some(());
             }
         }
     }
@@ -209,12 +188,7 @@ impl<'a> Parser<'a> {
         found: &mut [Scalar],
         depth: usize,
     ) -> Option<()> {
-        if depth > MAX_DEPTH {
-            return None;
-        }
-        self.i += 1;
-        self.ws();
-        if self.eat(b']').is_some() {
+        if !self.open(b']', depth)? {
             return Some(());
         }
         let mut sub: Paths<'_> = Paths::new();
@@ -229,19 +203,34 @@ impl<'a> Parser<'a> {
                 }
             }
             self.value(&sub, found, depth)?;
-            self.ws();
-            match self.peek()? {
-                b',' => {
-                    self.i += 1;
-                    self.ws();
-                    index += 1;
-                }
-                b']' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => return None,
+            if !self.more(b']')? {
+                return Some(());
             }
+            index += 1;
+        }
+    }
+
+    /// Step into an object or array (at its opening bracket) closed by `close`: whether it
+    /// holds any member. `None` past [`MAX_DEPTH`].
+    fn open(&mut self, close: u8, depth: usize) -> Option<bool> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.i += 1;
+        self.ws();
+        Some(self.eat(close).is_none())
+    }
+
+    /// After a member: whether another follows (a comma), or the container ends (`close`).
+    fn more(&mut self, close: u8) -> Option<bool> {
+        self.ws();
+        let c = self.peek()?;
+        self.i += 1;
+        if c == b',' {
+            self.ws();
+            Some(true)
+        } else {
+            (c == close).then_some(false)
         }
     }
 
@@ -351,25 +340,9 @@ fn skip_plain(b: &[u8], mut j: usize) -> usize {
     j
 }
 
-/// [`skip_plain`] elsewhere, eight bytes at a time.
+/// [`skip_plain`] elsewhere: no skipping, the byte loop looks at every byte.
 #[cfg(not(target_arch = "x86_64"))]
-fn skip_plain(b: &[u8], mut j: usize) -> usize {
-    const LO: u64 = 0x0101_0101_0101_0101;
-    const HI: u64 = 0x8080_8080_8080_8080;
-    // Flags a zero byte (may flag a byte after one; never misses one).
-    let zero = |v: u64| v.wrapping_sub(LO) & !v & HI;
-    while let Some(chunk) = b.get(j..j + 8) {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(chunk);
-        let x = u64::from_le_bytes(w);
-        let quote = zero(x ^ (LO * u64::from(b'"')));
-        let backslash = zero(x ^ (LO * u64::from(b'\\')));
-        let control = x.wrapping_sub(LO * 0x20) & !x & HI;
-        if (quote | backslash | control | (x & HI)) != 0 {
-            break;
-        }
-        j += 8;
-    }
+fn skip_plain(_: &[u8], j: usize) -> usize {
     j
 }
 
