@@ -6,8 +6,7 @@ use crate::error::{Error, Result};
 use crate::processor::OutRecord;
 use crate::state::restore::ChangelogWrite;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::ClientContext;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -42,7 +41,9 @@ impl ProducerContext for DeliveryTracker {
     type DeliveryOpaque = usize;
 
     fn delivery(&self, result: &DeliveryResult<'_>, slot: usize) {
-        if let Ok(msg) = result {
+        if let (Ok(msg), true) = (result, slot == EPOCH_SLOTS) {
+            // A changelog record (only they count in that slot): the topic is looked at for
+            // them alone, not for every output delivered.
             use rdkafka::Message;
             if self.changelog_topics.contains(msg.topic()) {
                 let mut m = self
@@ -77,6 +78,123 @@ impl ProducerContext for DeliveryTracker {
     }
 }
 
+/// librdkafka topic handles of the producer, one per topic name, made on first use. A
+/// produce by handle skips what a produce by name costs per record: a copy of the name
+/// (rdkafka), a write lock of the client's topic list and a search of it (librdkafka).
+#[derive(Default)]
+struct TopicHandles(std::sync::RwLock<Vec<(Box<str>, TopicHandle)>>);
+
+/// One librdkafka topic handle (`rd_kafka_topic_t`), owned by [`TopicHandles`].
+#[derive(Clone, Copy)]
+struct TopicHandle(*mut rdkafka::bindings::rd_kafka_topic_t);
+
+// SAFETY: librdkafka topic handles may be used from any thread (produce and destroy are
+// thread-safe); the handle is only destroyed once, by `TopicHandles::destroy`.
+unsafe impl Send for TopicHandle {}
+// SAFETY: as for Send.
+unsafe impl Sync for TopicHandle {}
+
+impl TopicHandles {
+    /// The handle of `topic` on client `rk`, made on first use.
+    fn get(&self, rk: *mut rdkafka::bindings::rd_kafka_t, topic: &str) -> Result<TopicHandle> {
+        let find = |v: &[(Box<str>, TopicHandle)]| {
+            v.iter().find(|(name, _)| &**name == topic).map(|(_, h)| *h)
+        };
+        if let Some(h) = find(&self.0.read().unwrap_or_else(|p| p.into_inner())) {
+            return Ok(h);
+        }
+        let mut all = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = find(&all) {
+            return Ok(h);
+        }
+        let name = std::ffi::CString::new(topic)
+            .map_err(|_| Error::Config(format!("topic name {topic:?} contains a NUL byte")))?;
+        // SAFETY: `rk` is a live client; a NULL conf takes the client's default topic
+        // configuration (as a produce by name does).
+        let rkt = unsafe {
+            rdkafka::bindings::rd_kafka_topic_new(rk, name.as_ptr(), std::ptr::null_mut())
+        };
+        if rkt.is_null() {
+            // SAFETY: reads librdkafka's thread-local last error.
+            let code = unsafe { rdkafka::bindings::rd_kafka_last_error() };
+            return Err(Error::Kafka {
+                op: "produce",
+                source: KafkaError::MessageProduction(RDKafkaErrorCode::from(code)),
+            });
+        }
+        all.push((topic.into(), TopicHandle(rkt)));
+        Ok(TopicHandle(rkt))
+    }
+
+    /// Release every handle (before the client goes).
+    fn destroy(&mut self) {
+        let all = self.0.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (_, h) in all.drain(..) {
+            // SAFETY: made by rd_kafka_topic_new and released exactly once, here, while the
+            // client lives (OutputProducer's Drop runs before its fields drop).
+            unsafe { rdkafka::bindings::rd_kafka_topic_destroy(h.0) };
+        }
+    }
+}
+
+/// One record to queue, borrowing its parts.
+struct Outgoing<'a> {
+    topic: &'a str,
+    /// `None`: the partitioner picks.
+    partition: Option<i32>,
+    key: Option<&'a [u8]>,
+    /// `None`: a tombstone.
+    value: Option<&'a [u8]>,
+    headers: Option<RawHeaders>,
+    /// Milliseconds since the epoch; `None`: now.
+    timestamp: Option<i64>,
+}
+
+/// The headers list of one record to produce, built from borrowed names and values (which
+/// librdkafka copies); destroyed when dropped, unless a successful produce took it over
+/// (then forgotten).
+pub(crate) struct RawHeaders(*mut rdkafka::bindings::rd_kafka_headers_t);
+
+impl RawHeaders {
+    /// The list of `all`, `None` when empty (a record without headers).
+    fn new<'a>(all: impl ExactSizeIterator<Item = (&'a str, Option<&'a [u8]>)>) -> Option<Self> {
+        if all.len() == 0 {
+            return None;
+        }
+        // SAFETY: a new list, owned by the returned value.
+        let list = RawHeaders(unsafe { rdkafka::bindings::rd_kafka_headers_new(all.len()) });
+        for (name, value) in all {
+            let (ptr, len) = value.map_or((std::ptr::null(), 0), |v| (v.as_ptr(), v.len()));
+            // SAFETY: name and value are valid for the lengths given (no NUL needed) and
+            // copied into the list. The only error is a read-only list, which a new one is
+            // not.
+            unsafe {
+                rdkafka::bindings::rd_kafka_header_add(
+                    list.0,
+                    name.as_ptr().cast(),
+                    name.len() as isize,
+                    ptr.cast(),
+                    len as isize,
+                )
+            };
+        }
+        Some(list)
+    }
+}
+
+impl Drop for RawHeaders {
+    fn drop(&mut self) {
+        // SAFETY: a list made by `new` and still ours (a produce that took it forgets it).
+        unsafe { rdkafka::bindings::rd_kafka_headers_destroy(self.0) };
+    }
+}
+
+impl Drop for OutputProducer {
+    fn drop(&mut self) {
+        self.topics.destroy();
+    }
+}
+
 /// Idempotent producer for sink, dead-letter (and later changelog) records.
 ///
 /// librdkafka retries each record until `delivery.timeout.ms` (default 300 s); a record
@@ -84,6 +202,8 @@ impl ProducerContext for DeliveryTracker {
 /// and the runtime stops without applying state or committing offsets, so the batch is
 /// processed again on restart (at_least_once: never lost).
 pub(crate) struct OutputProducer {
+    /// Destroyed before the producer (see Drop).
+    topics: TopicHandles,
     producer: ThreadedProducer<DeliveryTracker>,
     /// The commit epoch outputs sent now count towards ([`OutputProducer::open_epoch`]).
     epoch: AtomicU64,
@@ -118,6 +238,7 @@ impl OutputProducer {
             })
             .map_err(crate::kafka::config_error)?;
         Ok(OutputProducer {
+            topics: TopicHandles::default(),
             producer,
             epoch: AtomicU64::new(0),
             txn_outages: AtomicU64::new(0),
@@ -130,25 +251,14 @@ impl OutputProducer {
     /// [`Error::Kafka`] when librdkafka refuses the record for a reason other than a full
     /// queue (unknown topic, record too large).
     pub(crate) fn send(&self, rec: &OutRecord) -> Result<()> {
-        let headers = (!rec.headers.is_empty()).then(|| {
-            rec.headers.iter().fold(
-                OwnedHeaders::new_with_capacity(rec.headers.len()),
-                |h, (k, v)| {
-                    h.insert(Header {
-                        key: k.as_str(),
-                        value: v.as_deref(),
-                    })
-                },
-            )
-        });
-        self.send_output(
-            &rec.topic,
-            rec.partition,
-            rec.key.as_deref(),
-            rec.value.as_deref(),
-            headers,
-            rec.timestamp,
-        )
+        self.send_output(Outgoing {
+            topic: &rec.topic,
+            partition: rec.partition,
+            key: rec.key.as_deref(),
+            value: rec.value.as_deref(),
+            headers: RawHeaders::new(rec.headers.iter().map(|(k, v)| (k.as_str(), v.as_deref()))),
+            timestamp: rec.timestamp,
+        })
     }
 
     /// Queue one record to `topic`/`partition` from borrowed parts (the repartition router's
@@ -165,43 +275,20 @@ impl OutputProducer {
         headers: &[(&str, Option<&[u8]>)],
         timestamp: Option<i64>,
     ) -> Result<()> {
-        let headers = (!headers.is_empty()).then(|| {
-            headers.iter().fold(
-                OwnedHeaders::new_with_capacity(headers.len()),
-                |h, (k, v)| h.insert(Header { key: k, value: *v }),
-            )
-        });
-        self.send_output(topic, Some(partition), key, value, headers, timestamp)
+        self.send_output(Outgoing {
+            topic,
+            partition: Some(partition),
+            key,
+            value,
+            headers: RawHeaders::new(headers.iter().copied()),
+            timestamp,
+        })
     }
 
-    /// Queue an output (counted towards the current epoch) from its parts.
-    fn send_output(
-        &self,
-        topic: &str,
-        partition: Option<i32>,
-        key: Option<&[u8]>,
-        value: Option<&[u8]>,
-        headers: Option<OwnedHeaders>,
-        timestamp: Option<i64>,
-    ) -> Result<()> {
+    /// Queue an output, counted towards the current epoch.
+    fn send_output(&self, rec: Outgoing<'_>) -> Result<()> {
         let slot = (self.epoch.load(Ordering::Relaxed) % EPOCH_SLOTS as u64) as usize;
-        let mut record: BaseRecord<'_, [u8], [u8], usize> = BaseRecord::with_opaque_to(topic, slot);
-        if let Some(k) = key {
-            record = record.key(k);
-        }
-        if let Some(v) = value {
-            record = record.payload(v);
-        }
-        if let Some(p) = partition {
-            record = record.partition(p);
-        }
-        if let Some(ts) = timestamp {
-            record = record.timestamp(ts);
-        }
-        if let Some(h) = headers {
-            record = record.headers(h);
-        }
-        self.send_record(record)
+        self.produce(rec, slot)
     }
 
     /// Queue one changelog record `write` (its `value` `None`: a tombstone) to `topic`,
@@ -210,34 +297,86 @@ impl OutputProducer {
     /// # Errors
     /// As [`OutputProducer::send`].
     pub(crate) fn send_changelog(&self, topic: &str, write: &ChangelogWrite<'_>) -> Result<()> {
-        let mut record: BaseRecord<'_, [u8], [u8], usize> =
-            BaseRecord::with_opaque_to(topic, EPOCH_SLOTS)
-                .key(write.key)
-                .partition(write.partition)
-                .timestamp(write.timestamp_ms);
-        if let Some(v) = write.value {
-            record = record.payload(v);
-        }
-        self.send_record(record)
+        let rec = Outgoing {
+            topic,
+            partition: Some(write.partition),
+            key: Some(write.key),
+            value: write.value,
+            headers: None,
+            timestamp: Some(write.timestamp_ms),
+        };
+        self.produce(rec, EPOCH_SLOTS)
     }
 
-    fn send_record(&self, mut record: BaseRecord<'_, [u8], [u8], usize>) -> Result<()> {
-        let slot = &self.producer.context().unacked[record.delivery_opaque];
-        // Counted before the send: its delivery report may come before `send` returns.
-        slot.fetch_add(1, Ordering::SeqCst);
+    /// Queue `rec`, counted in `slot` until its delivery report, waiting while librdkafka's
+    /// queue is full. Produced by topic handle (see [`TopicHandles`]); key and value are
+    /// copied by librdkafka (`RD_KAFKA_MSG_F_COPY`), the headers list is handed over.
+    fn produce(&self, rec: Outgoing<'_>, slot: usize) -> Result<()> {
+        let Outgoing {
+            topic,
+            partition,
+            key,
+            value,
+            headers,
+            timestamp,
+        } = rec;
+        use rdkafka::bindings::rd_kafka_vtype_t::*;
+        let fail = |code: RDKafkaErrorCode| Error::Kafka {
+            op: "produce",
+            source: KafkaError::MessageProduction(code),
+        };
+        let rkt = self
+            .topics
+            .get(self.producer.client().native_ptr(), topic)?;
+        let bytes = |b: Option<&[u8]>| {
+            b.map_or((std::ptr::null_mut(), 0), |b| {
+                (b.as_ptr() as *mut std::ffi::c_void, b.len())
+            })
+        };
+        let ((value_ptr, value_len), (key_ptr, key_len)) = (bytes(value), bytes(key));
+        let hdrs = headers.as_ref().map_or(std::ptr::null_mut(), |h| h.0);
+        let counter = &self.producer.context().unacked[slot];
+        // Counted before the send: its delivery report may come before `producev` returns.
+        counter.fetch_add(1, Ordering::SeqCst);
         loop {
-            match self.producer.send(record) {
-                Ok(()) => return Ok(()),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    record = r;
-                    std::thread::sleep(Duration::from_millis(1));
+            // SAFETY: the client and topic handle are alive (the handle is destroyed before
+            // the producer, see Drop); key and value are valid for their lengths during the
+            // call and copied (F_COPY); on success librdkafka owns the headers list, which is
+            // then forgotten here; on failure it stays ours. The opaque is the slot number,
+            // which the delivery callback reads back as a `usize` (rdkafka's `IntoOpaque`).
+            let err = unsafe {
+                rdkafka::bindings::rd_kafka_producev(
+                    self.producer.client().native_ptr(),
+                    RD_KAFKA_VTYPE_RKT,
+                    rkt.0,
+                    RD_KAFKA_VTYPE_PARTITION,
+                    partition.unwrap_or(-1),
+                    RD_KAFKA_VTYPE_MSGFLAGS,
+                    rdkafka::bindings::RD_KAFKA_MSG_F_COPY,
+                    RD_KAFKA_VTYPE_VALUE,
+                    value_ptr,
+                    value_len,
+                    RD_KAFKA_VTYPE_KEY,
+                    key_ptr,
+                    key_len,
+                    RD_KAFKA_VTYPE_OPAQUE,
+                    slot as *mut std::ffi::c_void,
+                    RD_KAFKA_VTYPE_TIMESTAMP,
+                    timestamp.unwrap_or(0),
+                    RD_KAFKA_VTYPE_HEADERS,
+                    hdrs,
+                    RD_KAFKA_VTYPE_END,
+                )
+            };
+            match RDKafkaErrorCode::from(err) {
+                RDKafkaErrorCode::NoError => {
+                    std::mem::forget(headers);
+                    return Ok(());
                 }
-                Err((e, _)) => {
-                    slot.fetch_sub(1, Ordering::SeqCst);
-                    return Err(Error::Kafka {
-                        op: "produce",
-                        source: e,
-                    });
+                RDKafkaErrorCode::QueueFull => std::thread::sleep(Duration::from_millis(1)),
+                code => {
+                    counter.fetch_sub(1, Ordering::SeqCst);
+                    return Err(fail(code));
                 }
             }
         }

@@ -178,6 +178,9 @@ struct RunLoop {
     route_key: Vec<u8>,
     /// The source header's value of the record last routed in place (reused).
     route_text: Vec<u8>,
+    /// With a hop: the task id of partition 0 of each topic read (see
+    /// [`RunLoop::task_base`]), by the address of its librdkafka topic handle.
+    task_bases: Vec<(usize, i32)>,
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
     writer_hold: Option<crate::state::WriterHold>,
@@ -230,6 +233,20 @@ impl RunLoop {
         Self::tpl_of(topic, &[p], offset.map(Offset::Offset))
     }
 
+    /// With a hop, the task id of partition 0 of `m`'s topic ([`Topics::id`](super::hop::Topics::id)), to which its
+    /// partition is added. Told by the topic handle's address: the consumer keeps one handle
+    /// per topic it reads for as long as it lives, and the name (a C string to measure and
+    /// check) is then read once per topic, not once per record.
+    fn task_base(&mut self, m: &BorrowedMessage<'_>) -> i32 {
+        let handle = m.topic_ptr() as usize;
+        if let Some((_, base)) = self.task_bases.iter().find(|(h, _)| *h == handle) {
+            return *base;
+        }
+        let base = self.topics.id(m.topic(), 0);
+        self.task_bases.push((handle, base));
+        base
+    }
+
     /// Process one source record; `wall_ms` is the wall clock read once per burst of
     /// records (see [`run_loop`]).
     fn process(
@@ -241,7 +258,7 @@ impl RunLoop {
         // The task id (`runtime::hop`): the partition, or a router's id with a hop.
         let p = match &self.hop {
             None => m.partition(),
-            Some(_) => self.topics.id(m.topic(), m.partition()),
+            Some(_) => self.task_base(m) + m.partition(),
         };
         self.first_record.get_or_insert_with(Instant::now);
         self.at_end.remove(&p);
@@ -562,6 +579,7 @@ impl App {
             arena: crate::state::Arena::new(),
             route_key: Vec::new(),
             route_text: Vec::new(),
+            task_bases: Vec::new(),
         };
         let (events_tx, events) = mpsc::channel();
         let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;
