@@ -24,7 +24,6 @@ pub(crate) struct DeliveryTracker {
     /// Records sent and not yet acknowledged (delivered or failed), per slot.
     unacked: [AtomicI64; EPOCH_SLOTS + 1],
     first_failure: Mutex<Option<String>>,
-    changelog_topics: std::collections::HashSet<String>,
     /// Highest delivered offset per changelog topic and partition.
     changelog_offsets:
         Mutex<std::collections::HashMap<String, std::collections::HashMap<i32, i64>>>,
@@ -42,22 +41,20 @@ impl ProducerContext for DeliveryTracker {
 
     fn delivery(&self, result: &DeliveryResult<'_>, slot: usize) {
         if let (Ok(msg), true) = (result, slot == EPOCH_SLOTS) {
-            // A changelog record (only they count in that slot): the topic is looked at for
-            // them alone, not for every output delivered.
+            // A changelog record (only they count in that slot): the topic is read for them
+            // alone, not for every output delivered.
             use rdkafka::Message;
-            if self.changelog_topics.contains(msg.topic()) {
-                let mut m = self
-                    .changelog_offsets
-                    .lock()
-                    .expect("delivery tracker lock");
-                // No allocation per delivery: the topic's map exists after its first.
-                let per_topic = match m.get_mut(msg.topic()) {
-                    Some(t) => t,
-                    None => m.entry(msg.topic().to_string()).or_default(),
-                };
-                let e = per_topic.entry(msg.partition()).or_insert(-1);
-                *e = (*e).max(msg.offset());
-            }
+            let mut m = self
+                .changelog_offsets
+                .lock()
+                .expect("delivery tracker lock");
+            // No allocation per delivery: the topic's map exists after its first.
+            let per_topic = match m.get_mut(msg.topic()) {
+                Some(t) => t,
+                None => m.entry(msg.topic().to_string()).or_default(),
+            };
+            let e = per_topic.entry(msg.partition()).or_insert(-1);
+            *e = (*e).max(msg.offset());
         }
         if let Err((e, msg)) = result {
             use rdkafka::Message;
@@ -117,10 +114,7 @@ impl TopicHandles {
         if rkt.is_null() {
             // SAFETY: reads librdkafka's thread-local last error.
             let code = unsafe { rdkafka::bindings::rd_kafka_last_error() };
-            return Err(Error::Kafka {
-                op: "produce",
-                source: KafkaError::MessageProduction(RDKafkaErrorCode::from(code)),
-            });
+            return Err(produce_error(code.into()));
         }
         all.push((topic.into(), TopicHandle(rkt)));
         Ok(TopicHandle(rkt))
@@ -134,6 +128,14 @@ impl TopicHandles {
             // client lives (OutputProducer's Drop runs before its fields drop).
             unsafe { rdkafka::bindings::rd_kafka_topic_destroy(h.0) };
         }
+    }
+}
+
+/// The error of a record librdkafka refused to queue.
+fn produce_error(code: RDKafkaErrorCode) -> Error {
+    Error::Kafka {
+        op: "produce",
+        source: KafkaError::MessageProduction(code),
     }
 }
 
@@ -153,7 +155,7 @@ struct Outgoing<'a> {
 /// The headers list of one record to produce, built from borrowed names and values (which
 /// librdkafka copies); destroyed when dropped, unless a successful produce took it over
 /// (then forgotten).
-pub(crate) struct RawHeaders(*mut rdkafka::bindings::rd_kafka_headers_t);
+struct RawHeaders(*mut rdkafka::bindings::rd_kafka_headers_t);
 
 impl RawHeaders {
     /// The list of `all`, `None` when empty (a record without headers).
@@ -214,15 +216,12 @@ pub(crate) struct OutputProducer {
 impl OutputProducer {
     /// Create the producer (`enable.idempotence=true`, `linger.ms=5`, and under
     /// exactly_once_v2 `transactional.id=<application.id>-<instance.id>`; then `kafka.*` and
-    /// `kafka.producer.*`). `changelog_topics` are the topics whose delivered offsets are
-    /// tracked for store checkpoints.
+    /// `kafka.producer.*`). The delivered offsets of records sent by
+    /// [`OutputProducer::send_changelog`] are tracked for store checkpoints.
     ///
     /// # Errors
     /// [`Error::Config`] when librdkafka refuses a property.
-    pub(crate) fn new(
-        cfg: &Config,
-        changelog_topics: std::collections::HashSet<String>,
-    ) -> Result<OutputProducer> {
+    pub(crate) fn new(cfg: &Config) -> Result<OutputProducer> {
         let txn_id = cfg.transactional_id();
         let mut defaults = vec![("enable.idempotence", "true"), ("linger.ms", "5")];
         if cfg.exactly_once() {
@@ -233,7 +232,6 @@ impl OutputProducer {
                 failures: AtomicU64::new(0),
                 unacked: std::array::from_fn(|_| AtomicI64::new(0)),
                 first_failure: Mutex::new(None),
-                changelog_topics,
                 changelog_offsets: Mutex::default(),
             })
             .map_err(crate::kafka::config_error)?;
@@ -321,13 +319,8 @@ impl OutputProducer {
             timestamp,
         } = rec;
         use rdkafka::bindings::rd_kafka_vtype_t::*;
-        let fail = |code: RDKafkaErrorCode| Error::Kafka {
-            op: "produce",
-            source: KafkaError::MessageProduction(code),
-        };
-        let rkt = self
-            .topics
-            .get(self.producer.client().native_ptr(), topic)?;
+        let rk = self.producer.client().native_ptr();
+        let rkt = self.topics.get(rk, topic)?;
         let bytes = |b: Option<&[u8]>| {
             b.map_or((std::ptr::null_mut(), 0), |b| {
                 (b.as_ptr() as *mut std::ffi::c_void, b.len())
@@ -346,7 +339,7 @@ impl OutputProducer {
             // which the delivery callback reads back as a `usize` (rdkafka's `IntoOpaque`).
             let err = unsafe {
                 rdkafka::bindings::rd_kafka_producev(
-                    self.producer.client().native_ptr(),
+                    rk,
                     RD_KAFKA_VTYPE_RKT,
                     rkt.0,
                     RD_KAFKA_VTYPE_PARTITION,
@@ -376,7 +369,7 @@ impl OutputProducer {
                 RDKafkaErrorCode::QueueFull => std::thread::sleep(Duration::from_millis(1)),
                 code => {
                     counter.fetch_sub(1, Ordering::SeqCst);
-                    return Err(fail(code));
+                    return Err(produce_error(code));
                 }
             }
         }

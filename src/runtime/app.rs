@@ -529,7 +529,7 @@ impl App {
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self.changelog_topics();
-        let producer = OutputProducer::new(&self.config, changelogs.values().cloned().collect())?;
+        let producer = OutputProducer::new(&self.config)?;
         let restore_consumer = consumer::create_restore_consumer(&self.config)?;
         let watermarks = consumer::create_watermark_client(&self.config)?;
         if self.config.exactly_once() {

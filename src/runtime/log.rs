@@ -211,8 +211,7 @@ impl CommitLog for KafkaLog<'_> {
         // committed if its EndTxn(commit) reached it, else aborted. While the brokers are
         // away it times out: a new producer tries again (with backoff, for 2 min).
         let fresh = crate::kafka::retry::retry("re-create the transactional producer", || {
-            let fresh =
-                OutputProducer::new(self.config, self.changelogs.values().cloned().collect())?;
+            let fresh = OutputProducer::new(self.config)?;
             fresh.init_transactions().map(|_| fresh)
         })
         .map_err(|e| self.fenced_or(e))?;
