@@ -109,3 +109,45 @@ pub mod __testkit;
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Turn transparent huge pages off for this process, as [`App::run`] does at start when
+/// onceflow's allocator is mimalloc (feature `mimalloc`, Linux). mimalloc asks the kernel
+/// for huge pages on its large regions (`madvise(MADV_HUGEPAGE)`), so the resident set then
+/// grows in 2 MiB steps, most of them part-used: the onceflow side of `scripts/bench` peaked
+/// at 350 MiB with them and 264 MiB without, at the same speed (see README, Benchmarks).
+///
+/// Memory already faulted in keeps its pages; the setting holds for the rest of the
+/// process's life (`prctl(PR_SET_THP_DISABLE)`). Nothing is changed when the environment
+/// sets `MIMALLOC_ALLOW_THP` (mimalloc's own switch, read when the process starts: `1`
+/// keeps huge pages, `0` turns them off itself), or without the feature, or off Linux.
+/// Returns whether huge pages are now off for the process.
+pub(crate) fn limit_huge_pages() -> bool {
+    #[cfg(all(feature = "mimalloc", target_os = "linux"))]
+    {
+        if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+            // SAFETY: PR_SET_THP_DISABLE takes an integer flag and no pointers.
+            unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+        }
+        // SAFETY: PR_GET_THP_DISABLE takes no argument and returns the flag.
+        unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1 }
+    }
+    #[cfg(not(all(feature = "mimalloc", target_os = "linux")))]
+    {
+        false
+    }
+}
+
+#[cfg(all(test, feature = "mimalloc", target_os = "linux"))]
+mod allocator_tests {
+    #[test]
+    fn huge_pages_are_off_once_limited() {
+        if std::env::var_os("MIMALLOC_ALLOW_THP").is_some() {
+            // The user's choice stands; nothing to check.
+            return;
+        }
+        assert!(super::limit_huge_pages());
+        // SAFETY: as in `limit_huge_pages`.
+        let flag = unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) };
+        assert_eq!(flag, 1, "PR_GET_THP_DISABLE after limit_huge_pages");
+    }
+}

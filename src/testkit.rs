@@ -30,6 +30,12 @@ pub const MAX_IN_FLIGHT: usize = crate::runtime::commit::MAX_IN_FLIGHT;
 
 // ------------------------------------------------------------------------ names
 
+/// As `App::run` does at start: transparent huge pages off for this process and the
+/// children it starts (see `crate::limit_huge_pages`).
+pub fn limit_huge_pages() -> bool {
+    crate::limit_huge_pages()
+}
+
 /// Name of the changelog topic of `store` in application `app`.
 pub fn changelog_topic(app: &str, store: &str) -> String {
     crate::state::restore::changelog_topic(app, store)

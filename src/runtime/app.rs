@@ -487,6 +487,9 @@ impl App {
 
     /// Run until shutdown is requested (or, with `stop_at_end`, the input is exhausted).
     ///
+    /// With the `mimalloc` feature on Linux it first turns transparent huge pages off for
+    /// the process, unless `MIMALLOC_ALLOW_THP` is set (see the README, Configuration).
+    ///
     /// # Errors
     /// Start-up errors (state dir locked, source topic missing, changelog partition count
     /// wrong, bad `kafka.*` property) and fatal run errors (a delivery that failed for
@@ -503,6 +506,9 @@ impl App {
         opts: RunOptions,
         status: Option<Arc<super::Status>>,
     ) -> Result<RunSummary> {
+        if crate::limit_huge_pages() {
+            tracing::debug!("transparent huge pages off for this process");
+        }
         let result = self.run_inner(opts, status.clone());
         if let Some(s) = status {
             s.finish(result.as_ref().err().map(|e| e.to_string()));

@@ -895,6 +895,9 @@ fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
 
 fn main() -> ExitCode {
     support::init_logging();
+    // Both sides and the dedup tasks run as onceflow's `App::run` does (inherited by the
+    // children): transparent huge pages off.
+    onceflow::__testkit::limit_huge_pages();
     let s = match Settings::from_env(1_000_000) {
         Ok(s) => s,
         Err(e) => {
