@@ -158,6 +158,14 @@ pub(crate) fn create(
         .map_err(crate::kafka::config_error)
 }
 
+/// How much the source consumer fetches ahead of processing, in KiB
+/// (`queued.max.messages.kbytes`; librdkafka's default is 65536). The run loop is slower
+/// than the fetcher, so a prefetch queue fills up to its bound: with 64 MiB the onceflow side
+/// of `scripts/bench` peaked at 269–278 MiB, with 4 MiB at 219–234 MiB, at the same speed
+/// (4 MiB is about 50 ms of its input). Kafka Streams buffers 1,000 records a partition
+/// (`buffered.records.per.partition`). `kafka.consumer.queued.max.messages.kbytes` wins.
+const SOURCE_PREFETCH_KIB: &str = "4096";
+
 fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
     let mut defaults = vec![
         ("group.id", cfg.application_id.as_str()),
@@ -166,6 +174,7 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
         ("auto.offset.reset", "earliest"),
         ("isolation.level", "read_committed"),
         ("partition.assignment.strategy", "cooperative-sticky"),
+        ("queued.max.messages.kbytes", SOURCE_PREFETCH_KIB),
         (
             "enable.partition.eof",
             if partition_eof { "true" } else { "false" },
@@ -298,6 +307,18 @@ mod restore_consumer_tests {
         ]);
         assert_eq!(source_config(&cfg, false).get("group.instance.id"), None);
         assert!(!is_static_member(&cfg));
+    }
+
+    #[test]
+    fn the_source_prefetch_is_bounded_unless_the_user_sets_it() {
+        let cfg = load(&[("application.id", "app")]);
+        let c = source_config(&cfg, false);
+        assert_eq!(c.get("queued.max.messages.kbytes"), Some(SOURCE_PREFETCH_KIB));
+        // librdkafka takes it (a refused property fails here, without a broker).
+        c.create::<BaseConsumer>().expect("librdkafka accepts the source config");
+        let cfg = load(&[("kafka.consumer.queued.max.messages.kbytes", "65536")]);
+        let c = source_config(&cfg, false);
+        assert_eq!(c.get("queued.max.messages.kbytes"), Some("65536"));
     }
 
     #[test]
