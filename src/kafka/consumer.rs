@@ -313,9 +313,13 @@ mod restore_consumer_tests {
     fn the_source_prefetch_is_bounded_unless_the_user_sets_it() {
         let cfg = load(&[("application.id", "app")]);
         let c = source_config(&cfg, false);
-        assert_eq!(c.get("queued.max.messages.kbytes"), Some(SOURCE_PREFETCH_KIB));
+        assert_eq!(
+            c.get("queued.max.messages.kbytes"),
+            Some(SOURCE_PREFETCH_KIB)
+        );
         // librdkafka takes it (a refused property fails here, without a broker).
-        c.create::<BaseConsumer>().expect("librdkafka accepts the source config");
+        c.create::<BaseConsumer>()
+            .expect("librdkafka accepts the source config");
         let cfg = load(&[("kafka.consumer.queued.max.messages.kbytes", "65536")]);
         let c = source_config(&cfg, false);
         assert_eq!(c.get("queued.max.messages.kbytes"), Some("65536"));

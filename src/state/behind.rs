@@ -86,10 +86,12 @@ impl Behind {
         changelog_offset: Option<i64>,
     ) -> Result<()> {
         self.error(engine.name())?;
+        // The batch stays in memory long after its commit: packed (see `Packed`), which
+        // also lets go of the staging arena's blocks.
+        let ops = Arc::new(Packed::pack(engine.name(), &ops)?);
         self.seq += 1;
         let seq = self.seq;
         let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));
-        let ops = Arc::new(ops);
         let (filter, filter_hash) = (&mut self.filter, &self.filter_hash);
         self.resident.push(seq, ops.clone(), |k, v, old| {
             if let Some((_, deltas)) = &mut count {
@@ -100,9 +102,9 @@ impl Behind {
                         KeyFilter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        KeyFilter::Hashes(f) => Some(
-                            f.contains(&filter_hash.hash_one(&k[..])) && engine.get(k)?.is_some(),
-                        ),
+                        KeyFilter::Hashes(f) => {
+                            Some(f.contains(&filter_hash.hash_one(k)) && engine.get(k)?.is_some())
+                        }
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
@@ -116,7 +118,7 @@ impl Behind {
             }
             if v.is_some() {
                 if let KeyFilter::Hashes(f) = filter {
-                    f.insert(filter_hash.hash_one(&k[..]));
+                    f.insert(filter_hash.hash_one(k));
                 }
             }
             Ok(())
@@ -170,7 +172,7 @@ impl Behind {
         let mut fresh = HashFilter::default();
         fresh.reserve(live.saturating_add(self.resident.len()));
         for (k, _) in self.resident.iter() {
-            fresh.insert(self.filter_hash.hash_one(&k[..]));
+            fresh.insert(self.filter_hash.hash_one(k));
         }
         let mut after: Option<Vec<u8>> = None;
         loop {
@@ -213,7 +215,7 @@ impl Behind {
                     let mut f = HashFilter::default();
                     f.reserve(self.resident.len());
                     for (k, _) in self.resident.iter() {
-                        f.insert(self.filter_hash.hash_one(&k[..]));
+                        f.insert(self.filter_hash.hash_one(k));
                     }
                     self.filter = KeyFilter::Hashes(f);
                 }

@@ -238,7 +238,7 @@ impl StagedStore {
         }
         if let Some(b) = &self.behind {
             if let Some(v) = b.resident.get(key) {
-                return Ok(v.clone());
+                return Ok(v);
             }
             if !b.may_be_in_engine(key) {
                 return Ok(None);
@@ -450,7 +450,7 @@ impl StagedStore {
         let ops = staged.ops;
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&ops, changelog_offset, None),
+            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
         }
     }
 
@@ -502,7 +502,7 @@ impl StagedStore {
         }
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&ops, changelog_offset, None),
+            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
         }
     }
 
@@ -553,7 +553,7 @@ impl StagedStore {
         let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));
         match &mut self.behind {
             Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&ops, changelog_offset, None),
+            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
         }
     }
 
@@ -599,6 +599,11 @@ impl Drop for StagedStore {
             b.stop();
         }
     }
+}
+
+/// `ops` as the borrowed slices [`KeyValueStore::write_ops`] takes.
+fn slices(ops: &[(Bytes, Option<Bytes>)]) -> Vec<(&[u8], Option<&[u8]>)> {
+    ops.iter().map(|(k, v)| (&k[..], v.as_deref())).collect()
 }
 
 #[cfg(test)]

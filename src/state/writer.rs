@@ -222,7 +222,9 @@ pub(super) fn write_job(job: Job) {
             let d: i64 = deltas[..end].iter().map(|d| i64::from(*d)).sum();
             base.saturating_add_signed(d)
         });
-        let result = job.engine.write_ops(&job.ops[at..end], offset, count);
+        let result = job
+            .engine
+            .write_ops(&job.ops.slices(at..end), offset, count);
         let mut st = job.shared.lock();
         st.busy = false;
         if let Err(e) = result {

@@ -398,7 +398,7 @@ impl KeyValueStore for SledStore {
 
     fn write_ops(
         &self,
-        ops: &[(bytes::Bytes, Option<bytes::Bytes>)],
+        ops: &[(&[u8], Option<&[u8]>)],
         changelog_offset: Option<i64>,
         key_count: Option<u64>,
     ) -> Result<()> {
