@@ -308,10 +308,9 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// The first position from `j` on, in steps of 16 bytes, where a byte may need a look in
-/// a string (a quote, a backslash, a control character or a byte that is not ASCII): `j`
-/// itself when the next 16 bytes hold one, a position whose next 16 bytes hold one, or
-/// one less than 16 bytes before the end.
+/// The first position from `j` on where a byte may need a look in a string (a quote, a
+/// backslash, a control character or a byte that is not ASCII), looked for 16 bytes at a
+/// time; when the bytes left are fewer than 16 and hold none, the start of those bytes.
 #[cfg(target_arch = "x86_64")]
 fn skip_plain(b: &[u8], mut j: usize) -> usize {
     use std::arch::x86_64::{
@@ -331,8 +330,9 @@ fn skip_plain(b: &[u8], mut j: usize) -> usize {
                 _mm_or_si128(_mm_cmpeq_epi8(x, quote), _mm_cmpeq_epi8(x, backslash)),
                 _mm_cmplt_epi8(x, space),
             );
-            if _mm_movemask_epi8(hit) != 0 {
-                break;
+            let mask = _mm_movemask_epi8(hit);
+            if mask != 0 {
+                return j + mask.trailing_zeros() as usize;
             }
             j += 16;
         }
@@ -367,4 +367,36 @@ fn unescape(s: &[u8]) -> Option<String> {
         });
     }
     String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::skip_plain;
+    use proptest::prelude::*;
+
+    fn needs_look(c: u8) -> bool {
+        c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80
+    }
+
+    proptest! {
+        /// `skip_plain` never skips a byte that needs a look, and stops only at one or
+        /// where fewer than 16 bytes are left.
+        #[test]
+        fn skip_plain_stops_at_the_first_byte_that_needs_a_look(
+            b in proptest::collection::vec(prop_oneof![
+                8 => 0x20u8..0x7f,
+                1 => Just(b'"'),
+                1 => Just(b'\\'),
+                1 => 0u8..0x20,
+                1 => 0x80u8..=0xff,
+            ], 0..80),
+            from in 0usize..80,
+        ) {
+            let j = from.min(b.len());
+            let p = skip_plain(&b, j);
+            prop_assert!(p >= j && p <= b.len());
+            prop_assert!(b[j..p].iter().all(|c| !needs_look(*c)), "skipped a byte that needs a look");
+            prop_assert!(p == b.len() || needs_look(b[p]) || p + 16 > b.len(), "stopped early at {p}");
+        }
+    }
 }
