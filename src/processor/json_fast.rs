@@ -375,7 +375,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn needs_look(c: u8) -> bool {
-        c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80
+        c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)
     }
 
     proptest! {
