@@ -359,9 +359,7 @@ pub fn time_store_writes(
         .collect::<Result<Vec<_>>>()?;
     let started = Instant::now();
     for (seq, (p, ops)) in batches.into_iter().enumerate() {
-        let ops: Vec<(&[u8], Option<&[u8]>)> =
-            ops.iter().map(|(k, v)| (&k[..], v.as_deref())).collect();
-        stores[p as usize].write_ops(&ops, Some(seq as i64), None)?;
+        stores[p as usize].write_ops(&crate::state::slices(&ops), Some(seq as i64), None)?;
     }
     backend.flush()?;
     Ok(started.elapsed().as_secs_f64())

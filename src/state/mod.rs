@@ -138,6 +138,11 @@ pub(crate) trait StateBackend: Send + Sync {
     fn flush(&self) -> Result<()>;
 }
 
+/// `ops` as the borrowed slices [`KeyValueStore::write_ops`] takes.
+pub(crate) fn slices(ops: &[(Bytes, Option<Bytes>)]) -> Vec<(&[u8], Option<&[u8]>)> {
+    ops.iter().map(|(k, v)| (&k[..], v.as_deref())).collect()
+}
+
 /// Ops per engine write of the background writer: unbounded, so that the writes of one
 /// commit go into one sled batch together with the changelog offset they reached (issue 3).
 /// sled's `apply_batch` holds a lock that sled reads wait on, but lookups of committed

@@ -205,18 +205,19 @@ impl Resident {
         }
     }
 
-    /// The key and value a slot points at (`first`: the front batch's number). Slots only
-    /// point into resident batches, whose numbers are consecutive.
+    /// The batch a slot points into (`first`: the front batch's number). Slots only point
+    /// into resident batches, whose numbers are consecutive.
+    fn batch(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> &Packed {
+        &batches[s.seq.wrapping_sub(first) as usize].ops
+    }
+
+    /// The key and value a slot points at.
     pub(super) fn op(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> (&[u8], Option<&[u8]>) {
-        batches[s.seq.wrapping_sub(first) as usize]
-            .ops
-            .op(s.idx as usize)
+        Self::batch(batches, first, s).op(s.idx as usize)
     }
 
     fn key_at(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> &[u8] {
-        batches[s.seq.wrapping_sub(first) as usize]
-            .ops
-            .key(s.idx as usize)
+        Self::batch(batches, first, s).key(s.idx as usize)
     }
 
     fn find(&self, key: &[u8]) -> Option<Slot> {
@@ -230,11 +231,8 @@ impl Resident {
     /// The latest committed value of `key` if it is resident (`Some(None)`: deleted),
     /// sharing its batch's buffer.
     pub(super) fn get(&self, key: &[u8]) -> Option<Option<Bytes>> {
-        self.find(key).map(|s| {
-            self.batches[s.seq.wrapping_sub(self.first) as usize]
-                .ops
-                .value_bytes(s.idx as usize)
-        })
+        self.find(key)
+            .map(|s| Self::batch(&self.batches, self.first, s).value_bytes(s.idx as usize))
     }
 
     pub(super) fn contains(&self, key: &[u8]) -> bool {

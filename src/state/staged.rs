@@ -601,11 +601,6 @@ impl Drop for StagedStore {
     }
 }
 
-/// `ops` as the borrowed slices [`KeyValueStore::write_ops`] takes.
-fn slices(ops: &[(Bytes, Option<Bytes>)]) -> Vec<(&[u8], Option<&[u8]>)> {
-    ops.iter().map(|(k, v)| (&k[..], v.as_deref())).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -193,10 +193,11 @@ impl ByHash {
         self.bits += 1;
         let old = std::mem::take(&mut self.buckets);
         self.buckets = Vec::with_capacity(1 << self.bits);
-        for run in old {
+        for mut run in old {
             let cut = run.partition_point(|e| (e.hash() >> (64 - self.bits)) & 1 == 0);
-            self.buckets.push(run[..cut].to_vec());
-            self.buckets.push(run[cut..].to_vec());
+            let upper = run.split_off(cut);
+            self.buckets.push(run);
+            self.buckets.push(upper);
         }
     }
 
