@@ -82,13 +82,13 @@ impl Behind {
     pub(super) fn submit(
         &mut self,
         engine: &Arc<dyn KeyValueStore>,
-        ops: Vec<(Bytes, Option<Bytes>)>,
+        ops: &[(Bytes, Option<Bytes>)],
         changelog_offset: Option<i64>,
     ) -> Result<()> {
         self.error(engine.name())?;
-        // The batch stays in memory long after its commit: packed (see `Packed`), which
-        // also lets go of the staging arena's blocks.
-        let ops = Arc::new(Packed::pack(engine.name(), &ops)?);
+        // The batch stays in memory long after its commit: packed (see `Packed`), so the
+        // caller can let go of the staging arena's blocks (and reuse its buffers).
+        let ops = Arc::new(Packed::pack(engine.name(), ops)?);
         self.seq += 1;
         let seq = self.seq;
         let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));

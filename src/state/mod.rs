@@ -289,6 +289,39 @@ mod tests {
         s.abort();
         assert_eq!(s.get(b"c").unwrap(), None);
     }
+
+    #[test]
+    fn a_written_batch_leaves_its_buffers_empty_for_the_next_one() {
+        let backend = MemoryBackend::default();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
+        for i in 0..5000u32 {
+            s.stage(i.to_be_bytes().to_vec(), Some(b"v".to_vec()));
+        }
+        s.seal(1);
+        let grown = s.sealed.front().unwrap().1.ops.capacity();
+        assert!(grown >= 5000);
+        s.commit_sealed(1, Some(5000)).unwrap();
+        let spare = s.spare.as_ref().expect("the written batch's buffers are kept");
+        assert!(spare.ops.is_empty(), "emptied: nothing of the old batch stays");
+        assert_eq!(spare.ops.capacity(), grown);
+        // The batch staged meanwhile is sealed; the spare becomes the next one, and
+        // nothing of the old batch shows through.
+        s.stage(b"new".to_vec(), Some(b"1".to_vec()));
+        s.seal(2);
+        assert!(s.spare.is_none());
+        assert_eq!(s.pending.ops.capacity(), grown);
+        assert_eq!(s.pending.len(), 0);
+        s.stage(b"newer".to_vec(), Some(b"2".to_vec()));
+        assert_eq!(s.pending.len(), 1);
+        assert!(!s.is_staged(&0u32.to_be_bytes()));
+        assert_eq!(s.get(&0u32.to_be_bytes()).unwrap(), Some(b"v".to_vec()));
+        s.commit_sealed(2, Some(5001)).unwrap();
+        assert_eq!(s.engine().get(b"new").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(s.engine().changelog_offset().unwrap(), Some(5001));
+        s.commit(Some(5002)).unwrap();
+        assert_eq!(s.engine().get(b"newer").unwrap(), Some(b"2".to_vec()));
+        assert_eq!(s.engine().key_count().unwrap().unwrap_or(5002), 5002);
+    }
     #[derive(Debug, Clone)]
     enum Op {
         Stage(u8, Option<u8>),

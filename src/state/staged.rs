@@ -139,6 +139,9 @@ pub(crate) struct StagedStore {
     /// Sealed batches (commits in flight, oldest first) with their commit epoch: no longer
     /// staged, not yet committed, readable.
     pub(super) sealed: std::collections::VecDeque<(u64, Staged)>,
+    /// The buffers of the last batch handed to the engine, emptied, for the next batch:
+    /// memory already mapped, so staging does not fault in fresh pages every commit.
+    pub(super) spare: Option<Staged>,
 }
 
 /// Byte strings copied into shared blocks: one allocation per block instead of one per
@@ -183,6 +186,7 @@ impl StagedStore {
             restored: Vec::new(),
             owned: Vec::new(),
             sealed: std::collections::VecDeque::new(),
+            spare: None,
         }
     }
 
@@ -438,20 +442,39 @@ impl StagedStore {
     /// staged writes are dropped either way, since the runtime stops or rewinds on any
     /// failure.
     pub(crate) fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
-        let cap = self.pending.len().clamp(4096, 1 << 20);
-        let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
         self.owned.clear();
-        if staged.ops.is_empty() {
+        if self.pending.ops.is_empty() {
             return match &self.behind {
                 Some(b) => b.error(self.inner.name()),
                 None => Ok(()),
             };
         }
-        let ops = staged.ops;
-        match &mut self.behind {
-            Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
+        let fresh = self.fresh_batch();
+        let staged = std::mem::replace(&mut self.pending, fresh);
+        self.hand_over(staged, changelog_offset)
+    }
+
+    /// An empty batch for the next writes: the spare buffers if any, else new ones sized
+    /// for a batch like the current one.
+    fn fresh_batch(&mut self) -> Staged {
+        match self.spare.take() {
+            Some(s) => s,
+            None => Staged::with_capacity(self.pending.len().clamp(4096, 1 << 20)),
         }
+    }
+
+    /// Write a committed batch (through the writer, or synchronously), then keep its
+    /// emptied buffers as the spare.
+    fn hand_over(&mut self, mut staged: Staged, changelog_offset: Option<i64>) -> Result<()> {
+        let done = match &mut self.behind {
+            Some(b) => b.submit(&self.inner, &staged.ops, changelog_offset),
+            None => self
+                .inner
+                .write_ops(&slices(&staged.ops), changelog_offset, None),
+        };
+        staged.clear();
+        self.spare = Some(staged);
+        done
     }
 
     /// Seal the staged writes as the batch of commit `epoch` (a commit in flight, see
@@ -463,8 +486,8 @@ impl StagedStore {
         if self.pending.ops.is_empty() {
             return;
         }
-        let cap = self.pending.len().clamp(4096, 1 << 20);
-        let staged = std::mem::replace(&mut self.pending, Staged::with_capacity(cap));
+        let fresh = self.fresh_batch();
+        let staged = std::mem::replace(&mut self.pending, fresh);
         self.sealed.push_back((epoch, staged));
     }
 
@@ -489,20 +512,16 @@ impl StagedStore {
         epoch: u64,
         changelog_offset: Option<i64>,
     ) -> Result<()> {
-        let ops = match self.sealed.front() {
-            Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s.ops),
+        let staged = match self.sealed.front() {
+            Some((e, _)) if *e == epoch => self.sealed.pop_front().map(|(_, s)| s),
             _ => None,
-        }
-        .unwrap_or_default();
-        if ops.is_empty() {
-            return match &self.behind {
+        };
+        match staged {
+            Some(staged) if !staged.ops.is_empty() => self.hand_over(staged, changelog_offset),
+            _ => match &self.behind {
                 Some(b) => b.error(self.inner.name()),
                 None => Ok(()),
-            };
-        }
-        match &mut self.behind {
-            Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
+            },
         }
     }
 
@@ -548,13 +567,15 @@ impl StagedStore {
     /// # Errors
     /// As [`StagedStore::write_restored`].
     pub(crate) fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
-        // The next step is likely as big as this one: no regrowing while it is read.
-        let cap = self.restored.len();
-        let ops = std::mem::replace(&mut self.restored, Vec::with_capacity(cap));
-        match &mut self.behind {
-            Some(b) => b.submit(&self.inner, ops, changelog_offset),
-            None => self.inner.write_ops(&slices(&ops), changelog_offset, None),
-        }
+        // Emptied after, keeping its capacity: the next step is likely as big as this one.
+        let done = match &mut self.behind {
+            Some(b) => b.submit(&self.inner, &self.restored, changelog_offset),
+            None => self
+                .inner
+                .write_ops(&slices(&self.restored), changelog_offset, None),
+        };
+        self.restored.clear();
+        done
     }
 
     /// Make room in memory for `n` more committed keys (a restore about to write them).
