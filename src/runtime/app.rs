@@ -794,7 +794,7 @@ fn run_loop(
                 None => break,
                 Some(m) => {
                     polled += 1;
-                    if !e.consumed(consumer, m, wall_ms)? {
+                    if !e.consumed(consumer, m.map(|m| (m, wall_ms)))? {
                         break;
                     }
                 }
@@ -862,19 +862,17 @@ impl RunLoop {
     fn consumed(
         &mut self,
         consumer: &SourceConsumer,
-        polled: rdkafka::error::KafkaResult<rdkafka::message::BorrowedMessage<'_>>,
-        wall_ms: i64,
+        polled: rdkafka::error::KafkaResult<(rdkafka::message::BorrowedMessage<'_>, i64)>,
     ) -> Result<bool> {
         match polled {
-            Ok(m) => {
-                // librdkafka itself drops what a seek made stale from `poll`.
+            Ok((m, wall_ms)) => {
                 self.seeked.clear();
                 self.consumed_record(consumer, Ok(BatchRecord::of(&m)), wall_ms)?;
                 self.check_commit(consumer)?;
                 Ok(true)
             }
             Err(err) => {
-                self.consumed_record(consumer, Err(err), wall_ms)?;
+                self.consumed_record(consumer, Err(err), 0)?;
                 Ok(false)
             }
         }
