@@ -301,8 +301,14 @@ mod tests {
         let grown = s.sealed.front().unwrap().1.ops.capacity();
         assert!(grown >= 5000);
         s.commit_sealed(1, Some(5000)).unwrap();
-        let spare = s.spare.as_ref().expect("the written batch's buffers are kept");
-        assert!(spare.ops.is_empty(), "emptied: nothing of the old batch stays");
+        let spare = s
+            .spare
+            .as_ref()
+            .expect("the written batch's buffers are kept");
+        assert!(
+            spare.ops.is_empty(),
+            "emptied: nothing of the old batch stays"
+        );
         assert_eq!(spare.ops.capacity(), grown);
         // The batch staged meanwhile is sealed; the spare becomes the next one, and
         // nothing of the old batch shows through.
