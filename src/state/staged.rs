@@ -444,10 +444,7 @@ impl StagedStore {
     pub(crate) fn commit(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         self.owned.clear();
         if self.pending.ops.is_empty() {
-            return match &self.behind {
-                Some(b) => b.error(self.inner.name()),
-                None => Ok(()),
-            };
+            return self.nothing_written();
         }
         let fresh = self.fresh_batch();
         let staged = std::mem::replace(&mut self.pending, fresh);
@@ -463,15 +460,18 @@ impl StagedStore {
         }
     }
 
+    /// A commit that wrote nothing: only an earlier background write failure to report.
+    fn nothing_written(&self) -> Result<()> {
+        match &self.behind {
+            Some(b) => b.error(self.inner.name()),
+            None => Ok(()),
+        }
+    }
+
     /// Write a committed batch (through the writer, or synchronously), then keep its
     /// emptied buffers as the spare.
     fn hand_over(&mut self, mut staged: Staged, changelog_offset: Option<i64>) -> Result<()> {
-        let done = match &mut self.behind {
-            Some(b) => b.submit(&self.inner, &staged.ops, changelog_offset),
-            None => self
-                .inner
-                .write_ops(&slices(&staged.ops), changelog_offset, None),
-        };
+        let done = write_batch(&mut self.behind, &self.inner, &staged.ops, changelog_offset);
         staged.clear();
         self.spare = Some(staged);
         done
@@ -518,10 +518,7 @@ impl StagedStore {
         };
         match staged {
             Some(staged) if !staged.ops.is_empty() => self.hand_over(staged, changelog_offset),
-            _ => match &self.behind {
-                Some(b) => b.error(self.inner.name()),
-                None => Ok(()),
-            },
+            _ => self.nothing_written(),
         }
     }
 
@@ -568,12 +565,12 @@ impl StagedStore {
     /// As [`StagedStore::write_restored`].
     pub(crate) fn flush_restored(&mut self, changelog_offset: Option<i64>) -> Result<()> {
         // Emptied after, keeping its capacity: the next step is likely as big as this one.
-        let done = match &mut self.behind {
-            Some(b) => b.submit(&self.inner, &self.restored, changelog_offset),
-            None => self
-                .inner
-                .write_ops(&slices(&self.restored), changelog_offset, None),
-        };
+        let done = write_batch(
+            &mut self.behind,
+            &self.inner,
+            &self.restored,
+            changelog_offset,
+        );
         self.restored.clear();
         done
     }
@@ -609,6 +606,19 @@ impl StagedStore {
     /// [`StagedStore::sync`] first to see every committed batch).
     pub(crate) fn engine(&self) -> &dyn KeyValueStore {
         self.inner.as_ref()
+    }
+}
+
+/// Hand committed `ops` to the writer (`behind`), or write them to `engine` now without one.
+fn write_batch(
+    behind: &mut Option<Behind>,
+    engine: &Arc<dyn KeyValueStore>,
+    ops: &[(Bytes, Option<Bytes>)],
+    changelog_offset: Option<i64>,
+) -> Result<()> {
+    match behind {
+        Some(b) => b.submit(engine, ops, changelog_offset),
+        None => engine.write_ops(&slices(ops), changelog_offset, None),
     }
 }
 
