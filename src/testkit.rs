@@ -22,6 +22,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The headers of a fetched record, a name that is not UTF-8 decoded with replacement
+/// characters (what the run loop reads).
+pub use crate::kafka::consumer::header_pairs;
+
 /// Entries the expiry sweep of a dedup stage tombstones at most per commit.
 pub const SWEEP_BATCH: usize = crate::processor::stages::SWEEP_BATCH;
 

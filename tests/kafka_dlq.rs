@@ -92,3 +92,68 @@ fn bad_records_are_dead_lettered_with_their_source_and_reason() {
         "source headers kept"
     );
 }
+
+/// Kafka's protocol makes a header name a string, but the broker takes any bytes. A record
+/// whose header name is not UTF-8 must neither stop the run (rdkafka's header iterator
+/// panics on one) nor be lost: it is processed, its name decoded with replacement
+/// characters, and a bad record carrying one still reaches the dead-letter topic.
+#[test]
+fn a_header_name_that_is_not_utf8_neither_stops_the_run_nor_loses_the_record() {
+    let names = gharchive_names(1);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    let bad_name: &[u8] = b"n\xffame";
+    p.send_raw_names(
+        &names.input,
+        Some(0),
+        Some(b"k"),
+        Some(br#"{"id":"1"}"#),
+        &[(bad_name, b"v1"), (b"plain", b"v2")],
+        None,
+    )
+    .unwrap();
+    p.send_raw_names(
+        &names.input,
+        Some(0),
+        Some(b"k"),
+        Some(b"not json"),
+        &[(bad_name, b"v3")],
+        None,
+    )
+    .unwrap();
+    p.send(
+        &names.input,
+        Some(0),
+        None,
+        Some(br#"{"id":"2"}"#),
+        &[],
+        None,
+    )
+    .unwrap();
+    p.flush().unwrap();
+    let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(Duration::from_secs(120));
+    assert!(st.success(), "{out}");
+    assert_eq!(summary_field(&out, "dead_lettered"), Some(1.0), "{out}");
+
+    let good =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let ids: Vec<String> = good.iter().map(|r| json_id(r.value.as_deref())).collect();
+    assert_eq!(ids, vec!["1", "2"], "no record lost");
+    let headers: Vec<(&str, Option<&[u8]>)> = good[0]
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_deref()))
+        .collect();
+    assert_eq!(
+        headers,
+        vec![
+            ("n\u{fffd}ame", Some(&b"v1"[..])),
+            ("plain", Some(&b"v2"[..]))
+        ],
+        "headers kept in order, the bad name with a replacement character"
+    );
+
+    let dl = kafka::read_topic(&bootstrap(), &names.dlq, true, Duration::from_secs(60)).unwrap();
+    assert_eq!(dl.len(), 1, "{dl:?}");
+    assert_eq!(dl[0].value.as_deref(), Some(&b"not json"[..]));
+    assert_eq!(dl[0].header_str("n\u{fffd}ame").as_deref(), Some("v3"));
+}

@@ -21,7 +21,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kafka::consumer::{self, RebalanceEvent, SourceConsumer};
+use crate::kafka::consumer::{self, header_pairs, RebalanceEvent, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
 use crate::runtime::commit::{Outcome, Protocol, Routed};
@@ -31,7 +31,7 @@ use crate::runtime::Task;
 use crate::state::{SledBackend, StateBackend, StateDirLock};
 use crate::topology::Topology;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -277,12 +277,9 @@ impl RunLoop {
         if let (Some(hop), true) = (&self.hop, task.routes_only()) {
             // Routed in place, without copying the message into a record.
             use crate::processor::repartition::is_hop_header;
-            let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::new();
-            let source = m.headers();
-            if let Some(h) = source {
-                headers.reserve(h.count() + 2);
-                headers.extend(h.iter().map(|h| (h.key, h.value)));
-            }
+            let source: Vec<_> = header_pairs(m.headers()).collect();
+            let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(source.len() + 2);
+            headers.extend(source.iter().map(|(k, v)| (k.as_ref(), *v)));
             if !headers.iter().any(|(k, _)| is_hop_header(k)) {
                 let (partition, keyed) = hop.router.route_parts(
                     (m.key(), m.payload()),
@@ -438,29 +435,25 @@ fn to_record(
     use crate::processor::repartition::{origin_of, SOURCE, UNKEYED};
     let mut from = None;
     let mut unkeyed = false;
-    let headers = match m.headers() {
-        None => Vec::new(),
-        Some(h) => h
-            .iter()
-            .filter(|h| {
-                let Some(last) = origin.as_deref_mut() else {
-                    return true;
-                };
-                if h.key == UNKEYED {
-                    unkeyed = true;
-                    return false;
-                }
-                if from.is_some() || h.key != SOURCE {
-                    return true;
-                }
-                // Kept as a header when it does not parse (the task names the record by
-                // its repartition coordinates then).
-                from = h.value.and_then(|v| origin_of(v, last));
-                from.is_none()
-            })
-            .map(|h| (h.key.to_string(), h.value.map(|v| arena.copy(v))))
-            .collect(),
-    };
+    let headers = header_pairs(m.headers())
+        .filter(|(key, value)| {
+            let Some(last) = origin.as_deref_mut() else {
+                return true;
+            };
+            if key == UNKEYED {
+                unkeyed = true;
+                return false;
+            }
+            if from.is_some() || key != SOURCE {
+                return true;
+            }
+            // Kept as a header when it does not parse (the task names the record by its
+            // repartition coordinates then).
+            from = value.and_then(|v| origin_of(v, last));
+            from.is_none()
+        })
+        .map(|(key, value)| (key.into_owned(), value.map(|v| arena.copy(v))))
+        .collect();
     let keyed = from.is_some() && !unkeyed;
     Record {
         key: m.key().map(|k| arena.copy(k)),

@@ -7,7 +7,7 @@
 use bytes::Bytes;
 use onceflow::{Error, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::time::{Duration, Instant};
@@ -153,14 +153,9 @@ pub fn read_topic(
                     offset: m.offset(),
                     key: m.key().map(Bytes::copy_from_slice),
                     value: m.payload().map(Bytes::copy_from_slice),
-                    headers: m
-                        .headers()
-                        .map(|h| {
-                            h.iter()
-                                .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
-                                .collect()
-                        })
-                        .unwrap_or_default(),
+                    headers: onceflow::__testkit::header_pairs(m.headers())
+                        .map(|(k, v)| (k.into_owned(), v.map(Bytes::copy_from_slice)))
+                        .collect(),
                     timestamp: m.timestamp().to_millis(),
                 });
             }
@@ -203,6 +198,24 @@ impl TestProducer {
         headers: &[(&str, &[u8])],
         timestamp: Option<i64>,
     ) -> Result<()> {
+        let raw: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
+        self.send_raw_names(topic, partition, key, value, &raw, timestamp)
+    }
+
+    /// As [`TestProducer::send`], with header names as bytes, which need not be UTF-8 (the
+    /// broker does not check them): for tests of what a consumer makes of such a name.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when librdkafka refuses the record or a header.
+    pub fn send_raw_names(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        headers: &[(&[u8], &[u8])],
+        timestamp: Option<i64>,
+    ) -> Result<()> {
         let mut r: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(topic);
         if let Some(k) = key {
             r = r.key(k);
@@ -217,12 +230,27 @@ impl TestProducer {
             r = r.timestamp(t);
         }
         if !headers.is_empty() {
-            let mut h = rdkafka::message::OwnedHeaders::new();
+            let h = rdkafka::message::OwnedHeaders::new_with_capacity(headers.len());
+            // rdkafka's `BorrowedHeaders` is the librdkafka headers list itself.
+            let list = h.as_borrowed() as *const rdkafka::message::BorrowedHeaders
+                as *mut rdkafka::bindings::rd_kafka_headers_t;
             for (k, v) in headers {
-                h = h.insert(rdkafka::message::Header {
-                    key: k,
-                    value: Some(*v),
-                });
+                // SAFETY: a live list owned by `h`; librdkafka copies name and value.
+                let err = unsafe {
+                    rdkafka::bindings::rd_kafka_header_add(
+                        list,
+                        k.as_ptr().cast(),
+                        k.len() as isize,
+                        v.as_ptr().cast(),
+                        v.len() as isize,
+                    )
+                };
+                if err != rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                    return Err(Error::Kafka {
+                        op: "add header",
+                        source: rdkafka::error::KafkaError::MessageProduction(err.into()),
+                    });
+                }
             }
             r = r.headers(h);
         }
