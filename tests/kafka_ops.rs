@@ -399,3 +399,39 @@ fn parse_sample(line: &str) -> Sample {
         }
     }
 }
+
+/// A bug that panics the run loop must end the process with a failure, not leave it
+/// running: a supervisor restarts a process that exited, but one that hangs keeps its
+/// group membership (heartbeats go on) and processes nothing. Unwinding closes the source
+/// consumer, and that close used to wait for a rebalance only the gone run loop would
+/// have carried out.
+#[test]
+fn a_panic_in_the_run_loop_ends_the_process_with_a_failure() {
+    let names = gharchive_names(1);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    p.send(
+        &names.input,
+        Some(0),
+        None,
+        Some(br#"{"id":"1"}"#),
+        &[],
+        None,
+    )
+    .unwrap();
+    p.flush().unwrap();
+    // No --stop-at-end: only the panic ends this run.
+    let run = start(
+        &names,
+        &[],
+        &[("ONCEFLOW_FAILPOINTS", "commit.before_flush=panic")],
+        &[],
+    );
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(Duration::from_secs(60));
+    assert!(!st.success(), "a panic is a failure");
+    let log = log.lock().unwrap();
+    assert!(
+        log.contains("failpoint commit.before_flush: panic"),
+        "the panic is the one planted: {log}"
+    );
+}

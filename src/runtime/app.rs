@@ -583,6 +583,9 @@ impl App {
         let (events_tx, events) = mpsc::channel();
         let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;
         consumer.context().defer_rebalances(true);
+        // Dropped before the consumer, also when the run loop panics: unwinding closes the
+        // consumer, and the close waits for rebalances only the context can then carry out.
+        let deferring = Undefer(&consumer);
         consumer
             .subscribe(&e.topics.subscription())
             .map_err(Error::kafka("subscribe"))?;
@@ -596,7 +599,7 @@ impl App {
         });
         // From here on (leaving the group, closing) the context carries out rebalances
         // itself; an announced one the loop did not carry out is done now.
-        consumer.context().defer_rebalances(false);
+        drop(deferring);
         rebalance::settle(&consumer, &events);
         if result.is_ok() && !consumer::is_static_member(&self.config) {
             consumer.unsubscribe();
@@ -658,6 +661,18 @@ impl App {
         };
         close_within(CLOSE_TIMEOUT, consumer);
         result.map(|_| summary)
+    }
+}
+
+/// Turns the deferral of rebalances off when dropped. A panic in the run loop unwinds
+/// through the consumer's drop, whose close waits for the group's last rebalance: with
+/// deferral on, that rebalance waits for a run loop that is gone, and the process hung
+/// instead of exiting (test `kafka_ops::a_panic_in_the_run_loop_ends_the_process…`).
+struct Undefer<'a>(&'a SourceConsumer);
+
+impl Drop for Undefer<'_> {
+    fn drop(&mut self) {
+        self.0.context().defer_rebalances(false);
     }
 }
 

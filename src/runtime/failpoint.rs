@@ -6,7 +6,9 @@
 //! SIGKILL the process at that exact moment) or `stop` (log `failpoint <name>: stopped` and
 //! send itself SIGSTOP; after a SIGCONT it goes on from there: a zombie in the making) or
 //! `delay` (sleep 250 ms at the n-th hit and every later one: a slow restore for the
-//! tests of `/ready`, a slow state writer for those of a stop); `@n` fires on the n-th hit (default 1).
+//! tests of `/ready`, a slow state writer for those of a stop) or `panic` (panic there: a
+//! stand-in for a bug, for the test that a panic ends the process); `@n` fires on the n-th
+//! hit (default 1).
 //! Off, a failpoint costs one relaxed atomic load.
 //!
 //! The names, and where in the commit each point is, are in [`super::commit`]
@@ -25,6 +27,7 @@ enum Action {
     Pause,
     Stop,
     Delay,
+    Panic,
 }
 
 struct Point {
@@ -66,7 +69,8 @@ pub(crate) fn init_from_env() -> crate::Result<()> {
             "pause" => Action::Pause,
             "stop" => Action::Stop,
             "delay" => Action::Delay,
-            _ => return Err(bad("action must be kill, pause, stop or delay")),
+            "panic" => Action::Panic,
+            _ => return Err(bad("action must be kill, pause, stop, delay or panic")),
         };
         points.insert(
             name.to_string(),
@@ -118,6 +122,7 @@ fn fire(name: &str) {
             eprintln!("failpoint {name}: continued");
         }
         Action::Delay => std::thread::sleep(std::time::Duration::from_millis(250)),
+        Action::Panic => panic!("failpoint {name}: panic (a stand-in for a bug)"),
         Action::Pause => {
             eprintln!("failpoint {name}: paused");
             loop {
