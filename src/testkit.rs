@@ -227,6 +227,96 @@ pub fn drive_tasks(
     Ok((counts, seconds, written))
 }
 
+/// The dedup stage alone: one stage named `dedup` (built from `spec`) and its store per
+/// partition, with the store in sled under `sled_dir` (written behind, as `App::run` does)
+/// or in memory when `None`, over `records`, committing every store every `commit_every`
+/// records (and once at the end) as the runtime commits state; each mark settles after
+/// its record, as in a task where no later stage can fail it. No source decoding, no
+/// task bookkeeping and no sink: what a record costs the stage's lookup, decision and
+/// staging, plus the store commits. Records are built before the clock starts. Returns
+/// the stage's counts and the seconds taken.
+///
+/// # Errors
+/// A store that fails to open or commit, or a record the stage refuses.
+pub fn drive_dedup(
+    spec: crate::DedupSpec,
+    sled_dir: Option<&Path>,
+    records: Vec<crate::TestRecord>,
+    commit_every: usize,
+) -> Result<(Counts, f64)> {
+    use crate::processor::stages::dedup_stage::Dedup;
+    use crate::processor::{Context, Processor, Stores};
+    use crate::state::StagedStore;
+    let sled = sled_dir.map(SledBackend::open).transpose()?;
+    let memory = MemoryBackend::default();
+    let backend: &dyn StateBackend = match &sled {
+        Some(s) => s,
+        None => &memory,
+    };
+    let topic: Arc<str> = "dedup.in".into();
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let records: Vec<Record> = records
+        .into_iter()
+        .map(|r| {
+            let offset = next.entry(r.source_partition()).or_default();
+            *offset += 1;
+            r.into_record(topic.clone(), *offset - 1)
+        })
+        .collect();
+    let partitions = records.iter().map(|r| r.source.partition + 1).max();
+    let mut tasks: Vec<(Dedup, Stores)> = (0..partitions.unwrap_or(1))
+        .map(|p| {
+            let mut stores = Stores::new();
+            let engine = backend.open("dedup", p)?;
+            stores.insert(
+                "dedup".to_string(),
+                StagedStore::new(engine, backend.writer()),
+            );
+            Ok((Dedup::new("bench", "dedup", "dedup", spec.clone()), stores))
+        })
+        .collect::<Result<_>>()?;
+    let tables = Tables::new();
+    let (mut forwarded, mut emitted) = (Vec::with_capacity(4), Vec::new());
+    let mut counts = Counts::default();
+    let commit = |tasks: &mut [(Dedup, Stores)]| -> Result<()> {
+        for (stage, stores) in tasks.iter_mut() {
+            for s in stores.values_mut() {
+                s.commit(None)?;
+            }
+            stage.on_commit();
+        }
+        backend.flush()
+    };
+    let started = Instant::now();
+    for (i, r) in records.into_iter().enumerate() {
+        let (stage, stores) = &mut tasks[r.source.partition as usize];
+        let mut ctx = Context {
+            stores,
+            forwarded: &mut forwarded,
+            emitted: &mut emitted,
+            counts: &mut counts,
+            tables: &tables,
+            wall_clock_ms: 0,
+            max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+        };
+        stage
+            .process(r, &mut ctx)
+            .map_err(|e| Error::Internal(format!("the dedup stage refused a record: {e:?}")))?;
+        forwarded.clear();
+        // As the task does when no later stage can fail the record: its mark stands.
+        for s in stores.values_mut() {
+            s.settle();
+        }
+        if commit_every > 0 && (i + 1) % commit_every == 0 {
+            commit(&mut tasks)?;
+        }
+    }
+    commit(&mut tasks)?;
+    let seconds = started.elapsed().as_secs_f64();
+    counts.records_in = next.values().map(|n| *n as u64).sum();
+    Ok((counts, seconds))
+}
+
 /// The restore steps of `records` (per partition, in log order): `per_step` records a
 /// step shared among the partitions, as the run loop takes them; each step is (partition,
 /// its records, the position after them).

@@ -18,9 +18,14 @@
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
 //!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
-//! 3. Without a broker: tasks (one per partition, `onceflow::__testkit::drive_tasks`) over the same N pre-built records,
-//!    with the sled backend and with the memory backend, committing state every 10,000
-//!    records (plus an fsync for sled); decisions/s and the ratio sled/memory.
+//! 3. Without a broker, over the same N pre-built records, with the sled backend (written
+//!    behind, as `App::run` does) and with the memory backend, committing state every
+//!    10,000 records (plus an fsync for sled), decisions/s:
+//!    - the dedup stage alone (`onceflow::__testkit::drive_dedup`): one stage and its store
+//!      per partition, keyed by the Kafka key, no source decoding or sink (targets: sled
+//!      >= 1 M, memory >= 2 M);
+//!    - the tasks (one per partition, `onceflow::__testkit::drive_tasks`): the whole task
+//!      path of the topology, the source's JSON check and the sink included.
 //!
 //! Ends with a table and one machine-readable line starting `bench:`.
 //!
@@ -49,7 +54,7 @@
 #[path = "bench_support/mod.rs"]
 mod support;
 
-use onceflow::__testkit::{changelog_topic, drive_tasks, repartition_topic};
+use onceflow::__testkit::{changelog_topic, drive_dedup, drive_tasks, repartition_topic};
 use onceflow::Partitioning;
 use onceflow::Topology;
 use onceflow::{App, RunOptions, RunSummary};
@@ -368,6 +373,27 @@ fn dedup_alone(ds: &Dataset, sled_dir: Option<&std::path::Path>) -> Res<(Counts,
     Ok((counts, seconds))
 }
 
+/// The dedup stage alone (`onceflow::__testkit::drive_dedup`) over the pre-built
+/// records, its store in sled under `sled_dir` (in memory when `None`), keyed by the
+/// Kafka key (the id: a JSON-pointer key reads the value as the task decoded it, which
+/// is the task's work). Returns the counts and the seconds taken.
+fn stage_alone(ds: &Dataset, sled_dir: Option<&std::path::Path>) -> Res<(Counts, f64)> {
+    let mut spec = support::dedup_spec()?;
+    spec.key = onceflow::KeySource::KafkaKey;
+    let (counts, seconds) = drive_dedup(spec, sled_dir, prebuilt_records(ds), STATE_COMMIT_EVERY)?;
+    if counts.passed as usize != ds.distinct || counts.records_in as usize != ds.events.len() {
+        return Err(format!(
+            "dedup stage alone: records={} passed={}, expected {} and {}",
+            counts.records_in,
+            counts.passed,
+            ds.events.len(),
+            ds.distinct
+        )
+        .into());
+    }
+    Ok((counts, seconds))
+}
+
 // ------------------------------------------------------------------------ report
 
 #[derive(Default)]
@@ -378,11 +404,14 @@ struct Results {
     onceflow_usage: Vec<ChildRun>,
     sled: Vec<f64>,
     memory: Vec<f64>,
+    stage_sled: Vec<f64>,
+    stage_memory: Vec<f64>,
 }
 
 fn report(s: &Settings, ds: &Dataset, r: &Results) {
     let (pa, pb) = (median(&r.passthrough), median(&r.onceflow));
     let (ps, pm) = (median(&r.sled), median(&r.memory));
+    let (ss, sm) = (median(&r.stage_sled), median(&r.stage_memory));
     let ratio = if pa > 0.0 { pb / pa } else { 0.0 };
     let sled_ratio = if pm > 0.0 { ps / pm } else { 0.0 };
     let met = ratio >= TARGET_RATIO;
@@ -489,13 +518,25 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
     );
     println!(
         "{:<44} {:>14}  [{}]",
-        "dedup alone, sled, decisions/s",
+        "dedup stage alone, sled, decisions/s",
+        format!("{ss:.0}"),
+        rate_list(&r.stage_sled)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "dedup stage alone, memory, decisions/s",
+        format!("{sm:.0}"),
+        rate_list(&r.stage_memory)
+    );
+    println!(
+        "{:<44} {:>14}  [{}]",
+        "tasks alone, sled, decisions/s",
         format!("{ps:.0}"),
         rate_list(&r.sled)
     );
     println!(
         "{:<44} {:>14}  [{}]",
-        "dedup alone, memory, decisions/s",
+        "tasks alone, memory, decisions/s",
         format!("{pm:.0}"),
         rate_list(&r.memory)
     );
@@ -505,7 +546,7 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("{sled_ratio:.3}")
     );
     println!(
-        "bench: records={} rounds={} passthrough_rps={pa:.0} onceflow_rps={pb:.0} ratio={ratio:.3} target_met={met} passthrough_rss_mib={ra:.0} onceflow_rss_mib={rb:.0} rss_ratio={rss_ratio:.2} passthrough_cpu_us={ca:.2} onceflow_cpu_us={cb:.2} sled_dps={ps:.0} memory_dps={pm:.0} sled_memory_ratio={sled_ratio:.3}",
+        "bench: records={} rounds={} passthrough_rps={pa:.0} onceflow_rps={pb:.0} ratio={ratio:.3} target_met={met} passthrough_rss_mib={ra:.0} onceflow_rss_mib={rb:.0} rss_ratio={rss_ratio:.2} passthrough_cpu_us={ca:.2} onceflow_cpu_us={cb:.2} stage_sled_dps={ss:.0} stage_memory_dps={sm:.0} sled_dps={ps:.0} memory_dps={pm:.0} sled_memory_ratio={sled_ratio:.3}",
         ds.events.len(),
         s.rounds
     );
@@ -605,24 +646,40 @@ fn run_tasks(s: &Settings) -> Res<()> {
     let mut res = Results::default();
     dedup_alone_rounds(s, &ds, &mut res)?;
     println!(
-        "bench-tasks: records={} rounds={} sled_dps={:.0} memory_dps={:.0} (targets: sled >= 1000000, memory >= 2000000)",
+        "bench-tasks: records={} rounds={} stage_sled_dps={:.0} stage_memory_dps={:.0} (dedup stage alone; targets: sled >= 1000000, memory >= 2000000) sled_dps={:.0} memory_dps={:.0} (tasks)",
         s.records,
         s.rounds,
+        median(&res.stage_sled),
+        median(&res.stage_memory),
         median(&res.sled),
         median(&res.memory)
     );
     Ok(())
 }
 
-/// Part (3), `s.rounds` times: the dedup tasks over the pre-built records, with sled and
-/// in memory.
+/// Part (3), `s.rounds` times: the dedup stage alone and the dedup tasks over the
+/// pre-built records, with sled and in memory.
 fn dedup_alone_rounds(s: &Settings, ds: &Dataset, res: &mut Results) -> Res<()> {
     for round in 1..=s.rounds {
+        for (name, sled) in [("sled", true), ("memory", false)] {
+            let dir = tempfile::tempdir()?;
+            let (c, secs) = stage_alone(ds, sled.then(|| dir.path()))?;
+            let dps = c.records_in as f64 / secs;
+            println!(
+                "round {round} dedup stage alone, {name}: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
+                c.records_in, c.passed, c.duplicates
+            );
+            if sled {
+                res.stage_sled.push(dps);
+            } else {
+                res.stage_memory.push(dps);
+            }
+        }
         let dir = tempfile::tempdir()?;
         let (c, secs) = dedup_alone(ds, Some(dir.path()))?;
         let dps = c.records_in as f64 / secs;
         println!(
-            "round {round} dedup alone, sled: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
+            "round {round} tasks alone, sled: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
             c.records_in, c.passed, c.duplicates
         );
         res.sled.push(dps);
@@ -630,7 +687,7 @@ fn dedup_alone_rounds(s: &Settings, ds: &Dataset, res: &mut Results) -> Res<()> 
         let (c, secs) = dedup_alone(ds, None)?;
         let dps = c.records_in as f64 / secs;
         println!(
-            "round {round} dedup alone, memory: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
+            "round {round} tasks alone, memory: records={} passed={} duplicates={} seconds={secs:.3} decisions_per_second={dps:.0}",
             c.records_in, c.passed, c.duplicates
         );
         res.memory.push(dps);

@@ -294,6 +294,22 @@ pub fn dedup_topology_partitioned(
     output: &str,
     partitioning: Partitioning,
 ) -> Res<Topology> {
+    let mut spec = dedup_spec()?;
+    spec.partitioning = Some(partitioning);
+    TopologyBuilder::new("bench-dedup")
+        .source(input, Format::Json)
+        .dedup("dedup", spec)
+        .sink("unique", output)
+        .build()
+        .map_err(|errs| {
+            let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+            text.join("; ").into()
+        })
+}
+
+/// The dedup stage of the benchmarks: keyed by `ONCEFLOW_BENCH_KEY` (`json_pointer`, the
+/// default: `/id` in the value; or `kafka_key`), TTL 24 h, event time.
+pub fn dedup_spec() -> Res<DedupSpec> {
     let key = match std::env::var("ONCEFLOW_BENCH_KEY").as_deref() {
         Ok("kafka_key") => KeySource::KafkaKey,
         Ok("json_pointer") | Err(_) => KeySource::JsonPointer("/id".into()),
@@ -306,16 +322,7 @@ pub fn dedup_topology_partitioned(
     let mut spec = DedupSpec::new(key);
     spec.ttl_ms = TTL_MS;
     spec.time = TimeSource::Event;
-    spec.partitioning = Some(partitioning);
-    TopologyBuilder::new("bench-dedup")
-        .source(input, Format::Json)
-        .dedup("dedup", spec)
-        .sink("unique", output)
-        .build()
-        .map_err(|errs| {
-            let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
-            text.join("; ").into()
-        })
+    Ok(spec)
 }
 
 /// Read `topic` back read_committed; every distinct id must appear exactly once.
