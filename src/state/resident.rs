@@ -169,15 +169,29 @@ pub(super) struct Tracked {
 
 /// Where the latest committed op of a resident key is: its batch (the batch's number in
 /// [`Resident`], which counts resident batches only, wrapping) and its position in that
-/// batch's ops.
+/// batch's ops; with 32 bits of the key's hash, so that growing the index rehashes
+/// without reading a key, and a probe reads a key only when these bits match.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Slot {
     pub(super) seq: u32,
     pub(super) idx: u32,
+    pub(super) hash: u32,
+}
+
+/// The 32 bits of a key's 64-bit hash that its [`Slot`] keeps.
+fn short(h: u64) -> u32 {
+    (h >> 32) as u32
+}
+
+/// The index's hash of a slot's key from its 32 kept bits: the table takes its bucket from
+/// the low bits and its 7-bit tag from the top ones, so both come from the kept bits
+/// (disjoint ones below 2^25 buckets).
+fn table_hash(short: u32) -> u64 {
+    u64::from(short) << 32 | u64::from(short)
 }
 
 /// The committed batches held in memory, oldest first, and an index from each resident
-/// key to its latest op. The index holds 8 bytes a key; keys and values stay in their
+/// key to its latest op. The index holds 12 bytes a key; keys and values stay in their
 /// batch's ops (shared with the writer), so a restore writes each record once.
 ///
 /// A batch without ops (a commit that only moves the changelog offset) is not held: it
@@ -221,10 +235,12 @@ impl Resident {
     }
 
     fn find(&self, key: &[u8]) -> Option<Slot> {
-        let h = self.hash.hash_one(key);
+        let h = short(self.hash.hash_one(key));
         let (batches, first) = (&self.batches, self.first);
         self.index
-            .find(h, |s| Self::key_at(batches, first, *s) == key)
+            .find(table_hash(h), |s| {
+                s.hash == h && Self::key_at(batches, first, *s) == key
+            })
             .copied()
     }
 
@@ -251,9 +267,7 @@ impl Resident {
     }
 
     pub(super) fn reserve(&mut self, n: usize) {
-        let (batches, first, hash) = (&self.batches, self.first, &self.hash);
-        self.index
-            .reserve(n, |s| hash.hash_one(Self::key_at(batches, first, *s)));
+        self.index.reserve(n, |s| table_hash(s.hash));
     }
 
     /// Append batch `seq` and point its keys at it; `each` sees every op in order with
@@ -276,21 +290,21 @@ impl Resident {
         let (batches, first) = (&self.batches, self.first);
         let (hash, index) = (&self.hash, &mut self.index);
         for (i, (k, v)) in ops.iter().enumerate() {
+            let h = short(hash.hash_one(k));
             let slot = Slot {
                 seq: no,
                 idx: i as u32,
+                hash: h,
             };
-            let h = hash.hash_one(k);
-            let old = match index.find_mut(h, |s| Self::key_at(batches, first, *s) == k) {
-                Some(s) => {
-                    let was = Self::op(batches, first, *s).1.is_some();
-                    *s = slot;
+            let eq = |s: &Slot| s.hash == h && Self::key_at(batches, first, *s) == k;
+            let old = match index.entry(table_hash(h), eq, |s| table_hash(s.hash)) {
+                hashbrown::hash_table::Entry::Occupied(mut e) => {
+                    let was = Self::op(batches, first, *e.get()).1.is_some();
+                    *e.get_mut() = slot;
                     Some(was)
                 }
-                None => {
-                    index.insert_unique(h, slot, |s| {
-                        hash.hash_one(Self::key_at(batches, first, *s))
-                    });
+                hashbrown::hash_table::Entry::Vacant(e) => {
+                    e.insert(slot);
                     None
                 }
             };
@@ -307,8 +321,13 @@ impl Resident {
         let (hash, index) = (&self.hash, &mut self.index);
         let seq = self.first;
         for (i, (k, _)) in b.ops.iter().enumerate() {
-            let at = Slot { seq, idx: i as u32 };
-            if let Ok(e) = index.find_entry(hash.hash_one(k), |s| *s == at) {
+            let h = short(hash.hash_one(k));
+            let at = Slot {
+                seq,
+                idx: i as u32,
+                hash: h,
+            };
+            if let Ok(e) = index.find_entry(table_hash(h), |s| *s == at) {
                 e.remove();
             }
         }
