@@ -44,20 +44,30 @@ pub(super) fn index_matches(token: &str, index: usize) -> bool {
     token.parse::<usize>().ok() == Some(index) && (token == "0" || !token.starts_with('0'))
 }
 
-/// The pointers that lead into a value: (index, tokens left).
-type Paths<'p> = Vec<(usize, &'p [String])>;
+/// The pointers that lead into a value: (index, tokens left). Held inline for up to four
+/// (no allocation per object or array for the usual few pointers).
+type Paths<'p> = smallvec::SmallVec<[(usize, &'p [String]); 4]>;
 
 struct Parser<'a> {
     b: &'a [u8],
     i: usize,
 }
 
-fn set(paths: &[(usize, &[String])], found: &mut [Scalar], v: &Scalar) {
-    for (i, rest) in paths {
-        if rest.is_empty() {
-            found[*i] = v.clone();
-        }
+/// `v` is the value at every pointer of `paths` that ends here (moved into the last one,
+/// copied for the others).
+fn set(paths: &[(usize, &[String])], found: &mut [Scalar], v: Scalar) {
+    let mut ends = paths
+        .iter()
+        .filter(|(_, rest)| rest.is_empty())
+        .map(|(i, _)| *i);
+    let Some(mut last) = ends.next() else {
+        return;
+    };
+    for i in ends {
+        found[last] = v.clone();
+        last = i;
     }
+    found[last] = v;
 }
 
 impl<'a> Parser<'a> {
@@ -83,11 +93,11 @@ impl<'a> Parser<'a> {
     ) -> Option<()> {
         match self.peek()? {
             b'{' => {
-                set(paths, found, &Scalar::Other("an object"));
+                set(paths, found, Scalar::Other("an object"));
                 self.object(paths, found, depth + 1)
             }
             b'[' => {
-                set(paths, found, &Scalar::Other("an array"));
+                set(paths, found, Scalar::Other("an array"));
                 self.array(paths, found, depth + 1)
             }
             b'"' => {
@@ -99,7 +109,7 @@ impl<'a> Parser<'a> {
                         // Checked by `string`.
                         std::str::from_utf8(s).ok()?.to_string()
                     };
-                    set(paths, found, &Scalar::Str(text));
+                    set(paths, found, Scalar::Str(text));
                 }
                 Some(())
             }
@@ -115,7 +125,7 @@ impl<'a> Parser<'a> {
                         return None;
                     }
                     let text = std::str::from_utf8(text).ok()?;
-                    set(paths, found, &Scalar::Num(text.to_string()));
+                    set(paths, found, Scalar::Num(text.to_string()));
                 }
                 Some(())
             }
@@ -134,7 +144,7 @@ impl<'a> Parser<'a> {
             return None;
         }
         self.i += word.len();
-        set(paths, found, &v);
+        set(paths, found, v);
         Some(())
     }
 

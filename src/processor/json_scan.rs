@@ -445,7 +445,8 @@ mod tests {
 
     #[test]
     fn fast_path_answers_for_plain_documents() {
-        let toks: Vec<Vec<String>> = ["/id", "/actor/login", "/n/0"]
+        // `/id` twice: a value that ends two pointers goes to both.
+        let toks: Vec<Vec<String>> = ["/id", "/actor/login", "/n/0", "/id"]
             .iter()
             .map(|p| tokens(p))
             .collect();
