@@ -345,3 +345,50 @@ fn exactly_once_filter_before_the_hop_gives_each_kept_id_once_read_committed() {
         "source offsets committed to the end, filtered records included"
     );
 }
+
+/// A keyed output record lands on the partition Kafka's default partitioner (murmur2, as
+/// the Java client and Kafka Streams pick it) gives its key, so onceflow's output is
+/// co-partitioned with what a Java producer would write under the same keys.
+#[test]
+fn keyed_outputs_land_where_the_java_partitioner_puts_their_key() {
+    let names = gharchive_names(PARTITIONS);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    let n = 200;
+    for i in 0..n {
+        let key = format!("actor-{i}");
+        let value = format!(r#"{{"id":"{i}"}}"#);
+        p.send(
+            &names.input,
+            Some((i % PARTITIONS) as i32),
+            Some(key.as_bytes()),
+            Some(value.as_bytes()),
+            &[],
+            None,
+        )
+        .unwrap();
+    }
+    p.flush().unwrap();
+    let (st, out) = start(&names, &[], &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "{out}");
+    let got =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    assert_eq!(got.len(), n, "every distinct id comes out");
+    let mut used = HashSet::new();
+    for r in &got {
+        let key = r.key.as_deref().expect("outputs keep their key");
+        let expected = onceflow::__testkit::partition_for(key, PARTITIONS as i32);
+        assert_eq!(
+            r.partition,
+            expected,
+            "key {:?} on partition {}, the Java partitioner gives {expected}",
+            String::from_utf8_lossy(key),
+            r.partition
+        );
+        used.insert(r.partition);
+    }
+    assert_eq!(
+        used.len(),
+        PARTITIONS,
+        "200 keys spread over every partition"
+    );
+}

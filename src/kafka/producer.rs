@@ -214,7 +214,9 @@ pub(crate) struct OutputProducer {
 }
 
 impl OutputProducer {
-    /// Create the producer (`enable.idempotence=true`, `linger.ms=5`, and under
+    /// Create the producer (`enable.idempotence=true`, `linger.ms=5`,
+    /// `partitioner=murmur2_random`: a keyed record goes where the Java client and Kafka
+    /// Streams put its key, a record without a key to a random partition; and under
     /// exactly_once_v2 `transactional.id=<application.id>-<instance.id>`; then `kafka.*` and
     /// `kafka.producer.*`). The delivered offsets of records sent by
     /// [`OutputProducer::send_changelog`] are tracked for store checkpoints.
@@ -223,7 +225,11 @@ impl OutputProducer {
     /// [`Error::Config`] when librdkafka refuses a property.
     pub(crate) fn new(cfg: &Config) -> Result<OutputProducer> {
         let txn_id = cfg.transactional_id();
-        let mut defaults = vec![("enable.idempotence", "true"), ("linger.ms", "5")];
+        let mut defaults = vec![
+            ("enable.idempotence", "true"),
+            ("linger.ms", "5"),
+            ("partitioner", "murmur2_random"),
+        ];
         if cfg.exactly_once() {
             defaults.push(("transactional.id", txn_id.as_str()));
         }
