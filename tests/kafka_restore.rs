@@ -442,3 +442,54 @@ fn send_to(names: &Names, partition: i32, value: &[u8], headers: &[(&str, &[u8])
     .unwrap();
     p.flush().unwrap();
 }
+
+/// A producer queue of 5 records (`kafka.producer.queue.buffering.max.messages=5`) makes
+/// librdkafka refuse most sends as queue-full: onceflow waits and sends them again, outputs
+/// and changelog runs alike. Every distinct id comes out, the changelog holds a mark for
+/// each, and after a wiped state dir the restored marks drop every repeat.
+#[test]
+fn a_full_producer_queue_delays_sends_and_loses_no_output_or_mark() {
+    let names = names_for(BY_ID, 1);
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    let distinct = 300;
+    for round in 0..2 {
+        for i in 0..distinct {
+            let v = format!(r#"{{"id":"{i}","round":{round}}}"#);
+            p.send(&names.input, Some(0), None, Some(v.as_bytes()), &[], None)
+                .unwrap();
+        }
+    }
+    p.flush().unwrap();
+    let small = [(
+        "kafka.producer.queue.buffering.max.messages",
+        "5".to_string(),
+    )];
+    let (st, out) = start(&names, &small, &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "{out}");
+    assert_eq!(
+        summary_field(&out, "passed"),
+        Some(distinct as f64),
+        "{out}"
+    );
+    assert_eq!(outputs(&names).len(), distinct);
+    let changelog = format!("{}-dedup-changelog", names.app);
+    let marks = kafka::read_topic(&bootstrap(), &changelog, true, T).unwrap();
+    let keys: std::collections::HashSet<_> = marks.iter().map(|r| r.key.clone()).collect();
+    assert_eq!(keys.len(), distinct, "a changelog mark for every id");
+
+    wipe(&names);
+    for i in 0..distinct {
+        let v = format!(r#"{{"id":"{i}","round":2}}"#);
+        p.send(&names.input, Some(0), None, Some(v.as_bytes()), &[], None)
+            .unwrap();
+    }
+    p.flush().unwrap();
+    let (st, out) = start(&names, &small, &[], &["--stop-at-end"]).wait(T);
+    assert!(st.success(), "{out}");
+    assert_eq!(summary_field(&out, "passed"), Some(0.0), "{out}");
+    assert_eq!(
+        outputs(&names).len(),
+        distinct,
+        "no repeat after the restore"
+    );
+}

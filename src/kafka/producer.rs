@@ -312,6 +312,79 @@ impl OutputProducer {
         self.produce(rec, EPOCH_SLOTS)
     }
 
+    /// Queue a run of changelog records to `partition` of `topic`, in order (a `None` value:
+    /// a tombstone), in one call to librdkafka (`rd_kafka_produce_batch`: the topic and
+    /// partition are looked up once, the clock read once); stamped with the time they are
+    /// queued. Counted as [`OutputProducer::send_changelog`] counts one; waits while
+    /// librdkafka's queue is full.
+    ///
+    /// # Errors
+    /// As [`OutputProducer::send`]; the records before the refused one are queued.
+    pub(crate) fn send_changelog_run(
+        &self,
+        topic: &str,
+        partition: i32,
+        writes: &[(&[u8], Option<&[u8]>)],
+    ) -> Result<()> {
+        let rk = self.producer.client().native_ptr();
+        let rkt = self.topics.get(rk, topic)?;
+        let counter = &self.producer.context().unacked[EPOCH_SLOTS];
+        let mut msgs: Vec<rdkafka::bindings::rd_kafka_message_t> = writes
+            .iter()
+            .map(|(key, value)| {
+                // SAFETY: every field of the C struct is an integer or a pointer, for which
+                // all zeroes are valid (no error, null pointers).
+                let mut m: rdkafka::bindings::rd_kafka_message_t = unsafe { std::mem::zeroed() };
+                m.partition = partition;
+                m.key = key.as_ptr() as *mut std::ffi::c_void;
+                m.key_len = key.len();
+                if let Some(v) = value {
+                    m.payload = v.as_ptr() as *mut std::ffi::c_void;
+                    m.len = v.len();
+                }
+                // The delivery callback reads the slot back from the opaque.
+                m._private = EPOCH_SLOTS as *mut std::ffi::c_void;
+                m
+            })
+            .collect();
+        let mut from = 0;
+        while from < msgs.len() {
+            let rest = &mut msgs[from..];
+            let n = rest.len();
+            // Counted before the send: a delivery report may come before the call returns.
+            counter.fetch_add(n as i64, Ordering::SeqCst);
+            // SAFETY: the client and topic handle are alive (see `produce`); each message's
+            // key and value are valid for their lengths during the call and copied (F_COPY);
+            // `rest` is `n` initialized messages, which librdkafka only reads and marks
+            // with a per-message error.
+            let queued = unsafe {
+                rdkafka::bindings::rd_kafka_produce_batch(
+                    rkt.0,
+                    partition,
+                    rdkafka::bindings::RD_KAFKA_MSG_F_COPY,
+                    rest.as_mut_ptr(),
+                    n as i32,
+                )
+            };
+            counter.fetch_sub(n as i64 - i64::from(queued.max(0)), Ordering::SeqCst);
+            // A full queue refuses that message and every later one: those are sent again.
+            // Any other refusal stops the run.
+            match rest.iter().find(|m| {
+                m.err != rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+            }) {
+                None => return Ok(()),
+                Some(m) => match RDKafkaErrorCode::from(m.err) {
+                    RDKafkaErrorCode::QueueFull => {
+                        from += queued.max(0) as usize;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    code => return Err(produce_error(code)),
+                },
+            }
+        }
+        Ok(())
+    }
+
     /// Queue `rec`, counted in `slot` until its delivery report, waiting while librdkafka's
     /// queue is full. Produced by topic handle (see [`TopicHandles`]); key and value are
     /// copied by librdkafka (`RD_KAFKA_MSG_F_COPY`), the headers list is handed over.

@@ -210,6 +210,31 @@ pub(crate) trait CommitLog {
     /// As [`CommitLog::send_output`].
     fn send_changelog(&mut self, write: ChangelogWrite<'_>) -> Result<()>;
 
+    /// Queue a run of changelog records of `store`'s `partition`, in order, stamped
+    /// `timestamp_ms` (a log may stamp them with the time it queues them instead); the
+    /// default sends each with [`CommitLog::send_changelog`].
+    ///
+    /// # Errors
+    /// As [`CommitLog::send_changelog`], for the first write refused.
+    fn send_changelog_run(
+        &mut self,
+        store: &str,
+        partition: i32,
+        writes: &[(&[u8], Option<&[u8]>)],
+        timestamp_ms: i64,
+    ) -> Result<()> {
+        for (key, value) in writes {
+            self.send_changelog(ChangelogWrite {
+                store,
+                partition,
+                key,
+                value: *value,
+                timestamp_ms,
+            })?;
+        }
+        Ok(())
+    }
+
     /// Whether every changelog record sent is acknowledged; with `wait`, wait until it is.
     ///
     /// # Errors
@@ -854,27 +879,31 @@ fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Resu
 ///
 /// # Errors
 /// The first write the log refuses; nothing after it is sent.
-fn send_changelogs(
+fn send_changelogs<'t>(
     log: &mut dyn CommitLog,
-    tasks: &BTreeMap<i32, Task>,
+    tasks: &'t BTreeMap<i32, Task>,
     now_ms: i64,
-    writes: impl Fn(&Task, &mut dyn FnMut(&str, &[u8], Option<&[u8]>)),
+    writes: impl Fn(&'t Task, &mut dyn FnMut(&'t str, &'t [u8], Option<&'t [u8]>)),
 ) -> Result<usize> {
     let mut sent = 0usize;
-    let mut result = Ok(());
+    // One run per store and partition, handed over at once (see `send_changelog_run`).
+    let mut run: Vec<(&[u8], Option<&[u8]>)> = Vec::new();
     for (p, t) in tasks {
-        writes(t, &mut |store, key, value| {
-            if result.is_ok() {
-                result = log.send_changelog(ChangelogWrite {
-                    store,
-                    partition: *p,
-                    key,
-                    value,
-                    timestamp_ms: now_ms,
-                });
-                sent += 1;
+        let mut store: Option<&str> = None;
+        let mut runs: Vec<(&str, usize)> = Vec::new();
+        run.clear();
+        writes(t, &mut |name, key, value| {
+            if store != Some(name) {
+                store = Some(name);
+                runs.push((name, run.len()));
             }
+            run.push((key, value));
         });
+        for (i, (name, start)) in runs.iter().enumerate() {
+            let end = runs.get(i + 1).map_or(run.len(), |r| r.1);
+            log.send_changelog_run(name, *p, &run[*start..end], now_ms)?;
+            sent += end - start;
+        }
     }
-    result.map(|()| sent)
+    Ok(sent)
 }

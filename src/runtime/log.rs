@@ -156,6 +156,22 @@ impl CommitLog for KafkaLog<'_> {
             .map_err(|e| self.fenced_or(e))
     }
 
+    fn send_changelog_run(
+        &mut self,
+        store: &str,
+        partition: i32,
+        writes: &[(&[u8], Option<&[u8]>)],
+        _timestamp_ms: i64,
+    ) -> Result<()> {
+        let topic = self
+            .changelogs
+            .get(store)
+            .ok_or_else(|| Error::Internal(format!("store {store}: no changelog topic")))?;
+        self.producer
+            .send_changelog_run(topic, partition, writes)
+            .map_err(|e| self.fenced_or(e))
+    }
+
     fn open_epoch(&mut self, epoch: u64) {
         self.producer.open_epoch(epoch);
     }

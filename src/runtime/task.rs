@@ -451,7 +451,10 @@ impl Task {
 
     /// Visit every staged write, store by store, in first-write order: the changelog
     /// records of this commit.
-    pub(crate) fn for_each_staged_write(&self, mut f: impl FnMut(&str, &[u8], Option<&[u8]>)) {
+    pub(crate) fn for_each_staged_write<'s>(
+        &'s self,
+        mut f: impl FnMut(&'s str, &'s [u8], Option<&'s [u8]>),
+    ) {
         for (name, s) in &self.stores {
             for (k, v) in s.pending() {
                 f(name, k, v);
@@ -494,10 +497,10 @@ impl Task {
 
     /// Visit every write sealed for commit `epoch`, store by store, in first-write order:
     /// that commit's changelog records.
-    pub(crate) fn for_each_sealed_write(
-        &self,
+    pub(crate) fn for_each_sealed_write<'s>(
+        &'s self,
         epoch: u64,
-        mut f: impl FnMut(&str, &[u8], Option<&[u8]>),
+        mut f: impl FnMut(&'s str, &'s [u8], Option<&'s [u8]>),
     ) {
         for (name, s) in &self.stores {
             for (k, v) in s.sealed(epoch) {
