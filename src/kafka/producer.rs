@@ -16,6 +16,8 @@ use std::time::Duration;
 /// (far more than the commits in flight at once); slot `EPOCH_SLOTS` counts changelog
 /// records.
 const EPOCH_SLOTS: usize = 64;
+/// Changelog records handed to librdkafka per call (bounds the message array built for it).
+const CHANGELOG_CHUNK: usize = 1024;
 
 /// Records delivery failures, and what is not yet acknowledged per commit epoch; checked
 /// at each commit.
@@ -328,6 +330,20 @@ impl OutputProducer {
     ) -> Result<()> {
         let rk = self.producer.client().native_ptr();
         let rkt = self.topics.get(rk, topic)?;
+        for chunk in writes.chunks(CHANGELOG_CHUNK) {
+            self.produce_chunk(rkt.0, partition, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// One `rd_kafka_produce_batch` call (again while the queue is full) for
+    /// [`OutputProducer::send_changelog_run`].
+    fn produce_chunk(
+        &self,
+        rkt: *mut rdkafka::bindings::rd_kafka_topic_t,
+        partition: i32,
+        writes: &[(&[u8], Option<&[u8]>)],
+    ) -> Result<()> {
         let counter = &self.producer.context().unacked[EPOCH_SLOTS];
         let mut msgs: Vec<rdkafka::bindings::rd_kafka_message_t> = writes
             .iter()
@@ -359,7 +375,7 @@ impl OutputProducer {
             // with a per-message error.
             let queued = unsafe {
                 rdkafka::bindings::rd_kafka_produce_batch(
-                    rkt.0,
+                    rkt,
                     partition,
                     rdkafka::bindings::RD_KAFKA_MSG_F_COPY,
                     rest.as_mut_ptr(),
