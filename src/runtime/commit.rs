@@ -885,25 +885,30 @@ fn send_changelogs<'t>(
     now_ms: i64,
     writes: impl Fn(&'t Task, &mut dyn FnMut(&'t str, &'t [u8], Option<&'t [u8]>)),
 ) -> Result<usize> {
+    /// Writes handed to the log at once (see `send_changelog_run`).
+    const RUN: usize = 1024;
     let mut sent = 0usize;
-    // One run per store and partition, handed over at once (see `send_changelog_run`).
-    let mut run: Vec<(&[u8], Option<&[u8]>)> = Vec::new();
+    let mut run: Vec<(&[u8], Option<&[u8]>)> = Vec::with_capacity(RUN);
+    let mut result = Ok(());
     for (p, t) in tasks {
         let mut store: Option<&str> = None;
-        let mut runs: Vec<(&str, usize)> = Vec::new();
-        run.clear();
-        writes(t, &mut |name, key, value| {
-            if store != Some(name) {
-                store = Some(name);
-                runs.push((name, run.len()));
+        let mut flush = |store: &str, run: &mut Vec<(&[u8], Option<&[u8]>)>| {
+            if result.is_ok() && !run.is_empty() {
+                result = log.send_changelog_run(store, *p, run, now_ms);
+                sent += run.len();
             }
+            run.clear();
+        };
+        writes(t, &mut |name, key, value| {
+            if let Some(s) = store.filter(|s| *s != name || run.len() == RUN) {
+                flush(s, &mut run);
+            }
+            store = Some(name);
             run.push((key, value));
         });
-        for (i, (name, start)) in runs.iter().enumerate() {
-            let end = runs.get(i + 1).map_or(run.len(), |r| r.1);
-            log.send_changelog_run(name, *p, &run[*start..end], now_ms)?;
-            sent += end - start;
+        if let Some(s) = store {
+            flush(s, &mut run);
         }
     }
-    Ok(sent)
+    result.map(|()| sent)
 }
