@@ -185,18 +185,8 @@ pub fn drive_tasks(
         crate::state::table::apply_records(engine.as_ref(), &format, &rows)?;
         loaded.insert(name.to_string(), engine);
     }
-    let topic: Arc<str> = topology.source().topic.as_str().into();
-    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
-    let records: Vec<Record> = records
-        .into_iter()
-        .map(|r| {
-            let offset = next.entry(r.source_partition()).or_default();
-            *offset += 1;
-            r.into_record(topic.clone(), *offset - 1)
-        })
-        .collect();
-    let partitions = records.iter().map(|r| r.source.partition + 1).max();
-    let mut tasks: Vec<Task> = (0..partitions.unwrap_or(1))
+    let (records, partitions) = source_records(records, topology.source().topic.as_str());
+    let mut tasks: Vec<Task> = (0..partitions)
         .map(|p| Ok(Task::new(topology, p, backend, DLQ)?.with_tables(loaded.clone())))
         .collect::<Result<_>>()?;
     let commit = |tasks: &mut [Task]| -> Result<()> {
@@ -227,6 +217,23 @@ pub fn drive_tasks(
     Ok((counts, seconds, written))
 }
 
+/// `records` as source records of `topic`, each partition's numbered from offset 0, and
+/// the partition count they need (the highest partition + 1; 1 when there is none).
+fn source_records(records: Vec<crate::TestRecord>, topic: &str) -> (Vec<Record>, i32) {
+    let topic: Arc<str> = topic.into();
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let records: Vec<Record> = records
+        .into_iter()
+        .map(|r| {
+            let offset = next.entry(r.source_partition()).or_default();
+            *offset += 1;
+            r.into_record(topic.clone(), *offset - 1)
+        })
+        .collect();
+    let partitions = next.keys().max().map_or(1, |p| p + 1);
+    (records, partitions)
+}
+
 /// The dedup stage alone: one stage named `dedup` (built from `spec`) and its store per
 /// partition, with the store in sled under `sled_dir` (written behind, as `App::run` does)
 /// or in memory when `None`, over `records`, committing every store every `commit_every`
@@ -253,18 +260,9 @@ pub fn drive_dedup(
         Some(s) => s,
         None => &memory,
     };
-    let topic: Arc<str> = "dedup.in".into();
-    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
-    let records: Vec<Record> = records
-        .into_iter()
-        .map(|r| {
-            let offset = next.entry(r.source_partition()).or_default();
-            *offset += 1;
-            r.into_record(topic.clone(), *offset - 1)
-        })
-        .collect();
-    let partitions = records.iter().map(|r| r.source.partition + 1).max();
-    let mut tasks: Vec<(Dedup, Stores)> = (0..partitions.unwrap_or(1))
+    let (records, partitions) = source_records(records, "dedup.in");
+    let records_in = records.len() as u64;
+    let mut tasks: Vec<(Dedup, Stores)> = (0..partitions)
         .map(|p| {
             let mut stores = Stores::new();
             let engine = backend.open("dedup", p)?;
@@ -313,7 +311,7 @@ pub fn drive_dedup(
     }
     commit(&mut tasks)?;
     let seconds = started.elapsed().as_secs_f64();
-    counts.records_in = next.values().map(|n| *n as u64).sum();
+    counts.records_in = records_in;
     Ok((counts, seconds))
 }
 
