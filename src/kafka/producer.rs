@@ -315,9 +315,9 @@ impl OutputProducer {
     }
 
     /// Queue a run of changelog records to `partition` of `topic`, in order (a `None` value:
-    /// a tombstone), in one call to librdkafka (`rd_kafka_produce_batch`: the topic and
-    /// partition are looked up once, the clock read once); stamped with the time they are
-    /// queued. Counted as [`OutputProducer::send_changelog`] counts one; waits while
+    /// a tombstone), [`CHANGELOG_CHUNK`] records a call to librdkafka
+    /// (`rd_kafka_produce_batch`: the topic and partition are looked up once a call, the
+    /// clock read once); stamped with the time they are queued. Counted as [`OutputProducer::send_changelog`] counts one; waits while
     /// librdkafka's queue is full.
     ///
     /// # Errors

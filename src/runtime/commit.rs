@@ -874,8 +874,9 @@ fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Resu
     Ok(())
 }
 
-/// Send, stamped `now_ms`, every write that `writes` yields for each task to the changelog
-/// of the task's partition (the changelog step of both protocols); returns how many.
+/// Send every write that `writes` yields for each task to the changelog of the task's
+/// partition (the changelog step of both protocols), in runs of one store and partition
+/// stamped `now_ms` (see [`CommitLog::send_changelog_run`]); returns how many.
 ///
 /// # Errors
 /// The first write the log refuses; nothing after it is sent.
