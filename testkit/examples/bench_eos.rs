@@ -32,7 +32,9 @@
 //! ```
 //! Environment: ONCEFLOW_BOOTSTRAP_SERVERS (127.0.0.1:9092), ONCEFLOW_BENCH_RECORDS
 //! (1000000), ONCEFLOW_BENCH_ROUNDS (3), ONCEFLOW_BENCH_LATENCY_RATE (10000 events/s),
-//! ONCEFLOW_BENCH_LATENCY_SECONDS (10), ONCEFLOW_LOG (warn).
+//! ONCEFLOW_BENCH_LATENCY_SECONDS (10), ONCEFLOW_LOG (warn), ONCEFLOW_BENCH_LATENCY_TRACE (a
+//! path prefix: each latency round writes `<prefix>.<alo|eos>.<round>`, a line per output
+//! record: ms since the first one arrived, its latency in ms; to see when a tail happened).
 
 #[path = "bench_support/mod.rs"]
 mod support;
@@ -357,6 +359,7 @@ fn latency_round(
     });
     let mut ms = Vec::with_capacity(ds.distinct);
     let mut ids: HashSet<Vec<u8>> = HashSet::with_capacity(ds.distinct);
+    let mut trace: Vec<(i64, f64)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(ls.seconds as u64 + 60);
     while ms.len() < ds.distinct && Instant::now() < deadline && !runner.is_finished() {
         let Some(m) = reader.poll(Duration::from_millis(100)) else {
@@ -378,7 +381,17 @@ fn latency_round(
             )
             .into());
         }
-        ms.push((received_us - ts * 1000) as f64 / 1000.0);
+        let latency_ms = (received_us - ts * 1000) as f64 / 1000.0;
+        ms.push(latency_ms);
+        trace.push((received_us, latency_ms));
+    }
+    if let Ok(path) = std::env::var("ONCEFLOW_BENCH_LATENCY_TRACE") {
+        let t0 = trace.first().map_or(0, |t| t.0);
+        let mut out = String::new();
+        for (at, l) in &trace {
+            out.push_str(&format!("{} {:.1}\n", (at - t0) / 1000, l));
+        }
+        std::fs::write(format!("{path}.{tag}.{round}"), out)?;
     }
     let published = publisher.join();
     let summary = stop(runner)?;
