@@ -64,7 +64,7 @@ impl Behind {
         match &self.filter {
             KeyFilter::Unknown => true,
             KeyFilter::Overlay => false,
-            KeyFilter::Hashes(f) => f.contains(&self.filter_hash.hash_one(key)),
+            KeyFilter::Hashes(f) => f.contains(&filter_key(&self.filter_hash, key)),
         }
     }
 
@@ -102,9 +102,9 @@ impl Behind {
                         KeyFilter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        KeyFilter::Hashes(f) => {
-                            Some(f.contains(&filter_hash.hash_one(k)) && engine.get(k)?.is_some())
-                        }
+                        KeyFilter::Hashes(f) => Some(
+                            f.contains(&filter_key(filter_hash, k)) && engine.get(k)?.is_some(),
+                        ),
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
@@ -118,7 +118,7 @@ impl Behind {
             }
             if v.is_some() {
                 if let KeyFilter::Hashes(f) = filter {
-                    f.insert(filter_hash.hash_one(k));
+                    f.insert(filter_key(filter_hash, k));
                 }
             }
             Ok(())
@@ -172,13 +172,13 @@ impl Behind {
         let mut fresh = HashFilter::default();
         fresh.reserve(live.saturating_add(self.resident.len()));
         for (k, _) in self.resident.iter() {
-            fresh.insert(self.filter_hash.hash_one(k));
+            fresh.insert(filter_key(&self.filter_hash, k));
         }
         let mut after: Option<Vec<u8>> = None;
         loop {
             let chunk = engine.scan(after.as_deref(), 10_000)?;
             for (k, _) in &chunk {
-                fresh.insert(self.filter_hash.hash_one(&k[..]));
+                fresh.insert(filter_key(&self.filter_hash, &k[..]));
             }
             if chunk.len() < 10_000 {
                 break;
@@ -215,7 +215,7 @@ impl Behind {
                     let mut f = HashFilter::default();
                     f.reserve(self.resident.len());
                     for (k, _) in self.resident.iter() {
-                        f.insert(self.filter_hash.hash_one(k));
+                        f.insert(filter_key(&self.filter_hash, k));
                     }
                     self.filter = KeyFilter::Hashes(f);
                 }
