@@ -374,11 +374,12 @@ mod tests {
     fn the_filter_holds_what_was_put() {
         let state = ahash::RandomState::new();
         let mut f = HashFilter::default();
-        for i in 0u32..50_000 {
+        for i in 0u32..10_000 {
             f.insert(filter_key(&state, &i.to_le_bytes()));
         }
-        assert!((0u32..50_000).all(|i| f.contains(&filter_key(&state, &i.to_le_bytes()))));
-        let strangers = (50_000u32..100_000)
+        assert!((0u32..10_000).all(|i| f.contains(&filter_key(&state, &i.to_le_bytes()))));
+        // 10,000 strangers against 10,000 entries of 32 bits: 0.02 expected to collide.
+        let strangers = (10_000u32..20_000)
             .filter(|i| f.contains(&filter_key(&state, &i.to_le_bytes())))
             .count();
         assert!(
