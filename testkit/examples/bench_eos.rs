@@ -359,7 +359,7 @@ fn latency_round(
     });
     let mut ms = Vec::with_capacity(ds.distinct);
     let mut ids: HashSet<Vec<u8>> = HashSet::with_capacity(ds.distinct);
-    let mut trace: Vec<(i64, f64)> = Vec::new();
+    let mut arrivals_us: Vec<i64> = Vec::with_capacity(ds.distinct);
     let deadline = Instant::now() + Duration::from_secs(ls.seconds as u64 + 60);
     while ms.len() < ds.distinct && Instant::now() < deadline && !runner.is_finished() {
         let Some(m) = reader.poll(Duration::from_millis(100)) else {
@@ -381,14 +381,13 @@ fn latency_round(
             )
             .into());
         }
-        let latency_ms = (received_us - ts * 1000) as f64 / 1000.0;
-        ms.push(latency_ms);
-        trace.push((received_us, latency_ms));
+        ms.push((received_us - ts * 1000) as f64 / 1000.0);
+        arrivals_us.push(received_us);
     }
     if let Ok(path) = std::env::var("ONCEFLOW_BENCH_LATENCY_TRACE") {
-        let t0 = trace.first().map_or(0, |t| t.0);
+        let t0 = arrivals_us.first().copied().unwrap_or(0);
         let mut out = String::new();
-        for (at, l) in &trace {
+        for (at, l) in arrivals_us.iter().zip(&ms) {
             out.push_str(&format!("{} {:.1}\n", (at - t0) / 1000, l));
         }
         std::fs::write(format!("{path}.{tag}.{round}"), out)?;
