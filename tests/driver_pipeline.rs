@@ -1,7 +1,9 @@
 //! Pipelined at_least_once commits through the broker-free test driver (issue 12 item 4):
 //! commits stay in flight, sealed, while records go on being processed; each completes its
 //! steps in order (outputs acknowledged, then changelog, then store, then offsets); a crash
-//! repeats at most what was in flight and loses nothing.
+//! repeats at most what was in flight and loses nothing. And exactly_once_v2 with the
+//! transaction's commit in the background (issue 12 item 5): records processed meanwhile
+//! send their outputs in the next transaction; a failure or crash repeats nothing.
 
 use onceflow::Guarantee;
 use onceflow::KeySource;
@@ -190,4 +192,131 @@ fn the_purge_offsets_never_run_ahead_of_a_completed_commit() {
     );
     d.acknowledge().unwrap();
     assert_eq!(d.last_committed_offsets(), vec![(0, 3)]);
+}
+
+/// exactly_once_v2 with the transaction's commit in the background (issue 12 item 5).
+fn eos_pipelined() -> TestDriver {
+    let d = pipelined();
+    d.guarantee(Guarantee::ExactlyOnceV2)
+}
+
+#[test]
+fn records_processed_while_a_transaction_commits_go_out_in_the_next_one() {
+    let mut d = eos_pipelined();
+    for id in ["a", "b"] {
+        d.pipe(ev(id, 1)).unwrap();
+    }
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 1, "the transaction is committing");
+    assert!(
+        d.output("out").is_empty(),
+        "nothing visible before the commit ends"
+    );
+    assert_eq!(d.committed_offset(0), None);
+    // Processing goes on meanwhile: the committing transaction's marks still count, and
+    // the new outputs wait for the next transaction.
+    for id in ["a", "c", "c"] {
+        d.pipe(ev(id, 2)).unwrap();
+    }
+    assert!(d.output("out").is_empty());
+    d.acknowledge().unwrap();
+    assert_eq!(d.in_flight_commits(), 0);
+    assert_eq!(
+        out_ids(&d),
+        ["a", "b"],
+        "only the first transaction is visible"
+    );
+    assert_eq!(d.committed_offset(0), Some(2));
+    assert!(d.dedup_entry("dedup", 0, b"b").unwrap().is_some());
+    d.commit().unwrap();
+    d.acknowledge().unwrap();
+    assert_eq!(out_ids(&d), ["a", "b", "c"]);
+    assert_eq!(d.committed_offset(0), Some(5));
+    let keys: Vec<&[u8]> = d.changelog("dedup", 0).iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys.len(), 3, "one changelog record per mark: {keys:?}");
+    assert_eq!(d.counts().duplicates, 2);
+}
+
+/// A transaction that fails, or whose answer is lost, while records are processed behind
+/// it: they are read again from the committed offsets and every id comes out once.
+#[test]
+fn a_failed_transaction_behind_which_records_were_processed_repeats_and_loses_nothing() {
+    for case in ["refused", "lost after commit", "lost before commit"] {
+        let mut d = eos_pipelined();
+        for id in ["a", "b"] {
+            d.pipe(ev(id, 1)).unwrap();
+        }
+        d.commit().unwrap();
+        d.acknowledge().unwrap();
+        match case {
+            "refused" => d.fail_next_transaction(),
+            "lost after commit" => d.lose_next_commit_answer(true),
+            _ => d.lose_next_commit_answer(false),
+        }
+        for id in ["c", "a", "d"] {
+            d.pipe(ev(id, 2)).unwrap();
+        }
+        d.commit().unwrap();
+        assert_eq!(d.in_flight_commits(), 1, "{case}");
+        for id in ["e", "c", "f"] {
+            d.pipe(ev(id, 3)).unwrap();
+        }
+        d.acknowledge().unwrap();
+        d.commit().unwrap();
+        d.acknowledge().unwrap();
+        let mut ids = out_ids(&d);
+        ids.sort();
+        assert_eq!(ids, ["a", "b", "c", "d", "e", "f"], "{case}");
+        assert_eq!(d.committed_offset(0), Some(8), "{case}");
+        for id in ["a", "d", "f"] {
+            d.pipe(ev(id, 4)).unwrap();
+        }
+        d.commit().unwrap();
+        d.acknowledge().unwrap();
+        assert_eq!(out_ids(&d).len(), 6, "{case}: repeats after recovery pass");
+    }
+}
+
+#[test]
+fn a_crash_while_a_transaction_commits_repeats_nothing_and_loses_nothing() {
+    for point in failpoints::commit_failpoints(Guarantee::ExactlyOnceV2) {
+        for wipe in [false, true] {
+            let ctx = format!("at {point}{}", if wipe { " + wiped state" } else { "" });
+            let mut d = eos_pipelined();
+            for id in ["a", "b", "a"] {
+                d.pipe(ev(id, 1)).unwrap();
+            }
+            d.commit().unwrap();
+            d.acknowledge().unwrap();
+            d.crash_at(point).unwrap();
+            for id in ["c", "b", "d"] {
+                d.pipe(ev(id, 2)).unwrap();
+            }
+            d.commit().unwrap();
+            if d.crashed_at().is_none() {
+                // Records processed while the transaction commits.
+                for id in ["e", "c", "f"] {
+                    d.pipe(ev(id, 3)).unwrap();
+                }
+                d.acknowledge().unwrap();
+            }
+            assert_eq!(d.crashed_at(), Some(*point), "{ctx}: the failpoint fired");
+            if wipe {
+                d.wipe_state();
+            }
+            d.restart().unwrap();
+            d.commit().unwrap();
+            d.acknowledge().unwrap();
+            for id in ["e", "c", "f", "g"] {
+                d.pipe(ev(id, 4)).unwrap();
+            }
+            d.commit().unwrap();
+            d.acknowledge().unwrap();
+            let ids = out_ids(&d);
+            for id in ["a", "b", "c", "d", "e", "f", "g"] {
+                let n = ids.iter().filter(|x| *x == id).count();
+                assert_eq!(n, 1, "{ctx}: {id} came out {n} times: {ids:?}");
+            }
+        }
+    }
 }

@@ -123,7 +123,9 @@ struct RunLoop {
     /// `<application.id>-<instance id>`, for error messages.
     transactional_id: String,
     backend: SledBackend,
-    producer: OutputProducer,
+    producer: Arc<OutputProducer>,
+    /// The transaction committing in the background (exactly_once_v2; `runtime::log`).
+    committing: Option<std::thread::JoinHandle<Result<()>>>,
     /// Destroys the restore consumer's batches in the background; declared before the
     /// restore consumer so that it is dropped (and done) first.
     batch_freer: crate::kafka::batch::Freer,
@@ -192,6 +194,7 @@ macro_rules! kafka_log {
     ($e:expr, $consumer:expr, $mode:expr) => {
         KafkaLog {
             producer: &mut $e.producer,
+            committing: &mut $e.committing,
             config: &$e.config,
             consumer: $consumer,
             topics: &$e.topics,
@@ -323,13 +326,21 @@ impl RunLoop {
         self.protocol.processed(&mut log, &mut self.out)
     }
 
-    /// at_least_once: do the steps of the commits in flight that are ready (no wait).
+    /// Do the steps of the commits in flight that are ready (no wait): at_least_once, the
+    /// next step of each; exactly_once_v2, the end of the transaction committing in the
+    /// background (its state applied, the outputs held meanwhile sent), or its failure
+    /// carried out.
     fn advance(&mut self, consumer: &SourceConsumer) -> Result<()> {
         if self.protocol.in_flight() == 0 {
             return Ok(());
         }
         let mut log = kafka_log!(self, consumer, CommitMode::Async);
-        self.protocol.advance(&mut log, &mut self.tasks).map(|_| ())
+        let outcome = self.protocol.advance(&mut log, &mut self.tasks)?;
+        if self.protocol.guarantee() == crate::config::Guarantee::AtLeastOnce {
+            // Purged after the commits of the loop's own (see `commit`).
+            return Ok(());
+        }
+        self.carry_out(consumer, outcome, CommitMode::Async)
     }
 
     /// A commit is due every `commit.interval.ms`: busy (a backlog), counted from the end
@@ -372,7 +383,20 @@ impl RunLoop {
         }
         self.last_commit = Instant::now();
         self.idle = Duration::ZERO;
-        match result? {
+        self.carry_out(consumer, result?, mode)
+    }
+
+    /// Carry out what a commit (or a step of one in flight) ended with: after an aborted
+    /// transaction, seek the partitions back to their committed offsets; after one of
+    /// unknown outcome, open every partition again; after a commit, purge the consumed
+    /// repartition records.
+    fn carry_out(
+        &mut self,
+        consumer: &SourceConsumer,
+        outcome: Outcome,
+        mode: CommitMode,
+    ) -> Result<()> {
+        match outcome {
             Outcome::Aborted(seek) => self.rewind(consumer, &seek),
             Outcome::Unknown => self.reopen_all(consumer),
             Outcome::Committed => {
@@ -548,7 +572,8 @@ impl App {
             source_name: self.topology.source().topic.as_str().into(),
             transactional_id: self.config.transactional_id(),
             backend,
-            producer,
+            producer: Arc::new(producer),
+            committing: None,
             batch_freer: crate::kafka::batch::Freer::spawn(),
             restore_consumer,
             watermarks,

@@ -32,10 +32,16 @@
 //!    offsets taken at the seal are committed.
 //!
 //! exactly_once_v2, one transaction at a time: the outputs are in the open transaction
-//! (`eos.after_produce`); the staged writes are sent to the changelog in it
-//! (`eos.after_changelog`); the source offsets are sent to it with the group metadata
-//! (KIP-447; `eos.before_commit`); the transaction commits (`eos.after_commit`); then the
-//! staged writes are applied. Each commit's per-step times are logged at debug.
+//! (`eos.after_produce`); the sweep stages its deletes and the staged writes are sealed
+//! (still read by lookups) and sent to the changelog in it (`eos.after_changelog`); the
+//! source offsets are sent to it with the group metadata (KIP-447; `eos.before_commit`);
+//! the transaction commits **in the background** ([`CommitLog::start_commit_transaction`]):
+//! processing goes on meanwhile, staging into fresh batches and holding its outputs, as no
+//! transaction is open to send them in. When the commit has ended (`eos.after_commit`,
+//! checked every turn by [`Protocol::advance`]; the next commit, a revocation or a stop
+//! waits for it), the sealed writes are applied and the held outputs are sent in the next
+//! transaction. If it failed, the held outputs and every staged write are dropped with the
+//! rest of the transaction. Each commit's per-step times are logged at debug.
 //!
 //! # Guarantees, and the tests that fail when they break
 //! - **A mark never hides a lost output.** State (changelog record or store write) is
@@ -59,6 +65,13 @@
 //! - **exactly_once_v2**: read_committed readers see each output once, whatever failpoint
 //!   the instance dies at. Tests: `a_crash_at_every_failpoint_loses_nothing` (driver,
 //!   exactly once checked) and, on the broker, tests/kafka_crash_harness.rs.
+//! - **Processing while a transaction commits** (exactly_once_v2): the outputs of records
+//!   processed meanwhile go out only in the next transaction, and the committing
+//!   transaction's marks still dedup them; if it fails, is lost in a crash or ends with an
+//!   unknown outcome, they are read again and nothing repeats. Tests (tests/driver_pipeline.rs):
+//!   `records_processed_while_a_transaction_commits_go_out_in_the_next_one`,
+//!   `a_failed_transaction_behind_which_records_were_processed_repeats_and_loses_nothing`,
+//!   `a_crash_while_a_transaction_commits_repeats_nothing_and_loses_nothing`.
 //! - **Abort and rewind** (exactly_once_v2): a failed transaction (not fenced) is aborted,
 //!   every staged write dropped, and each partition rewinds to its committed offset
 //!   ([`Outcome::Aborted`]). Test: `an_aborted_transaction_rewinds_and_repeats_nothing`
@@ -257,11 +270,21 @@ pub(crate) trait CommitLog {
     /// Abortable errors, or [`Error::Fenced`].
     fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()>;
 
-    /// Commit the open transaction (its records acknowledged first).
+    /// Start committing the open transaction (its records acknowledged first); the commit
+    /// goes on in the background while the caller processes the next records, without
+    /// sending any. [`CommitLog::transaction_committed`] tells when it is done.
     ///
     /// # Errors
-    /// Abortable errors, or [`Error::Fenced`].
-    fn commit_transaction(&mut self) -> Result<()>;
+    /// When the commit cannot be started (abortable errors, or [`Error::Fenced`]).
+    fn start_commit_transaction(&mut self) -> Result<()>;
+
+    /// Whether the commit started by [`CommitLog::start_commit_transaction`] is done; with
+    /// `wait`, wait until it is.
+    ///
+    /// # Errors
+    /// The commit failed: abortable errors, [`Error::Fenced`], or
+    /// [`Error::TransactionOutcomeUnknown`].
+    fn transaction_committed(&mut self, wait: bool) -> Result<bool>;
 
     /// Abort the open transaction: none of its records is ever visible read_committed.
     ///
@@ -326,6 +349,18 @@ pub(crate) enum Outcome {
 /// at_least_once commits in flight at most; sealing one more first waits for the oldest.
 pub(crate) const MAX_IN_FLIGHT: usize = 4;
 
+/// An exactly_once_v2 transaction committing in the background: its writes sealed as
+/// batch `epoch`, its offsets added.
+struct Committing {
+    epoch: u64,
+    offsets: Vec<(i32, i64)>,
+    /// When the commit started (its sinks step).
+    started: Instant,
+    /// When the transaction's commit was started.
+    commit_started: Instant,
+    steps: EosSteps,
+}
+
 /// An at_least_once commit in flight: sealed, its steps not all done.
 struct InFlight {
     epoch: u64,
@@ -357,6 +392,11 @@ pub(crate) struct Protocol {
     /// The offsets of the last commit that completed every step (per task), e.g. for the
     /// purge of consumed repartition records: never ahead of what a restart resumes from.
     committed: Vec<(i32, i64)>,
+    /// exactly_once_v2: the transaction committing in the background, if any.
+    committing: Option<Committing>,
+    /// exactly_once_v2: outputs of the records processed while a transaction commits, sent
+    /// in the next transaction once it has committed.
+    held: Vec<OutRecord>,
 }
 
 /// Why a step stopped: an error, or a crash at a failpoint.
@@ -388,6 +428,8 @@ impl Protocol {
             epoch: 0,
             pipeline: VecDeque::new(),
             committed: Vec::new(),
+            committing: None,
+            held: Vec::new(),
         }
     }
 
@@ -414,9 +456,10 @@ impl Protocol {
         self.commits
     }
 
-    /// at_least_once commits in flight (sealed, not all steps done).
+    /// Commits in flight: at_least_once commits sealed with steps still to do, or the
+    /// exactly_once_v2 transaction committing in the background.
     pub(crate) fn in_flight(&self) -> usize {
-        self.pipeline.len()
+        self.pipeline.len() + usize::from(self.committing.is_some())
     }
 
     fn eos(&self) -> bool {
@@ -434,6 +477,11 @@ impl Protocol {
         rec: &Routed<'_>,
     ) -> Result<()> {
         self.processed += 1;
+        if self.committing.is_some() {
+            self.held.push(rec.to_out());
+            return Ok(());
+        }
+        self.release_held(log)?;
         self.open(log)?;
         log.send_routed(rec)
     }
@@ -457,12 +505,34 @@ impl Protocol {
     /// # Errors
     /// As [`Protocol::processed`].
     pub(crate) fn send(&mut self, log: &mut dyn CommitLog, out: &mut Vec<OutRecord>) -> Result<()> {
+        if self.committing.is_some() {
+            // No transaction to send in until this one has committed.
+            self.held.append(out);
+            return Ok(());
+        }
+        self.release_held(log)?;
         if out.is_empty() {
             return Ok(());
         }
         self.open(log)?;
         let sent = out.iter().try_for_each(|o| log.send_output(o));
         out.clear();
+        sent
+    }
+
+    /// Send the outputs held while the last transaction committed (it has), in the next.
+    fn release_held(&mut self, log: &mut dyn CommitLog) -> Result<()> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        self.open(log)?;
+        let mut held = std::mem::take(&mut self.held);
+        let sent = held.iter().try_for_each(|o| log.send_output(o));
+        held.clear();
+        if self.held.is_empty() {
+            // Keep the buffer for the next commit.
+            self.held = held;
+        }
         sent
     }
 
@@ -496,12 +566,17 @@ impl Protocol {
         tasks: &mut BTreeMap<i32, Task>,
         now_ms: i64,
     ) -> Result<Outcome> {
-        if self.processed == 0 {
-            return if self.eos() {
-                Ok(Outcome::Nothing)
-            } else {
-                self.advance(log, tasks)
-            };
+        if self.eos() {
+            // One transaction at a time: the one committing in the background ends first.
+            let before = self.finish_transaction(log, tasks, true)?;
+            if !matches!(before, Outcome::Nothing | Outcome::Committed) {
+                return Ok(before);
+            }
+            if self.processed == 0 && self.held.is_empty() {
+                return Ok(before);
+            }
+        } else if self.processed == 0 {
+            return self.advance(log, tasks);
         }
         let started = Instant::now();
         // 1. Sinks.
@@ -525,10 +600,34 @@ impl Protocol {
             ..EosSteps::default()
         };
         match self.eos_steps(log, tasks, now_ms, &mut steps) {
-            Ok(()) => {}
-            Err(Stop::Crash(name)) => return Ok(Outcome::Crashed(name)),
-            Err(Stop::Error(e)) if matches!(e, Error::Fenced(_)) => return Err(e),
-            Err(Stop::Error(e)) if e.is_store_failure() => {
+            Ok(c) => {
+                self.committing = Some(Committing {
+                    started,
+                    steps,
+                    ..c
+                });
+            }
+            Err(stop) => return self.failed(log, tasks, stop),
+        }
+        self.processed = 0;
+        // Done at once if the log is quick (the test driver); else in the background while
+        // the run loop processes on ([`Protocol::advance`]).
+        self.finish_transaction(log, tasks, false)
+    }
+
+    /// exactly_once_v2: carry out a failure of the transaction's steps (before or during
+    /// its commit): a fenced producer or a store failure stops the instance; an unknown
+    /// outcome re-creates the producer; any other failure aborts and rewinds.
+    fn failed(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        stop: Stop,
+    ) -> Result<Outcome> {
+        match stop {
+            Stop::Crash(name) => Ok(Outcome::Crashed(name)),
+            Stop::Error(e) if matches!(e, Error::Fenced(_)) => Err(e),
+            Stop::Error(e) if e.is_store_failure() => {
                 // Not the transaction's fault: aborting and trying again would fail the
                 // same way forever. Nothing of this commit becomes visible; the instance
                 // stops, and a restart restores from the changelog.
@@ -536,28 +635,60 @@ impl Protocol {
                 if let Err(a) = self.abort_transaction(log) {
                     tracing::warn!(error = %a, "the abort after a store failure failed too");
                 }
-                return Err(e);
+                Err(e)
             }
-            Err(Stop::Error(e @ Error::TransactionOutcomeUnknown(_))) => {
-                return self.recover(log, tasks, &e);
-            }
-            Err(Stop::Error(e)) => {
+            Stop::Error(e @ Error::TransactionOutcomeUnknown(_)) => self.recover(log, tasks, &e),
+            Stop::Error(e) => {
                 tracing::warn!(error = %e, "transaction failed: aborting and rewinding to the committed offsets");
-                return match self.abort(log, tasks) {
+                match self.abort(log, tasks) {
                     Ok(seek) => Ok(Outcome::Aborted(seek)),
                     Err(a @ Error::TransactionOutcomeUnknown(_)) => self.recover(log, tasks, &a),
                     Err(a) => Err(a),
-                };
+                }
             }
         }
+    }
+
+    /// exactly_once_v2: if the transaction committing in the background is done (or, with
+    /// `wait`, once it is), apply its sealed writes to the stores: [`Outcome::Committed`].
+    /// [`Outcome::Nothing`] while it goes on (or when none is committing); a failure is
+    /// carried out as [`Protocol::commit`] does.
+    ///
+    /// # Errors
+    /// As [`Protocol::commit`].
+    fn finish_transaction(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        wait: bool,
+    ) -> Result<Outcome> {
+        if self.committing.is_none() {
+            return Ok(Outcome::Nothing);
+        }
+        match log.transaction_committed(wait) {
+            Ok(false) => return Ok(Outcome::Nothing),
+            Ok(true) => {}
+            Err(e) => {
+                self.committing = None;
+                return self.failed(log, tasks, Stop::Error(e));
+            }
+        }
+        let Some(mut c) = self.committing.take() else {
+            return Ok(Outcome::Nothing);
+        };
         self.txn_open = false;
+        c.steps.commit_ms = ms_since(c.commit_started);
         metrics::counter!(crate::metrics::TRANSACTIONS, "result" => "committed").increment(1);
         if let Err(Stop::Crash(n)) = Self::point(log, EOS_AFTER_COMMIT) {
             return Ok(Outcome::Crashed(n));
         }
         let t = Instant::now();
-        apply_state(log, tasks)?;
-        steps.state_ms = ms_since(t);
+        for (p, task) in tasks.iter_mut() {
+            let _span = task.span().clone().entered();
+            task.commit_sealed(c.epoch, |store| log.changelog_end(store, *p))?;
+        }
+        c.steps.state_ms = ms_since(t);
+        let steps = &c.steps;
         tracing::debug!(
             sinks_ms = steps.sinks_ms,
             changelog_ms = steps.changelog_ms,
@@ -565,10 +696,10 @@ impl Protocol {
             send_offsets_ms = steps.send_offsets_ms,
             commit_transaction_ms = steps.commit_ms,
             state_ms = steps.state_ms,
-            total_ms = ms_since(started),
+            total_ms = ms_since(c.started),
             "exactly_once_v2 commit steps"
         );
-        self.processed = 0;
+        self.committed = c.offsets;
         self.commits += 1;
         metrics::counter!(crate::metrics::COMMITS, "topology" => self.topology.clone())
             .increment(1);
@@ -585,6 +716,9 @@ impl Protocol {
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
     ) -> Result<Outcome> {
+        if self.eos() {
+            return self.end_transaction(log, tasks, false);
+        }
         self.run_pipeline(log, tasks, usize::MAX)
     }
 
@@ -598,7 +732,25 @@ impl Protocol {
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
     ) -> Result<Outcome> {
+        if self.eos() {
+            return self.end_transaction(log, tasks, true);
+        }
         self.run_pipeline(log, tasks, 0)
+    }
+
+    /// exactly_once_v2: [`Protocol::finish_transaction`], then the outputs held meanwhile
+    /// go out in the next transaction.
+    fn end_transaction(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        wait: bool,
+    ) -> Result<Outcome> {
+        let outcome = self.finish_transaction(log, tasks, wait)?;
+        if outcome == Outcome::Committed {
+            self.release_held(log)?;
+        }
+        Ok(outcome)
     }
 
     /// at_least_once step 2 (sweep) and the seal: the commit is in flight.
@@ -715,14 +867,17 @@ impl Protocol {
         Ok(Progress::Completed)
     }
 
-    /// exactly_once_v2 steps up to the transaction's commit: a failure here aborts it.
+    /// exactly_once_v2 steps up to the start of the transaction's commit: a failure here
+    /// aborts it. The staged writes are sealed (the next records stage into fresh batches
+    /// while the transaction commits) and sent to the changelog; the positions are added as
+    /// offsets.
     fn eos_steps(
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
         now_ms: i64,
         steps: &mut EosSteps,
-    ) -> Result<(), Stop> {
+    ) -> Result<Committing, Stop> {
         // 2. Outputs: in the open transaction.
         Self::point(log, EOS_AFTER_PRODUCE)?;
         // 3. Sweep. 4. Changelog.
@@ -730,7 +885,14 @@ impl Protocol {
         for t in tasks.values_mut() {
             t.punctuate(now_ms)?;
         }
-        let sent = send_changelogs(log, tasks, now_ms, |t, f| t.for_each_staged_write(f))?;
+        let epoch = self.epoch;
+        self.epoch += 1;
+        for t in tasks.values_mut() {
+            t.seal(epoch);
+        }
+        let sent = send_changelogs(log, tasks, now_ms, |t, f| {
+            t.for_each_sealed_write(epoch, f);
+        })?;
         steps.changelog_ms = ms_since(t0);
         steps.changelog_records = sent;
         Self::point(log, EOS_AFTER_CHANGELOG)?;
@@ -745,11 +907,15 @@ impl Protocol {
         }
         steps.send_offsets_ms = ms_since(t1);
         Self::point(log, EOS_BEFORE_COMMIT)?;
-        let t2 = Instant::now();
-        log.commit_transaction()?;
-        steps.commit_ms = ms_since(t2);
-        self.committed = offsets;
-        Ok(())
+        let commit_started = Instant::now();
+        log.start_commit_transaction()?;
+        Ok(Committing {
+            epoch,
+            offsets,
+            started: commit_started,
+            commit_started,
+            steps: EosSteps::default(),
+        })
     }
 
     /// Abort the open transaction (if any), drop every task's staged writes and reset its
@@ -763,6 +929,9 @@ impl Protocol {
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
     ) -> Result<Vec<(i32, Option<i64>)>> {
+        // A transaction committing in the background ends first (committed or not).
+        self.finish_transaction(log, tasks, true)?;
+        self.held.clear();
         self.abort_transaction(log)?;
         let parts: Vec<i32> = tasks.keys().copied().collect();
         let committed = log.committed_offsets(&parts)?;
@@ -795,6 +964,8 @@ impl Protocol {
         self.txn_open = false;
         self.processed = 0;
         self.out.clear();
+        self.held.clear();
+        self.committing = None;
         for t in tasks.values_mut() {
             t.abort(None);
         }
@@ -813,6 +984,8 @@ impl Protocol {
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
     ) -> Result<()> {
+        self.finish_transaction(log, tasks, true)?;
+        self.held.clear();
         self.abort_transaction(log)?;
         for t in tasks.values_mut() {
             t.abort(None);
@@ -841,6 +1014,8 @@ impl Protocol {
         self.processed = 0;
         self.out.clear();
         self.pipeline.clear();
+        self.committing = None;
+        self.held.clear();
     }
 }
 
@@ -863,15 +1038,6 @@ struct EosSteps {
     send_offsets_ms: f64,
     commit_ms: f64,
     state_ms: f64,
-}
-
-/// Apply every task's staged writes with the changelog offsets they reached.
-fn apply_state(log: &mut dyn CommitLog, tasks: &mut BTreeMap<i32, Task>) -> Result<()> {
-    for (p, t) in tasks.iter_mut() {
-        let _span = t.span().clone().entered();
-        t.commit_state(|store| log.changelog_end(store, *p))?;
-    }
-    Ok(())
 }
 
 /// Send every write that `writes` yields for each task to the changelog of the task's

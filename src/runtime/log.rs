@@ -19,7 +19,10 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(600);
 pub(crate) struct KafkaLog<'a> {
     /// Sends outputs, changelog records and transactions; replaced after a transaction of
     /// unknown outcome.
-    pub(crate) producer: &'a mut OutputProducer,
+    pub(crate) producer: &'a mut std::sync::Arc<OutputProducer>,
+    /// The transaction's commit running in the background (exactly_once_v2), on a thread
+    /// of its own: librdkafka's commit blocks until the coordinator has answered.
+    pub(crate) committing: &'a mut Option<std::thread::JoinHandle<Result<()>>>,
     /// To create a new producer.
     pub(crate) config: &'a crate::config::Config,
     /// Commits offsets (at_least_once) and fetches committed ones.
@@ -205,9 +208,27 @@ impl CommitLog for KafkaLog<'_> {
             .map_err(|e| self.fenced_or(e))
     }
 
-    fn commit_transaction(&mut self) -> Result<()> {
-        self.producer
-            .commit_transaction()
+    fn start_commit_transaction(&mut self) -> Result<()> {
+        let producer = std::sync::Arc::clone(self.producer);
+        let thread = std::thread::Builder::new()
+            .name("onceflow-txn-commit".into())
+            .spawn(move || producer.commit_transaction())
+            .map_err(|e| Error::Broker(format!("cannot start the transaction's commit: {e}")))?;
+        *self.committing = Some(thread);
+        Ok(())
+    }
+
+    fn transaction_committed(&mut self, wait: bool) -> Result<bool> {
+        let Some(thread) = self.committing.take_if(|t| wait || t.is_finished()) else {
+            return Ok(self.committing.is_none());
+        };
+        let result = thread.join().unwrap_or_else(|_| {
+            Err(Error::TransactionOutcomeUnknown(
+                "the transaction's commit thread panicked".into(),
+            ))
+        });
+        result
+            .map(|()| true)
             .map_err(|e| unknown_unless_known(self.fenced_or(e), true))
     }
 
@@ -233,7 +254,7 @@ impl CommitLog for KafkaLog<'_> {
         .map_err(|e| self.fenced_or(e))?;
         tracing::info!(transactional_id = %self.transactional_id, "transactional producer re-created");
         // The old producer goes (fenced: whatever it still held can no longer land).
-        *self.producer = fresh;
+        *self.producer = std::sync::Arc::new(fresh);
         Ok(())
     }
 

@@ -449,19 +449,6 @@ impl Task {
         Ok(())
     }
 
-    /// Visit every staged write, store by store, in first-write order: the changelog
-    /// records of this commit.
-    pub(crate) fn for_each_staged_write<'s>(
-        &'s self,
-        mut f: impl FnMut(&'s str, &'s [u8], Option<&'s [u8]>),
-    ) {
-        for (name, s) in &self.stores {
-            for (k, v) in s.pending() {
-                f(name, k, v);
-            }
-        }
-    }
-
     /// Apply every store's staged writes, one batch per store, each with the changelog
     /// offset `changelog_offset(store)` returns (`None`: no changelog, or nothing written).
     /// Call only once the outputs produced since the last commit, and the changelog records
@@ -483,9 +470,10 @@ impl Task {
         Ok(())
     }
 
-    /// Seal every store's staged writes as the batch of at_least_once commit `epoch`, which
-    /// is now in flight: they stay readable and can no longer be withdrawn; the next
-    /// records stage into fresh batches. [`Task::commit_sealed`] applies them.
+    /// Seal every store's staged writes as the batch of commit `epoch`, which is now in
+    /// flight (an at_least_once commit, or an exactly_once_v2 transaction committing): they
+    /// stay readable and can no longer be withdrawn; the next records stage into fresh
+    /// batches. [`Task::commit_sealed`] applies them.
     pub(crate) fn seal(&mut self, epoch: u64) {
         for s in self.stores.values_mut() {
             s.seal(epoch);

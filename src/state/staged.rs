@@ -362,6 +362,7 @@ impl StagedStore {
         self.behind.as_ref().and_then(|b| b.known_len)
     }
 
+    #[cfg(test)]
     /// The staged writes in first-write order (but see [`StagedStore::withdraw`]), without
     /// removing them.
     pub(crate) fn pending(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {

@@ -30,6 +30,8 @@ pub(super) struct MemoryLog {
     /// Lose the answer of the next transaction commit: `Some(true)` after it committed,
     /// `Some(false)` before it reached the coordinator.
     pub(super) lose_commit_answer: Option<bool>,
+    /// A transaction's commit was started and has not ended.
+    pub(super) committing: bool,
 }
 
 impl MemoryLog {
@@ -58,6 +60,7 @@ impl MemoryLog {
 
     /// The process died: nothing in flight arrives, an open transaction is gone.
     pub(super) fn lose_in_flight(&mut self) {
+        self.committing = false;
         self.in_flight.clear();
         self.in_flight_changelog.clear();
         self.txn_offsets.clear();
@@ -115,7 +118,21 @@ impl CommitLog for MemoryLog {
         Ok(())
     }
 
-    fn commit_transaction(&mut self) -> Result<()> {
+    fn start_commit_transaction(&mut self) -> Result<()> {
+        self.committing = true;
+        Ok(())
+    }
+
+    /// The commit ends when asked, or (with [`TestDriver::pipelined`]) only when a step
+    /// waits for it, so that records are processed while it is in flight.
+    fn transaction_committed(&mut self, wait: bool) -> Result<bool> {
+        if !self.committing {
+            return Ok(true);
+        }
+        if self.hold_acks && !wait {
+            return Ok(false);
+        }
+        self.committing = false;
         if std::mem::take(&mut self.fail_commit) {
             return Err(crate::Error::Broker(
                 "transaction commit refused (injected by the test driver)".into(),
@@ -133,7 +150,7 @@ impl CommitLog for MemoryLog {
                 "commit answer lost (injected by the test driver; it {} committed)",
                 if committed { "had" } else { "had not" }
             ))),
-            None => Ok(()),
+            None => Ok(true),
         }
     }
 

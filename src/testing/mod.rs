@@ -420,8 +420,9 @@ impl TestDriver {
         self.settle(outcome)
     }
 
-    /// at_least_once: the broker acknowledges everything in flight, and every commit in
-    /// flight does its remaining steps ([`Self::pipelined`]).
+    /// The broker acknowledges everything in flight, and every commit in flight does its
+    /// remaining steps ([`Self::pipelined`]): under exactly_once_v2 the transaction
+    /// committing ends, and the outputs held meanwhile are sent in the next one.
     ///
     /// # Errors
     /// A store failure.
@@ -430,16 +431,19 @@ impl TestDriver {
         self.settle(outcome)
     }
 
-    /// at_least_once: hold every acknowledgement until a commit must wait for it (more
-    /// in flight than the runtime allows, `MAX_IN_FLIGHT` in `runtime/commit.rs`) or
-    /// [`Self::acknowledge`] is called, so commits stay in flight, sealed, while records go on being processed,
-    /// as in the runtime (default off: each commit completes at once).
+    /// Hold every acknowledgement until a commit must wait for it or [`Self::acknowledge`]
+    /// is called, so commits stay in flight, sealed, while records go on being processed,
+    /// as in the runtime (default off: each commit completes at once). at_least_once: a
+    /// commit waits when more are in flight than the runtime allows (`MAX_IN_FLIGHT` in
+    /// `runtime/commit.rs`); exactly_once_v2: the next commit waits for the transaction
+    /// committing, and records processed meanwhile hold their outputs until it has.
     pub fn pipelined(mut self, on: bool) -> Self {
         self.log.hold_acks = on;
         self
     }
 
-    /// at_least_once commits in flight (sealed, not all steps done).
+    /// Commits in flight: at_least_once commits sealed with steps still to do, or the
+    /// exactly_once_v2 transaction committing.
     pub fn in_flight_commits(&self) -> usize {
         self.protocol.in_flight()
     }
