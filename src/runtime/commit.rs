@@ -529,10 +529,8 @@ impl Protocol {
         let mut held = std::mem::take(&mut self.held);
         let sent = held.iter().try_for_each(|o| log.send_output(o));
         held.clear();
-        if self.held.is_empty() {
-            // Keep the buffer for the next commit.
-            self.held = held;
-        }
+        // Keep the buffer for the next commit.
+        self.held = held;
         sent
     }
 
@@ -595,18 +593,12 @@ impl Protocol {
             };
         }
         self.open(log)?;
-        let mut steps = EosSteps {
+        let steps = EosSteps {
             sinks_ms: ms_since(started),
             ..EosSteps::default()
         };
-        match self.eos_steps(log, tasks, now_ms, &mut steps) {
-            Ok(c) => {
-                self.committing = Some(Committing {
-                    started,
-                    steps,
-                    ..c
-                });
-            }
+        match self.eos_steps(log, tasks, now_ms, started, steps) {
+            Ok(c) => self.committing = Some(c),
             Err(stop) => return self.failed(log, tasks, stop),
         }
         self.processed = 0;
@@ -876,7 +868,8 @@ impl Protocol {
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
         now_ms: i64,
-        steps: &mut EosSteps,
+        started: Instant,
+        mut steps: EosSteps,
     ) -> Result<Committing, Stop> {
         // 2. Outputs: in the open transaction.
         Self::point(log, EOS_AFTER_PRODUCE)?;
@@ -912,9 +905,9 @@ impl Protocol {
         Ok(Committing {
             epoch,
             offsets,
-            started: commit_started,
+            started,
             commit_started,
-            steps: EosSteps::default(),
+            steps,
         })
     }
 
