@@ -24,6 +24,10 @@
 //!    sink keeps the input timestamp). Every distinct id must arrive once. p50 and p99 in
 //!    ms per round, and their medians over the rounds.
 //!
+//!    With ONCEFLOW_BENCH_BROKER_GC_LOG (the broker's GC log, `scripts/kafka gclog`; set by
+//!    `scripts/bench-eos`), each round also reports the broker's GC pauses during its steady
+//!    phase: the JVM stops the broker for them, so a long one shows in the tail.
+//!
 //! Ends with a table and one machine-readable last line starting `bench-eos:`.
 //!
 //! ```text
@@ -192,6 +196,51 @@ struct LatencyRound {
     sent: usize,
     send_seconds: f64,
     summary: RunSummary,
+    /// The steady phase, wall clock ms: from the first send to the last arrival.
+    window: (i64, i64),
+}
+
+/// The broker's GC pauses in a window of a latency round.
+struct Pauses {
+    count: usize,
+    over_100: usize,
+    max_ms: f64,
+    total_ms: f64,
+}
+
+/// The pauses that `log` (a JVM GC log written with `-Xlog:gc:...:time,timemillis`, as
+/// `scripts/kafka` starts the broker) records as overlapping `window` (wall clock ms). A
+/// pause line is written when the pause ends: `[...][<end>ms] GC(n) Pause ... <d>ms`. `None`
+/// when the log cannot be read.
+fn broker_pauses(log: &str, window: (i64, i64)) -> Option<Pauses> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let mut p = Pauses {
+        count: 0,
+        over_100: 0,
+        max_ms: 0.0,
+        total_ms: 0.0,
+    };
+    for line in text.lines().filter(|l| l.contains(" Pause ")) {
+        let end = line
+            .split(']')
+            .filter_map(|d| d.strip_prefix('[')?.strip_suffix("ms")?.parse::<i64>().ok())
+            .next();
+        let took = line
+            .rsplit(' ')
+            .next()
+            .and_then(|d| d.strip_suffix("ms")?.parse::<f64>().ok());
+        let (Some(end), Some(took)) = (end, took) else {
+            continue;
+        };
+        if end < window.0 || end - (took as i64) > window.1 {
+            continue;
+        }
+        p.count += 1;
+        p.over_100 += usize::from(took > 100.0);
+        p.max_ms = p.max_ms.max(took);
+        p.total_ms += took;
+    }
+    Some(p)
 }
 
 fn load_producer(
@@ -352,6 +401,7 @@ fn latency_round(
     warm.flush(Duration::from_secs(10))?;
 
     // The steady phase.
+    let steady_from = now_ms();
     let topic = input.clone();
     let (rate, data) = (ls.rate, ds.clone());
     let publisher = std::thread::spawn(move || -> Result<(usize, f64), String> {
@@ -392,6 +442,7 @@ fn latency_round(
         }
         std::fs::write(format!("{path}.{tag}.{round}"), out)?;
     }
+    let window = (steady_from, now_ms());
     let published = publisher.join();
     let summary = stop(runner)?;
     let (sent, send_seconds) = match published {
@@ -413,6 +464,7 @@ fn latency_round(
         sent,
         send_seconds,
         summary,
+        window,
     })
 }
 
@@ -429,6 +481,8 @@ struct Results {
     p50: [Vec<f64>; 2],
     p99: [Vec<f64>; 2],
     max: [Vec<f64>; 2],
+    /// The longest broker GC pause during each latency round, ms (none without a GC log).
+    gc_max: [Vec<f64>; 2],
 }
 
 fn report(s: &Settings, ls: &LatencySettings, ds: &Dataset, r: &Results) {
@@ -496,6 +550,13 @@ fn report(s: &Settings, ls: &LatencySettings, ds: &Dataset, r: &Results) {
             format!("{:.1}", median(&r.max[i])),
             list(&r.max[i], 1),
         );
+        if !r.gc_max[i].is_empty() {
+            row(
+                "  longest broker GC pause in the round, ms",
+                format!("{:.1}", median(&r.gc_max[i])),
+                list(&r.gc_max[i], 1),
+            );
+        }
     }
     let eos_p99 = median(&r.p99[1]);
     let p99_met = !r.p99[1].is_empty() && eos_p99 <= TARGET_EOS_P99_MS;
@@ -579,6 +640,22 @@ fn run(s: &Settings, ls: &LatencySettings, created: &mut Created) -> Res<(Datase
             res.p50[i].push(p50);
             res.p99[i].push(p99);
             res.max[i].push(max);
+            if let Ok(log) = std::env::var("ONCEFLOW_BENCH_BROKER_GC_LOG") {
+                match broker_pauses(&log, r.window) {
+                    Some(p) => {
+                        println!(
+                            "round {round} {} broker GC: pauses={} over_100ms={} max_ms={:.1} total_ms={:.1}",
+                            g.tag(),
+                            p.count,
+                            p.over_100,
+                            p.max_ms,
+                            p.total_ms
+                        );
+                        res.gc_max[i].push(p.max_ms);
+                    }
+                    None => println!("round {round} {} broker GC: no log at {log}", g.tag()),
+                }
+            }
         }
     }
     Ok((ds, res))
