@@ -52,12 +52,19 @@ fn load(bootstrap: &str, dlq: &str) -> onceflow::Result<()> {
 fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
     let a = admin(bootstrap)?;
     let changelog = onceflow::__testkit::changelog_topic(group, "dedup");
-    let topics = [EVENTS, UNIQUE, dlq, changelog.as_str()];
-    a.delete_topics(&topics)?;
+    let mut topics = Vec::new();
+    for t in [EVENTS, UNIQUE, dlq, changelog.as_str()] {
+        if a.partition_count(t)?.is_some() {
+            topics.push(t);
+        }
+    }
+    if !topics.is_empty() {
+        a.delete_topics(&topics)?;
+    }
     kafka::delete_group(bootstrap, group)?;
     // Topic deletion is asynchronous: wait until the broker no longer lists them.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    for t in topics {
+    for t in &topics {
         while a.partition_count(t)?.is_some() {
             if std::time::Instant::now() > deadline {
                 return Err(onceflow::Error::Broker(format!(
@@ -67,7 +74,14 @@ fn reset(bootstrap: &str, dlq: &str, group: &str) -> onceflow::Result<()> {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
-    println!("reset: deleted {} and group {group}", topics.join(", "));
+    if topics.is_empty() {
+        println!("reset: no demo topics to delete; group {group} deleted if it existed");
+    } else {
+        println!(
+            "reset: deleted {}; group {group} deleted if it existed",
+            topics.join(", ")
+        );
+    }
     Ok(())
 }
 
