@@ -320,3 +320,41 @@ fn a_crash_while_a_transaction_commits_repeats_nothing_and_loses_nothing() {
         }
     }
 }
+
+/// The commit before a revocation or a stop waits for the transaction committing in the
+/// background; when that fails only then (refused, or its answer lost either way), the
+/// abort's rewind or the restart after an unknown outcome must still be carried out: the
+/// records behind it are read again (none lost), and the marks of a transaction that did
+/// commit are restored (no repeat).
+#[test]
+fn a_transaction_failing_under_the_commit_before_a_revocation_repeats_and_loses_nothing() {
+    for case in ["refused", "lost after commit", "lost before commit"] {
+        let mut d = eos_pipelined();
+        for id in ["a", "b"] {
+            d.pipe(ev(id, 1)).unwrap();
+        }
+        d.commit().unwrap();
+        assert_eq!(d.in_flight_commits(), 1, "{case}");
+        match case {
+            "refused" => d.fail_next_transaction(),
+            "lost after commit" => d.lose_next_commit_answer(true),
+            _ => d.lose_next_commit_answer(false),
+        }
+        for id in ["c", "d"] {
+            d.pipe(ev(id, 2)).unwrap();
+        }
+        d.commit_and_wait().unwrap();
+        // Processing goes on; later copies of a and c are duplicates.
+        d.pipe(ev("e", 3)).unwrap();
+        d.commit_and_wait().unwrap();
+        for id in ["a", "c"] {
+            d.pipe(ev(id, 4)).unwrap();
+        }
+        d.commit_and_wait().unwrap();
+        let ids = out_ids(&d);
+        for id in ["a", "b", "c", "d", "e"] {
+            let n = ids.iter().filter(|x| *x == id).count();
+            assert_eq!(n, 1, "{case}: {id} came out {n} times: {ids:?}");
+        }
+    }
+}

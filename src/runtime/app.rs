@@ -374,13 +374,14 @@ impl RunLoop {
         }
         self.last_commit_start = Instant::now();
         let mut log = kafka_log!(self, consumer, mode);
-        let mut result = self
-            .protocol
-            .commit(&mut log, &mut self.tasks, wall_clock_ms());
-        if matches!(mode, CommitMode::Sync) && result.is_ok() {
+        let result = if matches!(mode, CommitMode::Sync) {
             // Before partitions go or the instance stops: every commit in flight completes.
-            result = self.protocol.drain(&mut log, &mut self.tasks);
-        }
+            self.protocol
+                .commit_and_drain(&mut log, &mut self.tasks, wall_clock_ms())
+        } else {
+            self.protocol
+                .commit(&mut log, &mut self.tasks, wall_clock_ms())
+        };
         self.last_commit = Instant::now();
         self.idle = Duration::ZERO;
         self.carry_out(consumer, result?, mode)

@@ -71,7 +71,12 @@
 //!   unknown outcome, they are read again and nothing repeats. Tests (tests/driver_pipeline.rs):
 //!   `records_processed_while_a_transaction_commits_go_out_in_the_next_one`,
 //!   `a_failed_transaction_behind_which_records_were_processed_repeats_and_loses_nothing`,
-//!   `a_crash_while_a_transaction_commits_repeats_nothing_and_loses_nothing`.
+//!   `a_crash_while_a_transaction_commits_repeats_nothing_and_loses_nothing`,
+//!   `a_transaction_failing_under_the_commit_before_a_revocation_repeats_and_loses_nothing`
+//!   (the commit before a revocation or a stop, [`Protocol::commit_and_drain`], carries out
+//!   how the background commit ended); and for an abort on a loss of partitions,
+//!   `an_abort_for_lost_partitions_carries_out_how_the_background_commit_ended`
+//!   (src/testing/tests.rs).
 //! - **Abort and rewind** (exactly_once_v2): a failed transaction (not fenced) is aborted,
 //!   every staged write dropped, and each partition rewinds to its committed offset
 //!   ([`Outcome::Aborted`]). Test: `an_aborted_transaction_rewinds_and_repeats_nothing`
@@ -633,9 +638,8 @@ impl Protocol {
             Stop::Error(e) => {
                 tracing::warn!(error = %e, "transaction failed: aborting and rewinding to the committed offsets");
                 match self.abort(log, tasks) {
-                    Ok(seek) => Ok(Outcome::Aborted(seek)),
                     Err(a @ Error::TransactionOutcomeUnknown(_)) => self.recover(log, tasks, &a),
-                    Err(a) => Err(a),
+                    aborted => aborted,
                 }
             }
         }
@@ -714,8 +718,33 @@ impl Protocol {
         self.run_pipeline(log, tasks, usize::MAX)
     }
 
-    /// at_least_once: wait until every commit in flight has done all its steps (before
-    /// partitions go, at a stop, and in the test driver).
+    /// [`Protocol::commit`], then [`Protocol::drain`]: the commit before partitions go or
+    /// the instance stops. The commit's outcome stands when it has something to carry out
+    /// (an abort, an unknown outcome: nothing is in flight after it); else the drain's does
+    /// (the transaction committing in the background may fail only now).
+    ///
+    /// # Errors
+    /// As [`Protocol::commit`].
+    pub(crate) fn commit_and_drain(
+        &mut self,
+        log: &mut dyn CommitLog,
+        tasks: &mut BTreeMap<i32, Task>,
+        now_ms: i64,
+    ) -> Result<Outcome> {
+        let first = self.commit(log, tasks, now_ms)?;
+        if !matches!(first, Outcome::Nothing | Outcome::Committed) {
+            return Ok(first);
+        }
+        Ok(match self.drain(log, tasks)? {
+            Outcome::Nothing => first,
+            later => later,
+        })
+    }
+
+    /// Wait until every commit in flight has done all its steps (at_least_once) or the
+    /// transaction committing in the background has ended and the outputs held meanwhile
+    /// are sent in the next (exactly_once_v2): before partitions go, at a stop, and in the
+    /// test driver.
     ///
     /// # Errors
     /// As [`Protocol::commit`].
@@ -912,8 +941,11 @@ impl Protocol {
     }
 
     /// Abort the open transaction (if any), drop every task's staged writes and reset its
-    /// position to the committed offset. Returns the partitions the source must seek back
-    /// (those that processed records and are not restoring) with their offsets.
+    /// position to the committed offset: [`Outcome::Aborted`] with the partitions the
+    /// source must seek back (those that processed records and are not restoring) and
+    /// their offsets. A transaction committing in the background ends first; if it failed,
+    /// its own outcome is returned, carried out as by [`Protocol::commit`] (aborted and
+    /// rewound, or [`Outcome::Unknown`]: every partition must be opened again).
     ///
     /// # Errors
     /// [`Error::Fenced`] or a broker error from the abort or the offset fetch.
@@ -921,9 +953,13 @@ impl Protocol {
         &mut self,
         log: &mut dyn CommitLog,
         tasks: &mut BTreeMap<i32, Task>,
-    ) -> Result<Vec<(i32, Option<i64>)>> {
-        // A transaction committing in the background ends first (committed or not).
-        self.finish_transaction(log, tasks, true)?;
+    ) -> Result<Outcome> {
+        match self.finish_transaction(log, tasks, true)? {
+            Outcome::Nothing | Outcome::Committed => {}
+            // Already aborted (the partitions to rewind are in it), or of unknown outcome:
+            // the positions were reset, so a second abort would rewind nothing.
+            ended => return Ok(ended),
+        }
         self.held.clear();
         self.abort_transaction(log)?;
         let parts: Vec<i32> = tasks.keys().copied().collect();
@@ -938,7 +974,7 @@ impl Protocol {
             }
         }
         self.processed = 0;
-        Ok(seek)
+        Ok(Outcome::Aborted(seek))
     }
 
     /// A transaction of unknown outcome: drop every staged write, forget the transaction,

@@ -14,6 +14,7 @@
 
 use super::{KafkaLog, RunLoop};
 use crate::config::Guarantee;
+use crate::runtime::commit::Outcome;
 use crate::error::Result;
 use crate::kafka::consumer::{apply_assign, apply_revoke, RebalanceEvent, SourceConsumer};
 use rdkafka::consumer::{CommitMode, Consumer};
@@ -70,10 +71,18 @@ impl RunLoop {
                 self.protocol.abort_lost(&mut log, &mut self.tasks)?;
             } else {
                 // librdkafka loses the whole assignment at once; should it ever lose a
-                // part, the partitions kept rewind to their committed offsets.
-                let seek = self.protocol.abort(&mut log, &mut self.tasks)?;
-                let seek: Vec<_> = seek.into_iter().filter(|(p, _)| kept.contains(p)).collect();
-                self.rewind(consumer, &seek)?;
+                // part, the partitions kept rewind to their committed offsets (or, after a
+                // transaction of unknown outcome, are opened again), once the lost ones
+                // are closed.
+                let outcome = match self.protocol.abort(&mut log, &mut self.tasks)? {
+                    Outcome::Aborted(seek) => Outcome::Aborted(
+                        seek.into_iter().filter(|(p, _)| kept.contains(p)).collect(),
+                    ),
+                    other => other,
+                };
+                self.status_dirty = true;
+                self.close_tasks(partitions);
+                return self.carry_out(consumer, outcome, CommitMode::Sync);
             }
         } else {
             tracing::info!(

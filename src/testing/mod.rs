@@ -420,6 +420,21 @@ impl TestDriver {
         self.settle(outcome)
     }
 
+    /// Commit as the runtime does before partitions are revoked or at a stop: the commit,
+    /// then every commit in flight completes ([`Self::acknowledge`]). Under exactly_once_v2
+    /// the transaction committing in the background may fail only now; its abort (a rewind
+    /// to the committed offsets) or unknown outcome (a restart) is carried out.
+    ///
+    /// # Errors
+    /// A store failure.
+    pub fn commit_and_wait(&mut self) -> Result<()> {
+        let clock = self.clock_ms;
+        let outcome = self
+            .protocol
+            .commit_and_drain(&mut self.log, &mut self.tasks, clock)?;
+        self.settle(outcome)
+    }
+
     /// The broker acknowledges everything in flight, and every commit in flight does its
     /// remaining steps ([`Self::pipelined`]): under exactly_once_v2 the transaction
     /// committing ends, and the outputs held meanwhile are sent in the next one.
@@ -727,3 +742,6 @@ impl TestDriver {
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 }
+
+#[cfg(test)]
+mod tests;
