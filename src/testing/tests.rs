@@ -1,7 +1,8 @@
-//! Paths of the commit protocol that the driver's public API does not reach: here, the
-//! abort of a partial loss of partitions (`runtime::rebalance`, partitions lost while
-//! others are kept), which calls [`Protocol::abort`](crate::runtime::commit::Protocol::abort)
-//! and carries its outcome out for the partitions kept.
+//! Paths of the commit protocol that the driver's public API does not reach: the abort of
+//! a partial loss of partitions (`runtime::rebalance`, partitions lost while others are
+//! kept), which calls [`Protocol::abort`](crate::runtime::commit::Protocol::abort) and
+//! carries its outcome out for the partitions kept; and a sweep between an abort and the
+//! rewound records being read again (the driver reads them again at once).
 
 use super::*;
 use crate::{DedupSpec, Format, KeySource, Partitioning, TopologyBuilder};
@@ -62,4 +63,47 @@ fn an_abort_for_lost_partitions_carries_out_how_the_background_commit_ended() {
             assert_eq!(n, 1, "unknown={unknown}: {id} came out {n} times: {ids:?}");
         }
     }
+}
+
+/// An abort drops records and rewinds; stream time must not keep what they moved it to.
+/// In the runtime, a commit (with its expiry sweep) may come before the records read
+/// again have caught up: a sweep by the dropped records' time would delete an entry that
+/// is live for the records in between, and a repeat among them would pass.
+#[test]
+fn an_abort_forgets_the_stream_time_of_the_records_it_drops() {
+    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+    spec.ttl_ms = 10_000;
+    spec.grace_ms = 0;
+    spec.partitioning = Some(Partitioning::Source);
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup("dedup", spec)
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t)
+        .guarantee(Guarantee::ExactlyOnceV2)
+        .auto_commit(false);
+    d.pipe(ev("x", 0)).unwrap();
+    d.commit().unwrap();
+    // A repeat of x within its TTL, then two records far ahead (the sweep goes by the
+    // second-highest time).
+    d.pipe(ev("x", 5)).unwrap();
+    d.pipe(ev("y1", 100_000)).unwrap();
+    d.pipe(ev("y2", 100_000)).unwrap();
+    let outcome = d.protocol.abort(&mut d.log, &mut d.tasks).unwrap();
+    assert!(matches!(outcome, Outcome::Aborted(_)), "{outcome:?}");
+    // The sweep of a commit that comes before the records are read again.
+    let clock = d.clock_ms;
+    for t in d.tasks.values_mut() {
+        t.punctuate(clock).unwrap();
+    }
+    d.settle(outcome).unwrap();
+    d.commit().unwrap();
+    let xs = d
+        .output_values("out")
+        .iter()
+        .filter(|v| v.contains(r#""id":"x""#))
+        .count();
+    assert_eq!(xs, 1, "x came out {xs} times: {:?}", d.output_values("out"));
 }

@@ -382,6 +382,12 @@ impl Processor for Dedup {
     fn on_abort(&mut self) {
         // The key book counted staged writes that are gone: rebuild it from the store.
         self.book = None;
+        // The dropped records are read again; until they have been, stream time is what
+        // they move it to, as after a restart: a sweep by the time they had reached would
+        // delete entries still live for the records before them. The sweep's cursor
+        // starts over (its staged deletes are gone).
+        self.top_times = [i64::MIN; 2];
+        self.sweep_after = None;
         self.held.clear();
         self.mark_owners.clear();
     }
