@@ -14,9 +14,9 @@
 
 use super::{KafkaLog, RunLoop};
 use crate::config::Guarantee;
-use crate::runtime::commit::Outcome;
 use crate::error::Result;
 use crate::kafka::consumer::{apply_assign, apply_revoke, RebalanceEvent, SourceConsumer};
+use crate::runtime::commit::Outcome;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::TopicPartitionList;
 use std::sync::mpsc;

@@ -7,6 +7,7 @@
 use bytes::Bytes;
 use onceflow::{Error, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -112,6 +113,7 @@ pub fn read_topic(
     // Next offset to read per partition, from the records seen; the consumer position is
     // asked only when idle, since it is a round trip to librdkafka's main thread.
     let mut next: std::collections::BTreeMap<i32, i64> = std::collections::BTreeMap::new();
+    let mut last_error: Option<KafkaError> = None;
     let reached = |next: &std::collections::BTreeMap<i32, i64>| {
         ends.iter()
             .all(|(p, end)| *end == 0 || next.get(p).is_some_and(|o| *o >= *end))
@@ -122,7 +124,7 @@ pub fn read_topic(
         }
         if Instant::now() > deadline {
             return Err(Error::Broker(format!(
-                "reading {topic}: end not reached in {timeout:?} (read {} records)",
+                "reading {topic}: end not reached in {timeout:?} (read {} records; last client error: {last_error:?})",
                 out.len()
             )));
         }
@@ -140,10 +142,16 @@ pub fn read_topic(
                 }
             }
             Some(Err(e)) => {
-                return Err(Error::Kafka {
-                    op: "read",
-                    source: e,
-                })
+                // A connection lost (all brokers down, a transport failure) is reported
+                // here too; librdkafka reconnects by itself, so only a fatal error ends the
+                // read (else the deadline does, naming the last error).
+                if consumer.client().fatal_error().is_some() || !is_transient(&e) {
+                    return Err(Error::Kafka {
+                        op: "read",
+                        source: e,
+                    });
+                }
+                last_error = Some(e);
             }
             Some(Ok(m)) => {
                 let e = next.entry(m.partition()).or_insert(0);
@@ -411,4 +419,19 @@ pub fn committed_offsets(
             },
         )
         .collect())
+}
+
+/// Whether `e` is a client-side connection error that librdkafka recovers from by itself
+/// (it reconnects): all brokers down, a transport failure, a timed-out request.
+fn is_transient(e: &KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::AllBrokersDown
+                | C::BrokerTransportFailure
+                | C::RequestTimedOut
+                | C::OperationTimedOut
+        )
+    )
 }
