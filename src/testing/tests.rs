@@ -7,9 +7,12 @@
 use super::*;
 use crate::{DedupSpec, Format, KeySource, Partitioning, TopologyBuilder};
 
-fn eos_pipelined() -> TestDriver {
+/// An exactly_once_v2 driver of dedup on `/id` (TTL `ttl_ms`, grace `grace_ms`) into
+/// topic `out`, committing only when told.
+fn eos_driver(ttl_ms: i64, grace_ms: i64) -> TestDriver {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
-    spec.ttl_ms = 600_000;
+    spec.ttl_ms = ttl_ms;
+    spec.grace_ms = grace_ms;
     spec.partitioning = Some(Partitioning::Source);
     let t = TopologyBuilder::new("t")
         .source("in", Format::Json)
@@ -20,7 +23,6 @@ fn eos_pipelined() -> TestDriver {
     TestDriver::new(t)
         .guarantee(Guarantee::ExactlyOnceV2)
         .auto_commit(false)
-        .pipelined(true)
 }
 
 fn ev(id: &str, t: i64) -> TestRecord {
@@ -34,7 +36,7 @@ fn ev(id: &str, t: i64) -> TestRecord {
 #[test]
 fn an_abort_for_lost_partitions_carries_out_how_the_background_commit_ended() {
     for unknown in [false, true] {
-        let mut d = eos_pipelined();
+        let mut d = eos_driver(600_000, 3_600_000).pipelined(true);
         for id in ["a", "b"] {
             d.pipe(ev(id, 1)).unwrap();
         }
@@ -71,19 +73,7 @@ fn an_abort_for_lost_partitions_carries_out_how_the_background_commit_ended() {
 /// is live for the records in between, and a repeat among them would pass.
 #[test]
 fn an_abort_forgets_the_stream_time_of_the_records_it_drops() {
-    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
-    spec.ttl_ms = 10_000;
-    spec.grace_ms = 0;
-    spec.partitioning = Some(Partitioning::Source);
-    let t = TopologyBuilder::new("t")
-        .source("in", Format::Json)
-        .dedup("dedup", spec)
-        .sink("out", "out")
-        .build()
-        .unwrap();
-    let mut d = TestDriver::new(t)
-        .guarantee(Guarantee::ExactlyOnceV2)
-        .auto_commit(false);
+    let mut d = eos_driver(10_000, 0);
     d.pipe(ev("x", 0)).unwrap();
     d.commit().unwrap();
     // A repeat of x within its TTL, then two records far ahead (the sweep goes by the
