@@ -128,7 +128,7 @@ fn describe_text_names_stages_topics_stores_and_changelogs() {
         "Topology: analytics-dedup
   Source: topic analytics.events (format json)
   Repartition: topic shop-seen-events-repartition keyed by json pointer /event_id
-  Dedup: seen-events key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates partitioning=repartition (stated)
+  Dedup: seen-events key=json pointer /event_id ttl=24h time=event grace=1h duplicates_to=analytics.duplicates partitioning=repartition (stated)
   Sink: unique topics=analytics.unique key=`value.user_id` header[event-name]=`value.event`
   Topics written: analytics.duplicates (json), analytics.unique (json)
   Store: seen-events (stage seen-events) changelog shop-seen-events-changelog
@@ -144,7 +144,7 @@ fn describe_mermaid_and_dot() {
         r#"flowchart LR
   t0(["topic analytics.events"])
   t1(["topic onceflow-seen-events-repartition"])
-  s0["dedup seen-events<br/>key=json pointer /event_id ttl=1day time=Event duplicates_to=analytics.duplicates partitioning=repartition (stated)"]
+  s0["dedup seen-events<br/>key=json pointer /event_id ttl=24h time=event grace=1h duplicates_to=analytics.duplicates partitioning=repartition (stated)"]
   t2(["topic analytics.duplicates"])
   st0_0[("store seen-events<br/>changelog onceflow-seen-events-changelog")]
   s1["sink unique<br/>topics=analytics.unique key=`value.user_id` header[event-name]=`value.event`"]

@@ -189,7 +189,7 @@ impl Reader {
         }
     }
 
-    /// A duration such as `24h` or `90s`.
+    /// A duration such as `24h` or `90s` (written back by [`duration_text`]).
     pub(crate) fn duration(
         &mut self,
         n: &Node,
@@ -487,6 +487,43 @@ impl Reader {
                 );
                 None
             }
+        }
+    }
+}
+
+/// `ms` in the notation topology files use, in the largest of `h`, `m`, `s`, `ms` that
+/// divides it evenly (`86400000` is `24h`, `90000` is `90s`, `1500` is `1500ms`), so that
+/// `describe` shows a duration as a user would write it and the text reads back as the
+/// same value. A negative `ms` is shown as `0ms`.
+pub(crate) fn duration_text(ms: i64) -> String {
+    let ms = ms.max(0);
+    for (unit, size) in [("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms != 0 && ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration_text;
+
+    #[test]
+    fn a_described_duration_reads_back_as_the_same_value() {
+        let cases = [
+            (86_400_000, "24h"),
+            (604_800_000, "168h"),
+            (5_400_000, "90m"),
+            (90_000, "90s"),
+            (1_500, "1500ms"),
+            (0, "0ms"),
+            (-5, "0ms"),
+        ];
+        for (ms, text) in cases {
+            assert_eq!(duration_text(ms), text, "{ms} ms");
+            let back = humantime::parse_duration(text).expect(text);
+            assert_eq!(back.as_millis() as i64, ms.max(0), "{text}");
         }
     }
 }

@@ -14,6 +14,16 @@ pub enum TimeSource {
     Processing,
 }
 
+impl TimeSource {
+    /// Name as written in topology files: `event`, `processing`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            TimeSource::Event => "event",
+            TimeSource::Processing => "processing",
+        }
+    }
+}
+
 /// What a dedup stage does with a record whose key is known with another payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ConflictPolicy {

@@ -24,10 +24,11 @@ impl StageKindSpec for DedupSpec {
     fn settings(&self) -> String {
         let d = self;
         let mut s = format!(
-            "key={} ttl={} time={:?}",
+            "key={} ttl={} time={} grace={}",
             d.key.describe(),
-            humantime::format_duration(std::time::Duration::from_millis(d.ttl_ms.max(0) as u64)),
-            d.time
+            crate::schema::duration_text(d.ttl_ms),
+            d.time.name(),
+            crate::schema::duration_text(d.grace_ms)
         );
         if d.fingerprint {
             match &d.fingerprint_fields {
