@@ -312,33 +312,10 @@ fn did_you_mean(key: &str) -> String {
     if let Some((_, new)) = RENAMED.iter().find(|(old, _)| *old == key) {
         return format!("; it was renamed: did you mean `{new}`?");
     }
-    let best = KEYS
-        .iter()
-        .map(|k| (edit_distance(key, k), *k))
-        .min()
-        .filter(|(d, k)| *d <= k.len().max(key.len()) / 3);
-    match best {
-        Some((_, k)) => format!("; did you mean `{k}`?"),
+    match crate::names::nearest(key, KEYS.iter().copied()) {
+        Some(k) => format!("; did you mean `{k}`?"),
         None => String::new(),
     }
-}
-
-/// Levenshtein distance in bytes.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b = b.as_bytes();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.bytes().enumerate() {
-        let mut diag = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let next = (diag + usize::from(ca != *cb))
-                .min(row[j] + 1)
-                .min(row[j + 1] + 1);
-            diag = row[j + 1];
-            row[j + 1] = next;
-        }
-    }
-    row[b.len()]
 }
 
 fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {

@@ -150,10 +150,7 @@ impl Compiler {
                 *kpos,
                 &anon,
                 None,
-                format!(
-                    "unknown stage kind `{kind}`, expected one of {}",
-                    crate::schema::list(&keys)
-                ),
+                crate::schema::unknown(&format!("stage kind `{kind}`"), kind, &keys),
             );
             return None;
         };

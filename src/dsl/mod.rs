@@ -270,7 +270,7 @@ mod tests {
         let cases = [
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: {json_pointer: /id}, ttll: 1h}\n  - sink: {topic: b}\n",
-                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to, partitioning",
+                "t.yaml:4:39: stage `dedup` (dedup), field `ttll`: unknown field, did you mean `ttl`? expected one of name, key, ttl, time, grace, max_keys, fingerprint, on_conflict, duplicates_to, partitioning",
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - dedup: {name: d, key: {json_pointer: /id}, ttl: 2 parsecs}\n  - sink: {topic: b}\n",
@@ -278,7 +278,7 @@ mod tests {
             ),
             (
                 "name: t\nsource: {topic: a}\nstages:\n  - mapp: {}\n",
-                "t.yaml:4:5: stage #1: unknown stage kind `mapp`, expected one of dedup, enrich, file, filter, http, map, postgres, redis, route, sink",
+                "t.yaml:4:5: stage #1: unknown stage kind `mapp`, did you mean `map`? expected one of dedup, enrich, file, filter, http, map, postgres, redis, route, sink",
             ),
             (
                 "name: t\nsource: {topic: a, format: bytes}\nstages:\n  - dedup: {key: {json_pointer: /id}}\n",
@@ -289,6 +289,26 @@ mod tests {
             let got = parse("t.yaml", text).unwrap_err().to_string();
             assert_eq!(got, want);
         }
+    }
+
+    #[test]
+    fn a_misspelt_name_gets_the_nearest_known_one() {
+        let text = "name: t\nsource: {topic: a, format: jsn}\nstages:\n  - dedup: {key: {json_pointr: /id}, time: evnt}\n  - sink: {topic: b}\n";
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        for want in [
+            "field `format`: unknown format \"jsn\", did you mean `json`? expected one of",
+            "field `key`: unknown key source `json_pointr`, did you mean `json_pointer`? expected one of",
+            "field `time`: unknown value \"evnt\", did you mean `event`? expected one of event, processing",
+        ] {
+            assert!(e.contains(want), "{e}\n  lacks\n{want}");
+        }
+        // No hint when nothing is near.
+        let text = "name: t\nsource: {topic: a}\nstages:\n  - dedup: {key: kafka_key, colour: red}\n  - sink: {topic: b}\n";
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        assert!(
+            e.contains("field `colour`: unknown field, expected one of"),
+            "{e}"
+        );
     }
 
     // External sinks (`topology/stage/external.rs`): read with positions, described

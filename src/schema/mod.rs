@@ -87,6 +87,15 @@ pub(crate) fn list(names: &[&str]) -> String {
     names.join(", ")
 }
 
+/// The message for field or kind `name` that is not among `allowed`: `unknown field, did you
+/// mean `ttl`? expected one of ...` (the hint only when a known name is near, see
+/// [`crate::names::nearest`]). `what` is `field` or `stage kind `x``.
+pub(crate) fn unknown(what: &str, name: &str, allowed: &[&str]) -> String {
+    let hint = crate::names::nearest(name, allowed.iter().copied())
+        .map_or_else(|| ",".to_string(), |k| format!(", did you mean `{k}`?"));
+    format!("unknown {what}{hint} expected one of {}", list(allowed))
+}
+
 impl Reader {
     pub(crate) fn err(
         &mut self,
@@ -140,12 +149,7 @@ impl Reader {
             if allowed.contains(&k.as_str()) {
                 out.entries.push((k.as_str(), *kpos, v));
             } else {
-                self.err(
-                    *kpos,
-                    place,
-                    Some(k),
-                    format!("unknown field, expected one of {}", list(allowed)),
-                );
+                self.err(*kpos, place, Some(k), unknown("field", k, allowed));
             }
         }
         Some(out)
@@ -248,7 +252,7 @@ impl Reader {
                 n.pos,
                 place,
                 Some(field),
-                format!("unknown value {s:?}, expected one of {}", list(allowed)),
+                unknown(&format!("value {s:?}"), &s, allowed),
             );
             None
         }
@@ -362,10 +366,7 @@ impl Reader {
                             *kpos,
                             place,
                             Some("key"),
-                            format!(
-                                "unknown key source `{other}`, expected one of {}",
-                                list(&KINDS)
-                            ),
+                            unknown(&format!("key source `{other}`"), other, &KINDS),
                         );
                         None
                     }
@@ -470,7 +471,7 @@ impl Reader {
                     n.pos,
                     place,
                     Some(field),
-                    format!("unknown format {s:?}, expected one of {}", list(&NAMES)),
+                    unknown(&format!("format {s:?}"), s, &NAMES),
                 );
                 None
             }

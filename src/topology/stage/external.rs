@@ -397,7 +397,7 @@ fn nested<'a>(
                 *kpos,
                 place,
                 Some(&name),
-                format!("unknown field, expected one of {}", allowed.join(", ")),
+                crate::schema::unknown("field", k, allowed),
             );
         }
     }
