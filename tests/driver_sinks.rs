@@ -114,6 +114,43 @@ fn a_template_naming_a_field_the_codec_cannot_have_fails_validation() {
     );
 }
 
+/// Two different records never share an idempotency key: a separator inside a value is
+/// escaped, and a template that cannot tell records apart is refused at build.
+#[test]
+fn a_key_template_never_makes_one_key_of_two_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |dir: &tempfile::TempDir| {
+        EffectSpec::File(onceflow::FileSpec {
+            path: dir.path().join("out.jsonl"),
+            line: "{value}".into(),
+        })
+    };
+    let spec = ExternalSinkSpec::new(file(&dir), sled(&dir)).with_key("{value./a}-{value./b}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    for v in [
+        r#"{"a":"x-","b":"y"}"#,
+        r#"{"a":"x","b":"-y"}"#,
+        r#"{"a":"x","b":"-y"}"#, // a true repeat: skipped
+    ] {
+        d.pipe(TestRecord::json(v)).unwrap();
+    }
+    let lines = std::fs::read_to_string(dir.path().join("out.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+    for (key, why) in [
+        ("invoice", "no placeholder"),
+        ("{value./a}{value./b}", "nothing between them"),
+    ] {
+        let spec = ExternalSinkSpec::new(file(&dir), sled(&dir)).with_key(key);
+        let errs = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .external_sink("hook", spec)
+            .sink("out", "out")
+            .build()
+            .unwrap_err();
+        assert!(errs[0].to_string().contains(why), "{key}: {}", errs[0]);
+    }
+}
+
 #[test]
 fn a_503_is_retried_once_then_done_without_duplicate() {
     let rx = Receiver::start(Arc::new(|k, n| {

@@ -364,6 +364,8 @@ impl ExternalSinkSpec {
                 if let Some(t) = &t {
                     if t.parts().is_empty() {
                         errs.push(FieldError::at("key", "the template is empty"));
+                    } else if let Err(e) = t.check_key() {
+                        errs.push(FieldError::at("key", e));
                     }
                 }
                 t.map(KeyRule::Template)

@@ -232,7 +232,7 @@ impl ExternalSink {
     fn key(&mut self, record: &Record) -> Result<Vec<u8>, String> {
         self.keybuf.clear();
         match &self.shared.spec.resolved_key {
-            Some(KeyRule::Template(t)) => t.render_into(record, &mut self.keybuf)?,
+            Some(KeyRule::Template(t)) => t.render_key_into(record, &mut self.keybuf)?,
             Some(KeyRule::Dedup(k)) => k
                 .extract_into(record, &mut self.keybuf)
                 .map_err(|e| format!("dedup key: {e}"))?,

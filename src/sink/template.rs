@@ -14,7 +14,9 @@
 //! Rendering is strict: a missing or null field, header or key, or a field that is an object,
 //! array or boolean, is an error naming it; nothing is ever replaced by an empty string.
 //! Output is raw bytes: nothing is decoded or escaped, so any byte (`:`, `/`, non-UTF-8) is
-//! kept as given.
+//! kept as given; except that an idempotency key ([`Template::render_key_into`]) escapes
+//! `%` and the template's literal bytes inside each placeholder's text, so that it is
+//! never lossy.
 
 use crate::codec::Format;
 use crate::processor::json_scan::Scalar;
@@ -174,39 +176,68 @@ impl Template {
     /// A sentence naming the missing or unusable part.
     pub(crate) fn render_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
         for p in &self.parts {
-            match p {
-                Part::Lit(l) => out.extend_from_slice(l),
-                Part::Key => match &record.key {
-                    Some(k) => out.extend_from_slice(k),
-                    None => return Err("{key}: the record has a null Kafka key".into()),
-                },
-                // The view when a stage changed it (or the source decoded one), as JSON;
-                // else the value bytes as read.
-                Part::Value => match (&record.json, &record.value) {
-                    (Some(view), _) => serde_json::to_writer(&mut *out, view)
-                        .map_err(|e| format!("{{value}}: {e}"))?,
-                    (None, Some(v)) => out.extend_from_slice(v),
-                    (None, None) => return Err("{value}: the record has a null value".into()),
-                },
-                Part::Header(h) => match record.header(h) {
-                    Some(Some(v)) => out.extend_from_slice(v),
-                    Some(None) => return Err(format!("{{header.{h}}}: the header is null")),
-                    None => return Err(format!("{{header.{h}}}: no such header")),
-                },
-                Part::Field(f) => field(record, f, out)?,
-                Part::Topic => out.extend_from_slice(record.origin().topic.as_bytes()),
-                Part::Partition => {
-                    let _ = write!(out, "{}", record.origin().partition);
+            render_part(p, record, out)?;
+        }
+        Ok(())
+    }
+
+    /// Check that this template, used as an idempotency key, tells records apart: it needs
+    /// a placeholder (else every record gets one key), and literal text between any two
+    /// placeholders (else `{value./a}{value./b}` renders ("ab", "c") and ("a", "bc") alike).
+    ///
+    /// # Errors
+    /// A sentence saying which rule the template breaks.
+    pub(crate) fn check_key(&self) -> Result<(), String> {
+        if self.parts.iter().all(|p| matches!(p, Part::Lit(_))) {
+            return Err(format!(
+                "{:?} has no placeholder, so every record would get the same key and every effect after the first would be skipped; use one such as {{value./id}}",
+                self.text
+            ));
+        }
+        for pair in self.parts.windows(2) {
+            if !matches!(pair[0], Part::Lit(_)) && !matches!(pair[1], Part::Lit(_)) {
+                return Err(format!(
+                    "{:?} has two placeholders with nothing between them, so two different records could render one key; put a separator such as `:` between them",
+                    self.text
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Render as an idempotency key, appending to `out`: as [`Template::render_into`], but
+    /// inside each placeholder's text `%` and every byte that occurs in the template's
+    /// literal text are written as `%XX` (hex), so that a separator never appears inside a
+    /// value and two different records never render one key (with
+    /// [`Template::check_key`]'s rules). `order-{value./id}` renders id `A-1` as
+    /// `order-A%2D1`.
+    ///
+    /// # Errors
+    /// As [`Template::render_into`].
+    pub(crate) fn render_key_into(&self, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
+        let mut escape = [false; 256];
+        escape[usize::from(b'%')] = true;
+        for p in &self.parts {
+            if let Part::Lit(l) = p {
+                for b in l {
+                    escape[usize::from(*b)] = true;
                 }
-                Part::Offset => {
-                    let _ = write!(out, "{}", record.origin().offset);
+            }
+        }
+        let mut part = Vec::new();
+        for p in &self.parts {
+            if let Part::Lit(l) = p {
+                out.extend_from_slice(l);
+                continue;
+            }
+            part.clear();
+            render_part(p, record, &mut part)?;
+            for b in &part {
+                if escape[usize::from(*b)] {
+                    let _ = write!(out, "%{b:02X}");
+                } else {
+                    out.push(*b);
                 }
-                Part::Timestamp => match record.timestamp {
-                    Some(t) => {
-                        let _ = write!(out, "{t}");
-                    }
-                    None => return Err("{timestamp}: the record has no timestamp".into()),
-                },
             }
         }
         Ok(())
@@ -221,6 +252,46 @@ impl Template {
         self.render_into(record, &mut out)?;
         Ok(out)
     }
+}
+
+/// Render one part of a template against `record`, appending to `out`.
+fn render_part(p: &Part, record: &Record, out: &mut Vec<u8>) -> Result<(), String> {
+    match p {
+        Part::Lit(l) => out.extend_from_slice(l),
+        Part::Key => match &record.key {
+            Some(k) => out.extend_from_slice(k),
+            None => return Err("{key}: the record has a null Kafka key".into()),
+        },
+        // The view when a stage changed it (or the source decoded one), as JSON;
+        // else the value bytes as read.
+        Part::Value => match (&record.json, &record.value) {
+            (Some(view), _) => {
+                serde_json::to_writer(&mut *out, view).map_err(|e| format!("{{value}}: {e}"))?
+            }
+            (None, Some(v)) => out.extend_from_slice(v),
+            (None, None) => return Err("{value}: the record has a null value".into()),
+        },
+        Part::Header(h) => match record.header(h) {
+            Some(Some(v)) => out.extend_from_slice(v),
+            Some(None) => return Err(format!("{{header.{h}}}: the header is null")),
+            None => return Err(format!("{{header.{h}}}: no such header")),
+        },
+        Part::Field(f) => field(record, f, out)?,
+        Part::Topic => out.extend_from_slice(record.origin().topic.as_bytes()),
+        Part::Partition => {
+            let _ = write!(out, "{}", record.origin().partition);
+        }
+        Part::Offset => {
+            let _ = write!(out, "{}", record.origin().offset);
+        }
+        Part::Timestamp => match record.timestamp {
+            Some(t) => {
+                let _ = write!(out, "{t}");
+            }
+            None => return Err("{timestamp}: the record has no timestamp".into()),
+        },
+    }
+    Ok(())
 }
 
 fn parse_placeholder(name: &str) -> Result<Part, String> {
@@ -321,6 +392,38 @@ mod tests {
             t.render(&rec(r#"{"o":{"id":"9"}}"#)).unwrap(),
             b"order-9:invoice"
         );
+    }
+
+    #[test]
+    fn a_key_tells_records_apart() {
+        let t = Template::parse("{value./a}-{value./b}").unwrap();
+        t.check_key().unwrap();
+        let mut seen = std::collections::HashMap::new();
+        let texts = ["", "a", "-", "a-", "-a", "%", "%2D", "a-b", "b"];
+        for a in texts {
+            for b in texts {
+                let v = serde_json::json!({ "a": a, "b": b }).to_string();
+                let mut key = Vec::new();
+                t.render_key_into(&rec(&v), &mut key).unwrap();
+                if let Some(before) = seen.insert(key.clone(), (a, b)) {
+                    panic!("{before:?} and {:?} both render {key:?}", (a, b));
+                }
+            }
+        }
+        let mut key = Vec::new();
+        Template::parse("order-{value./id}")
+            .unwrap()
+            .render_key_into(&rec(r#"{"id":"A-1%"}"#), &mut key)
+            .unwrap();
+        assert_eq!(key, b"order-A%2D1%25");
+        for (text, why) in [
+            ("invoice", "no placeholder"),
+            ("{value./a}{value./b}", "nothing between them"),
+            ("x{key}{topic}y", "nothing between them"),
+        ] {
+            let e = Template::parse(text).unwrap().check_key().unwrap_err();
+            assert!(e.contains(why), "{text}: {e}");
+        }
     }
 
     #[test]
