@@ -242,6 +242,40 @@ fn a_withdrawn_mark_does_not_count_against_max_keys() {
     assert_eq!(d.dedup_entry("dedup", 0, b"b").unwrap(), None);
 }
 
+#[test]
+fn max_keys_does_not_evict_a_late_first_occurrence_it_just_wrote() {
+    // max_keys 2: a (t=100 s), b (t=200 s), then `late` (t=50 s, older than both). Its entry
+    // counts as written when it arrived, so a is evicted, and the copy of `late` right
+    // after is a duplicate.
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup(
+            "dedup",
+            DedupSpec::new(KeySource::JsonPointer("/id".into())).with_max_keys(2),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    for (key, t) in [
+        ("a", 100_000),
+        ("b", 200_000),
+        ("late", 50_000),
+        ("late", 50_000),
+    ] {
+        d.pipe(id(key, t)).unwrap();
+    }
+    let c = d.counts();
+    assert_eq!(
+        (c.passed, c.duplicates),
+        (3, 1),
+        "{:?}",
+        d.output_values("out")
+    );
+    assert!(d.dedup_entry("dedup", 0, b"late").unwrap().is_some());
+    assert_eq!(d.dedup_entry("dedup", 0, b"a").unwrap(), None);
+}
+
 /// A record larger than the producer accepts (`message.max.bytes`, librdkafka's default
 /// 1,000,000 bytes in the driver) is refused by the sink stage: it goes to the dead-letter
 /// topic with a reason naming the limit, its dedup mark is withdrawn, and processing goes

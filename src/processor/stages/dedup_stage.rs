@@ -250,7 +250,9 @@ pub(crate) struct Dedup {
 }
 
 /// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
-/// and, with `max_keys`, the keys by first-seen time for eviction. Built by one scan of
+/// and, with `max_keys`, the keys by age for eviction: by [`DedupEntry::sweep_base_ms`],
+/// the time the sweep counts expiry from, so a late first occurrence counts as written
+/// when it arrived and is not evicted by the write that made it. Built by one scan of
 /// the store when the task processes its first record (after its restore), then kept up
 /// to date by the stage's own writes.
 struct KeyBook {
@@ -290,7 +292,7 @@ impl KeyBook {
                 let e = DedupEntry::decode(v).map_err(|e| {
                     crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
                 })?;
-                idx.insert((e.first_seen_ms, k.to_vec()));
+                idx.insert((e.sweep_base_ms(), k.to_vec()));
             }
             Ok(())
         })?;
@@ -303,12 +305,12 @@ impl KeyBook {
             None => self.count += 1,
             Some(p) => {
                 if let Some(idx) = &mut self.by_age {
-                    idx.remove(&(p.first_seen_ms, key.to_vec()));
+                    idx.remove(&(p.sweep_base_ms(), key.to_vec()));
                 }
             }
         }
         if let Some(idx) = &mut self.by_age {
-            idx.insert((new.first_seen_ms, key.to_vec()));
+            idx.insert((new.sweep_base_ms(), key.to_vec()));
         }
         self.gauge.set(self.count as f64);
     }
@@ -316,7 +318,7 @@ impl KeyBook {
     fn removed(&mut self, key: &[u8], entry: &DedupEntry) {
         self.count = self.count.saturating_sub(1);
         if let Some(idx) = &mut self.by_age {
-            idx.remove(&(entry.first_seen_ms, key.to_vec()));
+            idx.remove(&(entry.sweep_base_ms(), key.to_vec()));
         }
         self.gauge.set(self.count as f64);
     }
@@ -576,7 +578,7 @@ impl Processor for Dedup {
                 self.mark_owners
                     .insert(self.key_buf.clone(), record.source.offset);
             }
-            // Bound the keys: evict the oldest first-seen entries past max_keys.
+            // Bound the keys: evict the oldest entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {
                     let Some((first_seen, k)) = idx.pop_first() else {
@@ -584,7 +586,7 @@ impl Processor for Dedup {
                     };
                     book.count -= 1;
                     book.evicted.increment(1);
-                    tracing::debug!(store = %self.store, first_seen, "evicting the oldest key (max_keys)");
+                    tracing::debug!(store = %self.store, age_ms = first_seen, "evicting the oldest key (max_keys)");
                     store.stage(k, None);
                 }
                 book.gauge.set(book.count as f64);
