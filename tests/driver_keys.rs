@@ -104,6 +104,36 @@ stages:
 /// a 64-bit integer is an `f64`: the digits of 2^64 + 1 are gone before the dedup stage sees
 /// it. Such a key is refused (dead letter with the reason), never merged with 2^64; numbers
 /// within 64-bit integers stay exact; a fraction is keyed as the map wrote it.
+/// `value_hash`: a null value (a tombstone) has no key and is dead-lettered; tombstones of
+/// two Kafka keys are not one key. An empty value is a value.
+#[test]
+fn value_hash_dead_letters_a_null_value_and_keys_an_empty_one() {
+    let mut d = driver(
+        r#"
+name: t
+source: { topic: in, format: bytes }
+stages:
+  - dedup: { key: value_hash, partitioning: source }
+  - sink: { topic: out }
+"#,
+    );
+    d.pipe(TestRecord::null_value().key("customer-1")).unwrap();
+    d.pipe(TestRecord::null_value().key("customer-2")).unwrap();
+    d.pipe(TestRecord::json("").key("customer-3")).unwrap();
+    d.pipe(TestRecord::json("").key("customer-4")).unwrap();
+    let c = d.counts();
+    assert_eq!((c.passed, c.duplicates, c.dead_lettered), (1, 1, 2));
+    let reasons: Vec<String> = d
+        .dead_letters()
+        .iter()
+        .filter_map(|r| header(r, onceflow::headers::dlq_headers::REASON))
+        .collect();
+    assert!(
+        reasons.iter().all(|r| r.contains("the value is null")),
+        "{reasons:?}"
+    );
+}
+
 #[test]
 fn after_a_map_integers_beyond_64_bits_are_refused_not_merged() {
     let ids = [

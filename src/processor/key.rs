@@ -154,11 +154,17 @@ impl KeySource {
                     Ok(())
                 }
             },
-            KeySource::ValueHash => {
-                let bytes = record.value().unwrap_or_default();
-                out.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(bytes).to_be_bytes());
-                Ok(())
-            }
+            // A null value (a tombstone) has no key: hashing it as empty bytes would make
+            // every tombstone one key. An empty value is a value, and has one.
+            KeySource::ValueHash => match record.value() {
+                None => Err(KeyError::Missing(
+                    "the value is null (a tombstone): value_hash has nothing to hash".into(),
+                )),
+                Some(bytes) => {
+                    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(bytes).to_be_bytes());
+                    Ok(())
+                }
+            },
             KeySource::Composite(parts) => {
                 let mut part = Vec::new();
                 for p in parts {
