@@ -292,6 +292,35 @@ mod tests {
     }
 
     #[test]
+    fn a_duration_past_100_years_is_an_error_not_an_overflow() {
+        for (text, field) in [
+            (
+                "  - http: {url: 'http://127.0.0.1:1/', timeout: 100000000000y, retries: 10}\n",
+                "timeout",
+            ),
+            (
+                "  - file: {path: /tmp/x, idempotency: {lease: 400000000000y}}\n",
+                "idempotency.lease",
+            ),
+            (
+                "  - dedup: {key: kafka_key, ttl: 101y}\n  - sink: {topic: b}\n",
+                "ttl",
+            ),
+        ] {
+            let text = format!("name: t\nsource: {{topic: a}}\nstages:\n{text}");
+            let e = parse("t.yaml", &text).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("field `{field}`: ")) && e.contains("100 years"),
+                "{e}"
+            );
+        }
+        // Long but sane: accepted, and the lease check's sum does not overflow.
+        let text = "name: t\nsource: {topic: a}\nstages:\n  - http: {url: 'http://127.0.0.1:1/', timeout: 99y, retries: 4000000000, idempotency: {lease: 1s}}\n";
+        let e = parse("t.yaml", text).unwrap_err().to_string();
+        assert!(e.contains("idempotency.lease"), "{e}");
+    }
+
+    #[test]
     fn a_misspelt_name_gets_the_nearest_known_one() {
         let text = "name: t\nsource: {topic: a, format: jsn}\nstages:\n  - dedup: {key: {json_pointr: /id}, time: evnt}\n  - sink: {topic: b}\n";
         let e = parse("t.yaml", text).unwrap_err().to_string();

@@ -193,7 +193,8 @@ impl Reader {
         }
     }
 
-    /// A duration such as `24h` or `90s` (written back by [`duration_text`]).
+    /// A duration such as `24h` or `90s` (written back by [`duration_text`]), at most
+    /// [`MAX_DURATION`].
     pub(crate) fn duration(
         &mut self,
         n: &Node,
@@ -211,6 +212,15 @@ impl Reader {
             return None;
         };
         match humantime::parse_duration(s) {
+            Ok(d) if d > MAX_DURATION => {
+                self.err(
+                    n.pos,
+                    place,
+                    Some(field),
+                    format!("{s:?} is longer than the longest duration onceflow takes, 100 years"),
+                );
+                None
+            }
             Ok(d) => Some(d),
             Err(e) => {
                 self.err(
@@ -491,6 +501,11 @@ impl Reader {
         }
     }
 }
+
+/// The longest duration a topology file may give (100 years): longer ones are refused
+/// where they are read, so that no deadline or sum of them overflows later.
+pub(crate) const MAX_DURATION: std::time::Duration =
+    std::time::Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// `ms` in the notation topology files use, in the largest of `h`, `m`, `s`, `ms` that
 /// divides it evenly (`86400000` is `24h`, `90000` is `90s`, `1500` is `1500ms`), so that

@@ -516,13 +516,16 @@ impl ExternalSinkSpec {
 
 /// The longest an HTTP effect can take: every try timing out, plus the backoffs between.
 pub(crate) fn http_worst_case(h: &HttpSpec) -> Duration {
-    let mut total = h.timeout * (h.retries + 1);
+    let mut total = h.timeout.saturating_mul(h.retries.saturating_add(1));
     let mut pause = h.backoff;
-    for _ in 0..h.retries {
-        total += pause;
-        pause = (pause * 2).min(Duration::from_secs(10));
+    for _ in 0..h.retries.min(64) {
+        total = total.saturating_add(pause);
+        pause = pause.saturating_mul(2).min(Duration::from_secs(10));
     }
-    total
+    // After 64 doublings the pause is the cap (or zero without a backoff) for every
+    // further retry.
+    let rest = h.retries.saturating_sub(64);
+    total.saturating_add(pause.saturating_mul(rest))
 }
 
 /// Start-up check of external sinks, each given with its stage name: every secret given as

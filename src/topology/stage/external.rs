@@ -323,7 +323,7 @@ fn finish(
     let p = &mut spec.policy;
     if let Some(d) = dur(c, "lease") {
         p.lease = d;
-        p.in_flight_give_up = d * 2;
+        p.in_flight_give_up = d.saturating_mul(2);
     }
     if let Some(d) = dur(c, "ttl") {
         p.completed_ttl = d;
