@@ -284,6 +284,27 @@ mod tests {
     }
 
     #[test]
+    fn build_checks_a_composite_keys_pointers_and_the_grace() {
+        let mut bad = DedupSpec::new(KeySource::Composite(vec![
+            KeySource::JsonPointer("id".into()),
+            KeySource::KafkaKey,
+        ]));
+        bad.grace_ms = -1;
+        let errs = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("d", bad)
+            .sink("out", "out")
+            .build()
+            .unwrap_err();
+        let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        let want = [
+            "topology error in d: field `grace`: must not be negative",
+            "topology error in d: field `key`: JSON pointer \"id\" must start with '/'",
+        ];
+        assert_eq!(text, want);
+    }
+
+    #[test]
     fn build_checks_the_language_stages() {
         let errs = TopologyBuilder::new("t")
             .source("in", Format::Bytes)

@@ -100,7 +100,13 @@ impl StageKindSpec for DedupSpec {
                 ),
             );
         }
-        if let KeySource::JsonPointer(p) = &d.key {
+        if d.grace_ms < 0 {
+            err("grace", "must not be negative".into());
+        }
+        // Every pointer of the key, a composite's parts too.
+        let mut pointers = Vec::new();
+        d.key.json_pointers(&mut pointers);
+        for p in pointers {
             if !p.is_empty() && !p.starts_with('/') {
                 err("key", format!("JSON pointer {p:?} must start with '/'"));
             }
