@@ -321,6 +321,48 @@ mod tests {
     }
 
     #[test]
+    fn sink_settings_that_would_be_ignored_or_fail_later_stop_start_up() {
+        let stage = |s: &str| format!("name: t\nsource: {{topic: a}}\nstages:\n  - {s}\n");
+        for (text, want) in [
+            (
+                "file: {path: /tmp/x, idempotency: {url: 'redis://127.0.0.1:6379'}}",
+                "field `idempotency.url`: belongs to store redis, but the store is sled",
+            ),
+            (
+                "file: {path: /tmp/x, idempotency: {ttl: 0s}}",
+                "field `idempotency.ttl`: must be positive",
+            ),
+            (
+                "http: {url: 'http://127.0.0.1:1/', headers: {'Bad Header': x}, idempotency: {store: none}}",
+                "field `headers.Bad Header`: \"Bad Header\" is not a valid header name",
+            ),
+        ] {
+            let e = parse("t.yaml", &stage(text)).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}\n  lacks\n{want}");
+        }
+        // Checked when starting: a file path that does not open, a sled path that is a file.
+        let file = tempfile::NamedTempFile::new().unwrap();
+        for (text, want) in [
+            (
+                "file: {path: /nonexistent-dir/out.jsonl, idempotency: {store: none}}".to_string(),
+                "field `path`: cannot open /nonexistent-dir/out.jsonl for appending",
+            ),
+            (
+                format!(
+                    "file: {{path: {}, idempotency: {{store: sled, path: {}}}}}",
+                    file.path().display(),
+                    file.path().display()
+                ),
+                "field `idempotency.path`: ",
+            ),
+        ] {
+            let t = parse("t.yaml", &stage(&text)).unwrap();
+            let e = t.preflight().unwrap_err().to_string();
+            assert!(e.contains(want), "{e}\n  lacks\n{want}");
+        }
+    }
+
+    #[test]
     fn a_misspelt_name_gets_the_nearest_known_one() {
         let text = "name: t\nsource: {topic: a, format: jsn}\nstages:\n  - dedup: {key: {json_pointr: /id}, time: evnt}\n  - sink: {topic: b}\n";
         let e = parse("t.yaml", text).unwrap_err().to_string();

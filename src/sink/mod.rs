@@ -384,6 +384,12 @@ impl ExternalSinkSpec {
         if spec.policy.lease.is_zero() {
             errs.push(FieldError::at("idempotency.lease", "must be positive"));
         }
+        if spec.policy.completed_ttl.is_zero() && !matches!(spec.store, StoreSpec::None) {
+            errs.push(FieldError::at(
+                "idempotency.ttl",
+                "must be positive (completed keys kept for no time protect nothing)",
+            ));
+        }
         if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
             (&spec.effect, &spec.store)
         {
@@ -407,6 +413,14 @@ impl ExternalSinkSpec {
                 if let Secret::Inline(u) = &h.url {
                     if !(u.starts_with("http://") || u.starts_with("https://")) {
                         errs.push(FieldError::at("url", "must start with http:// or https://"));
+                    }
+                }
+                for (k, _) in &h.headers {
+                    if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
+                        errs.push(FieldError::at(
+                            &format!("headers.{k}"),
+                            format!("{k:?} is not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)"),
+                        ));
                     }
                 }
             }
@@ -529,7 +543,8 @@ pub(crate) fn http_worst_case(h: &HttpSpec) -> Duration {
 }
 
 /// Start-up check of external sinks, each given with its stage name: every secret given as
-/// `{ env: VAR }` is set, and an HTTP sink's URL and header values are usable. Called
+/// `{ env: VAR }` is set, an HTTP sink's URL and header values are usable, a file sink's
+/// path opens for appending (created if missing), and a sled store's path is not a file. Called
 /// before processing starts (through `Topology::preflight`), so a missing variable stops
 /// start-up instead of dead-lettering every record.
 ///
@@ -541,7 +556,8 @@ pub(crate) fn preflight<'a>(
 ) -> Result<(), crate::error::Error> {
     let mut errs = Vec::new();
     for (name, spec) in sinks {
-        let mut http_errs: Vec<String> = Vec::new();
+        // Found while `check` borrows `errs`; appended after.
+        let mut later: Vec<String> = Vec::new();
         let mut check = |field: &str, s: &Secret| {
             if let Err(e) = s.resolve() {
                 errs.push(format!("stage `{}`: field `{field}`: {e}", name));
@@ -582,16 +598,37 @@ pub(crate) fn preflight<'a>(
                         "a valid header value (no control characters)",
                     ));
                 }
-                http_errs = found;
+                later.extend(found);
             }
             EffectSpec::Postgres(p) => check("url", &p.url),
             EffectSpec::Redis(r) => check("url", &r.url),
-            EffectSpec::File(_) => {}
+            // Opened (created if need be) for appending as the sink will, so that a path in
+            // a missing or read-only directory stops start-up.
+            EffectSpec::File(f) => {
+                let opened = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&f.path);
+                if let Err(e) = opened {
+                    later.push(format!(
+                        "stage `{name}`: field `path`: cannot open {} for appending: {e}",
+                        f.path.display()
+                    ));
+                }
+            }
+        }
+        if let StoreSpec::Sled { path: Some(p) } = &spec.store {
+            if p.exists() && !p.is_dir() {
+                later.push(format!(
+                    "stage `{name}`: field `idempotency.path`: {} is not a directory (a sled store is one)",
+                    p.display()
+                ));
+            }
         }
         if let StoreSpec::Redis { url, .. } = &spec.store {
             check("idempotency.url", url);
         }
-        errs.extend(http_errs);
+        errs.extend(later);
     }
     if errs.is_empty() {
         Ok(())

@@ -311,6 +311,27 @@ fn finish(
             StoreSpec::None
         }
     };
+    // A field of another store than the one in use would be ignored: refuse it (e.g. a
+    // Redis `url` while the store is sled, one instance's).
+    let chosen = store
+        .as_deref()
+        .unwrap_or(if is_pg { "postgres" } else { "sled" });
+    for (field, owner) in [
+        ("path", "sled"),
+        ("url", "redis"),
+        ("prefix", "redis"),
+        ("table", "postgres"),
+    ] {
+        let known = ["none", "sled", "redis", "postgres"].contains(&chosen);
+        if let Some(n) = get(field).filter(|_| known && owner != chosen) {
+            c.err(
+                n.pos,
+                place,
+                Some(&format!("idempotency.{field}")),
+                format!("belongs to store {owner}, but the store is {chosen}; set `store: {owner}` or remove it"),
+            );
+        }
+    }
     spec.key = text(c, "key").ok().flatten();
     if let Some(m) =
         get("max_key_bytes").and_then(|n| count(c, n, place, "idempotency.max_key_bytes"))
