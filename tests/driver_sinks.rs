@@ -151,6 +151,46 @@ fn a_key_template_never_makes_one_key_of_two_records() {
     }
 }
 
+/// The default idempotency key is the key the dedup decided by, even behind a `map` that
+/// rewrites the value: `1.0` and `1e0` are two ids to the dedup (their exact text), so two
+/// effects, not one (read again from the mapped view both were `1.0`).
+#[test]
+fn the_default_key_is_the_dedup_key_even_behind_a_map() {
+    let dir = tempfile::tempdir().unwrap();
+    let effect = EffectSpec::File(onceflow::FileSpec {
+        path: dir.path().join("out.jsonl"),
+        line: "{value}".into(),
+    });
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup(
+            "dedup",
+            onceflow::DedupSpec::new(onceflow::KeySource::JsonPointer("/id".into()))
+                .with_partitioning(onceflow::Partitioning::Source),
+        )
+        .map(
+            "m",
+            onceflow::MapSpec::new().set("/seen", |_| Ok(serde_json::Value::Bool(true))),
+        )
+        .external_sink("hook", ExternalSinkSpec::new(effect, sled(&dir)))
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    for v in [r#"{"id":1.0}"#, r#"{"id":1e0}"#, r#"{"id":1e0}"#] {
+        d.pipe(TestRecord::json(v).timestamp(1000)).unwrap();
+    }
+    assert_eq!((d.counts().passed, d.counts().duplicates), (2, 1));
+    let lines = std::fs::read_to_string(dir.path().join("out.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+    let done: Vec<_> = d
+        .output("out")
+        .iter()
+        .filter_map(|r| header(r, OUTCOME_HEADER))
+        .collect();
+    assert_eq!(done, [&b"done"[..], &b"done"[..]]);
+}
+
 #[test]
 fn a_503_is_retried_once_then_done_without_duplicate() {
     let rx = Receiver::start(Arc::new(|k, n| {

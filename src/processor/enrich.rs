@@ -326,6 +326,7 @@ mod tests {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         }
     }
 

@@ -258,6 +258,7 @@ mod tests {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         }
     }
 

@@ -44,6 +44,10 @@ pub struct Record {
     /// hop's dedup stage takes, and its value was read as valid by the router when that key
     /// came from it (see [`crate::processor::repartition::UNKEYED`]).
     pub(crate) keyed: bool,
+    /// The key a dedup stage upstream decided this record by, byte for byte, when an
+    /// external sink after it takes that key as its idempotency key (its default): the sink
+    /// uses it rather than reading the key again from a value a `map` may have rewritten.
+    pub(crate) dedup_key: Option<Bytes>,
 }
 
 impl Record {
@@ -91,6 +95,7 @@ impl Record {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         }
     }
 }

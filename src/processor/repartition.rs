@@ -505,6 +505,7 @@ mod tests {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         };
         let key = KeySource::JsonPointer("/id".into());
         let out = route(&rec, &key, "app-d-repartition", 4).unwrap();

@@ -494,6 +494,7 @@ fn to_record(
         },
         origin: from,
         keyed,
+        dedup_key: None,
     }
 }
 

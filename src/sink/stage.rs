@@ -233,9 +233,13 @@ impl ExternalSink {
         self.keybuf.clear();
         match &self.shared.spec.resolved_key {
             Some(KeyRule::Template(t)) => t.render_key_into(record, &mut self.keybuf)?,
-            Some(KeyRule::Dedup(k)) => k
-                .extract_into(record, &mut self.keybuf)
-                .map_err(|e| format!("dedup key: {e}"))?,
+            // The key the dedup decided by; read again only if it is not carried.
+            Some(KeyRule::Dedup(k)) => match &record.dedup_key {
+                Some(key) => self.keybuf.extend_from_slice(key),
+                None => k
+                    .extract_into(record, &mut self.keybuf)
+                    .map_err(|e| format!("dedup key: {e}"))?,
+            },
             None => return Err("internal error: the sink's key was not resolved by build()".into()),
         }
         if self.keybuf.is_empty() {

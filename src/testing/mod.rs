@@ -92,6 +92,7 @@ impl TestRecord {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         }
     }
 
@@ -381,6 +382,7 @@ impl TestDriver {
             },
             origin: None,
             keyed: false,
+            dedup_key: None,
         };
         log.push(routed.clone());
         routed

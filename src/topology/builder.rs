@@ -119,6 +119,8 @@ impl TopologyBuilder {
         let mut seen = std::collections::HashSet::new();
         // The key of the nearest dedup stage upstream: an external sink's default key.
         let mut upstream_dedup = None;
+        // That dedup stage's index, and the dedup stages whose key a sink takes.
+        let (mut upstream_at, mut keep_key) = (None, Vec::new());
         for (i, st) in self.stages.iter_mut().enumerate() {
             let node = if st.name.is_empty() {
                 st.kind.kind_name().to_string()
@@ -167,6 +169,12 @@ impl TopologyBuilder {
             }
             if let StageKind::Dedup(d) = &st.kind {
                 upstream_dedup = Some(d.key.clone());
+                upstream_at = Some(i);
+            }
+            if let StageKind::External(x) = &st.kind {
+                if matches!(x.resolved_key, Some(crate::sink::KeyRule::Dedup(_))) {
+                    keep_key.extend(upstream_at);
+                }
             }
             for reason in whole {
                 errors.push(BuildError {
@@ -175,6 +183,11 @@ impl TopologyBuilder {
                     field: None,
                     reason,
                 });
+            }
+        }
+        for i in keep_key {
+            if let StageKind::Dedup(d) = &mut self.stages[i].kind {
+                d.keep_key = true;
             }
         }
         // Tables, the stages' checks against them, and topic codecs.

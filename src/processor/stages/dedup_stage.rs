@@ -116,6 +116,10 @@ pub struct DedupSpec {
     /// `key: kafka_key` and `Repartition` for every other key ([`Topology::describe`](crate::Topology::describe)
     /// shows the partitioning in effect and why).
     pub partitioning: Option<Partitioning>,
+    /// Set by the topology's build when an external sink after this stage takes its key as
+    /// the idempotency key: each record forwarded then carries the key it was decided by.
+    #[doc(hidden)]
+    pub(crate) keep_key: bool,
 }
 
 impl DedupSpec {
@@ -132,6 +136,7 @@ impl DedupSpec {
             max_keys: None,
             duplicates_to: None,
             partitioning: None,
+            keep_key: false,
         }
     }
 
@@ -617,6 +622,10 @@ impl Processor for Dedup {
         }
         if let Some(t) = started {
             self.metrics.check.record(t.elapsed().as_secs_f64());
+        }
+        let mut record = record;
+        if self.spec.keep_key {
+            record.dedup_key = Some(bytes::Bytes::copy_from_slice(&self.key_buf));
         }
         if let Some(first) = self.reviving {
             // Counted as a duplicate (or conflict) when it came, and sent to the duplicates
