@@ -25,7 +25,6 @@ pub(crate) type StoreResult<T> = Result<T, StoreError>;
 use std::collections::HashMap;
 #[cfg(test)]
 use std::sync::atomic::{AtomicUsize, Ordering};
-#[cfg(test)]
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -329,7 +328,25 @@ impl LocalMap for MemoryIdempotencyStore {
 #[derive(Clone)]
 pub(crate) struct SledIdempotencyStore {
     tree: sled::Tree,
+    /// The sweep of expired entries: where the last chunk ended, and operations since.
+    sweep: Arc<Mutex<Sweep>>,
 }
+
+/// An incremental sweep over a sled store's tree: every [`SWEEP_EVERY`] writes, the next
+/// [`SWEEP_CHUNK`] entries are read and the expired ones (a completed key past its TTL, a
+/// reservation past its lease) deleted, so the tree holds about the keys of one TTL
+/// rather than every key ever done.
+#[derive(Default)]
+struct Sweep {
+    after: Option<Vec<u8>>,
+    writes: u64,
+}
+
+/// Writes between two sweep steps.
+const SWEEP_EVERY: u64 = 64;
+/// Entries read by one sweep step: four times [`SWEEP_EVERY`], so the sweep outpaces the
+/// writes that add keys.
+const SWEEP_CHUNK: usize = 256;
 
 static SLED_DBS: std::sync::OnceLock<Mutex<HashMap<std::path::PathBuf, sled::Db>>> =
     std::sync::OnceLock::new();
@@ -360,7 +377,51 @@ impl SledIdempotencyStore {
         let tree = db
             .open_tree(format!("idempotency:{tree}"))
             .map_err(|e| StoreError(format!("sled tree {tree}: {e}")))?;
-        Ok(SledIdempotencyStore { tree })
+        Ok(SledIdempotencyStore {
+            tree,
+            sweep: Arc::default(),
+        })
+    }
+
+    /// Count a write; every [`SWEEP_EVERY`] writes, delete the expired entries among the
+    /// next [`SWEEP_CHUNK`] (each only if unchanged since read, so a concurrent reservation
+    /// is never lost), wrapping around at the end of the tree.
+    fn sweep_step(&self) -> StoreResult<()> {
+        let Ok(mut sweep) = self.sweep.lock() else {
+            return Ok(()); // a panicked sweep: the store still works, unswept
+        };
+        sweep.writes += 1;
+        if sweep.writes % SWEEP_EVERY != 0 {
+            return Ok(());
+        }
+        let now = now_ms();
+        let mut left = SWEEP_CHUNK;
+        // From the cursor to the end, then (if the chunk is not used up) from the start.
+        for from in [sweep.after.take(), None] {
+            let range = match &from {
+                Some(a) => self.tree.range((
+                    std::ops::Bound::Excluded(a.clone()),
+                    std::ops::Bound::Unbounded,
+                )),
+                None => self.tree.iter(),
+            };
+            for kv in range.take(left) {
+                let (k, v) = kv.map_err(Self::err)?;
+                left -= 1;
+                if decode(&v, now).is_none() {
+                    // Err: changed meanwhile (reserved again): kept.
+                    let _ = self
+                        .tree
+                        .compare_and_swap(&k, Some(&v), None as Option<&[u8]>)
+                        .map_err(Self::err)?;
+                }
+                sweep.after = Some(k.to_vec());
+            }
+            if left == 0 || from.is_none() {
+                break;
+            }
+        }
+        Ok(())
     }
 
     fn err(e: sled::Error) -> StoreError {
@@ -374,16 +435,18 @@ impl LocalMap for SledIdempotencyStore {
     }
 
     fn swap(&self, key: &[u8], old: Option<&[u8]>, new: Option<Vec<u8>>) -> StoreResult<bool> {
-        Ok(self
+        let swapped = self
             .tree
             .compare_and_swap(key, old, new)
             .map_err(Self::err)?
-            .is_ok())
+            .is_ok();
+        self.sweep_step()?;
+        Ok(swapped)
     }
 
     fn put(&self, key: &[u8], value: Vec<u8>) -> StoreResult<()> {
         self.tree.insert(key, value).map_err(Self::err)?;
-        Ok(())
+        self.sweep_step()
     }
 
     fn persist(&self) -> StoreFuture<'_, ()> {
@@ -568,5 +631,54 @@ impl IdempotencyStore for RedisIdempotencyStore {
             g.arg(self.k(key));
             Ok(Self::parse(self.q(g).await?))
         })
+    }
+}
+
+#[cfg(test)]
+mod sweep_tests {
+    use super::*;
+
+    #[test]
+    fn the_sled_store_forgets_expired_keys_as_it_is_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledIdempotencyStore::open(&dir.path().join("db"), "t/hook").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let claim = Claim {
+            token: 1,
+            lease: Duration::from_secs(60),
+        };
+        let done = |ttl| Completion {
+            result: b"200 ok",
+            ttl,
+        };
+        rt.block_on(async {
+            // 1,000 keys done with a 1 ms TTL, 10 with an hour's.
+            for i in 0..1_010u32 {
+                let k = i.to_be_bytes();
+                assert_eq!(s.reserve(&k, claim).await.unwrap(), Reservation::Acquired);
+                let ttl = if i < 1_000 { 1 } else { 3_600_000 };
+                s.complete(&k, done(Duration::from_millis(ttl)))
+                    .await
+                    .unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Using the store (200 more keys, done for an hour) sweeps the expired ones.
+            for i in 2_000..2_200u32 {
+                let k = i.to_be_bytes();
+                s.reserve(&k, claim).await.unwrap();
+                s.complete(&k, done(Duration::from_secs(3600)))
+                    .await
+                    .unwrap();
+            }
+            // Every live key is kept, with its result.
+            for i in (1_000..1_010u32).chain(2_000..2_200) {
+                let got = s.lookup(&i.to_be_bytes()).await.unwrap();
+                assert_eq!(got, Some(Reservation::Completed(b"200 ok".to_vec())), "{i}");
+            }
+        });
+        assert_eq!(s.tree.len(), 210, "expired keys kept");
     }
 }
