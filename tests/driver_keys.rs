@@ -100,10 +100,28 @@ stages:
     assert_eq!(got, expected_keys());
 }
 
-/// A `map` stage rewrites the value through `serde_json::Value`, where a number that is not
-/// a 64-bit integer is an `f64`: the digits of 2^64 + 1 are gone before the dedup stage sees
-/// it. Such a key is refused (dead letter with the reason), never merged with 2^64; numbers
-/// within 64-bit integers stay exact; a fraction is keyed as the map wrote it.
+/// A number beyond f64's range at the key's pointer is a key by its text, as any other
+/// number (serde refuses to parse it; the JSON grammar has no limit).
+#[test]
+fn numbers_beyond_f64_are_keys_by_their_text() {
+    let mut d = driver(
+        r#"
+name: t
+source: { topic: in, format: json }
+stages:
+  - dedup: { key: { json_pointer: /id }, partitioning: source }
+  - sink: { topic: out }
+"#,
+    );
+    let big = "9".repeat(400);
+    for id in ["1e400", "1E400", big.as_str(), "1e400"] {
+        d.pipe(TestRecord::json(format!(r#"{{"id":{id},"s":"x"}}"#)))
+            .unwrap();
+    }
+    let c = d.counts();
+    assert_eq!((c.passed, c.duplicates, c.dead_lettered), (3, 1, 0));
+}
+
 /// `value_hash`: a null value (a tombstone) has no key and is dead-lettered; tombstones of
 /// two Kafka keys are not one key. An empty value is a value.
 #[test]
@@ -134,6 +152,10 @@ stages:
     );
 }
 
+/// A `map` stage rewrites the value through `serde_json::Value`, where a number that is not
+/// a 64-bit integer is an `f64`: the digits of 2^64 + 1 are gone before the dedup stage sees
+/// it. Such a key is refused (dead letter with the reason), never merged with 2^64; numbers
+/// within 64-bit integers stay exact; a fraction is keyed as the map wrote it.
 #[test]
 fn after_a_map_integers_beyond_64_bits_are_refused_not_merged() {
     let ids = [

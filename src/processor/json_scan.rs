@@ -64,7 +64,17 @@ fn serde_scan(bytes: &[u8], pointers: &[Vec<String>]) -> Result<Vec<Scalar>, ser
         .enumerate()
         .map(|(i, p)| (i, p.as_slice()))
         .collect();
-    walk(bytes, &paths, &mut found, false)?;
+    if let Err(e) = walk(bytes, &paths, &mut found, false) {
+        // serde parses a number where a pointer ends as f64 and refuses one beyond its
+        // range (1e400, 400 digits), where the JSON grammar has no limit: read the values
+        // at the pointers as their text instead (the raw walk reads every number so).
+        if !e.to_string().contains("number out of range") {
+            return Err(e);
+        }
+        found.fill(Scalar::Missing);
+        walk(bytes, &paths, &mut found, true)?;
+        return Ok(found);
+    }
     // Numbers that did not come as 64-bit integers were marked with an empty text: read
     // their exact text in a second pass over the (now known valid) bytes, for those
     // pointers only.
@@ -99,7 +109,8 @@ fn walk(
 }
 
 /// Walks one value; `paths` are the pointers (rest of their tokens) that lead into it.
-/// With `raw`, a value where a pointer ends is read as its JSON text (numbers keep it).
+/// With `raw`, a value where a pointer ends is read as its JSON text when it is a number (its
+/// exact text, whatever its size), else as without `raw`.
 struct Walk<'a, 'p> {
     paths: &'a [(usize, &'p [String])],
     found: &'a mut [Scalar],
@@ -119,6 +130,22 @@ impl<'de> DeserializeSeed<'de> for Walk<'_, '_> {
             let text = raw.get();
             if text.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
                 self.set(Scalar::Num(text.to_string()));
+            } else {
+                // Not a number: read as the plain walk reads it.
+                let ending: Vec<(usize, &[String])> = self
+                    .paths
+                    .iter()
+                    .filter(|(_, rest)| rest.is_empty())
+                    .copied()
+                    .collect();
+                let mut de = serde_json::Deserializer::from_str(text);
+                Walk {
+                    paths: &ending,
+                    found: self.found,
+                    raw: false,
+                }
+                .deserialize(&mut de)
+                .map_err(D::Error::custom)?;
             }
             // Pointers that go on into this value (an object or array): walk its text.
             let deeper: Vec<(usize, &[String])> = self
@@ -349,6 +376,10 @@ mod tests {
             "1E+2",
             "0.10000000000000001",
             "-2.5e-300",
+            // Beyond f64's range: serde refuses to parse them, the JSON grammar has no limit.
+            "1e400",
+            "-1.5E+400",
+            &"9".repeat(400),
         ] {
             let doc = format!(r#"{{"id":{text},"a":[{text},{{"b":{text}}}],"s":"x"}}"#);
             let ptrs = ["/id", "/a/0", "/a/1/b", "/s"].map(tokens);
