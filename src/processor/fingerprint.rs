@@ -269,8 +269,10 @@ impl<'de> Visitor<'de> for Value<'_, '_> {
         Ok(self.scalar(|| mix(b'z', 0)))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<u64>, A::Error> {
-        // Members in any order: the object's hash is the sum of its members' hashes.
+        // Members in any order: the object's hash is the sum of its members' hashes. A name
+        // that repeats counts once, with its last value (as serde and the key scan read it).
         let mut sum = 0u64;
+        let mut terms: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
         let mut cover: Vec<Path<'_>> = Vec::new();
         let mut ignore: Vec<&[String]> = Vec::new();
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
@@ -296,9 +298,12 @@ impl<'de> Visitor<'de> for Value<'_, '_> {
                 need: self.hash,
                 matches: &mut *self.matches,
             })?;
-            if let Some(h) = child {
-                sum = sum.wrapping_add(mix(b'm', hash_bytes(b'k', key.as_bytes()) ^ h));
+            let name = hash_bytes(b'k', key.as_bytes());
+            let term = child.map_or(0, |h| mix(b'm', name ^ h));
+            if let Some(before) = terms.insert(name, term) {
+                sum = sum.wrapping_sub(before);
             }
+            sum = sum.wrapping_add(term);
         }
         Ok(self.scalar(|| mix(b'o', sum)))
     }
@@ -384,6 +389,21 @@ mod tests {
         ] {
             assert_ne!(a, fp(&all, other), "{other}");
         }
+    }
+
+    #[test]
+    fn a_repeated_member_counts_once_with_its_last_value() {
+        let all = FingerprintFields::ignore(["/nothing"]);
+        let once = fp(&all, r#"{"id":"a","n":2}"#);
+        assert_eq!(fp(&all, r#"{"id":"a","n":1,"n":2}"#), once);
+        assert_eq!(fp(&all, r#"{"id":"a","n":2,"n":2}"#), once);
+        assert_ne!(fp(&all, r#"{"id":"a","n":2,"n":1}"#), once);
+        // Ignored, then given again: the last one counts.
+        let ign = FingerprintFields::ignore(["/n/x"]);
+        assert_eq!(
+            fp(&ign, r#"{"n":{"x":1},"n":{"x":2,"y":3}}"#),
+            fp(&ign, r#"{"n":{"y":3}}"#)
+        );
     }
 
     #[test]
