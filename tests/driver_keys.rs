@@ -100,19 +100,18 @@ stages:
     assert_eq!(got, expected_keys());
 }
 
+/// A dedup on `key` (YAML) of a `format` source, co-partitioned, then a sink.
+fn dedup_on(format: &str, key: &str) -> TestDriver {
+    driver(&format!(
+        "name: t\nsource: {{ topic: in, format: {format} }}\nstages:\n  - dedup: {{ key: {key}, partitioning: source }}\n  - sink: {{ topic: out }}\n"
+    ))
+}
+
 /// A number beyond f64's range at the key's pointer is a key by its text, as any other
 /// number (serde refuses to parse it; the JSON grammar has no limit).
 #[test]
 fn numbers_beyond_f64_are_keys_by_their_text() {
-    let mut d = driver(
-        r#"
-name: t
-source: { topic: in, format: json }
-stages:
-  - dedup: { key: { json_pointer: /id }, partitioning: source }
-  - sink: { topic: out }
-"#,
-    );
+    let mut d = dedup_on("json", "{ json_pointer: /id }");
     let big = "9".repeat(400);
     for id in ["1e400", "1E400", big.as_str(), "1e400"] {
         d.pipe(TestRecord::json(format!(r#"{{"id":{id},"s":"x"}}"#)))
@@ -126,15 +125,7 @@ stages:
 /// two Kafka keys are not one key. An empty value is a value.
 #[test]
 fn value_hash_dead_letters_a_null_value_and_keys_an_empty_one() {
-    let mut d = driver(
-        r#"
-name: t
-source: { topic: in, format: bytes }
-stages:
-  - dedup: { key: value_hash, partitioning: source }
-  - sink: { topic: out }
-"#,
-    );
+    let mut d = dedup_on("bytes", "value_hash");
     d.pipe(TestRecord::null_value().key("customer-1")).unwrap();
     d.pipe(TestRecord::null_value().key("customer-2")).unwrap();
     d.pipe(TestRecord::json("").key("customer-3")).unwrap();
