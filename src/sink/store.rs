@@ -424,6 +424,14 @@ impl SledIdempotencyStore {
         Ok(())
     }
 
+    /// [`Self::sweep_step`], best effort: the operation that triggered it has succeeded,
+    /// so a failing sweep is logged, not reported (the next step tries again).
+    fn sweep(&self) {
+        if let Err(e) = self.sweep_step() {
+            tracing::warn!(error = %e, "sweeping expired idempotency keys failed; retried later");
+        }
+    }
+
     fn err(e: sled::Error) -> StoreError {
         StoreError(format!("sled idempotency store: {e}"))
     }
@@ -440,13 +448,14 @@ impl LocalMap for SledIdempotencyStore {
             .compare_and_swap(key, old, new)
             .map_err(Self::err)?
             .is_ok();
-        self.sweep_step()?;
+        self.sweep();
         Ok(swapped)
     }
 
     fn put(&self, key: &[u8], value: Vec<u8>) -> StoreResult<()> {
         self.tree.insert(key, value).map_err(Self::err)?;
-        self.sweep_step()
+        self.sweep();
+        Ok(())
     }
 
     fn persist(&self) -> StoreFuture<'_, ()> {
