@@ -586,12 +586,12 @@ impl Processor for Dedup {
             // Bound the keys: evict the oldest entries past max_keys.
             if let (Some(max), Some(idx)) = (self.spec.max_keys, book.by_age.as_mut()) {
                 while book.count > max {
-                    let Some((first_seen, k)) = idx.pop_first() else {
+                    let Some((since_ms, k)) = idx.pop_first() else {
                         break;
                     };
                     book.count -= 1;
                     book.evicted.increment(1);
-                    tracing::debug!(store = %self.store, age_ms = first_seen, "evicting the oldest key (max_keys)");
+                    tracing::debug!(store = %self.store, since_ms, "evicting the oldest key (max_keys)");
                     store.stage(k, None);
                 }
                 book.gauge.set(book.count as f64);
