@@ -52,6 +52,32 @@ fn ev(id: &str, t: i64) -> TestRecord {
     TestRecord::json(format!(r#"{{"id":"{id}","t":{t}}}"#)).timestamp(t)
 }
 
+/// Stream time survives a restart: it starts again from the committed entries, so a late
+/// first occurrence among the first records after it is known as late and keeps its entry
+/// a full window after it arrived (before, it was swept at the next commit and its copy
+/// passed).
+#[test]
+fn a_late_first_occurrence_right_after_a_restart_keeps_its_window() {
+    for g in GUARANTEES {
+        let mut d = by_id(g, 10 * MIN);
+        let t = 1_420_070_400_000;
+        let h5 = 300 * MIN;
+        d.pipe(ev("a", t + h5)).unwrap();
+        d.pipe(ev("b", t + h5)).unwrap(); // stream time t + 5 h, committed
+        d.crash();
+        d.pipe(ev("c", t + h5)).unwrap();
+        d.pipe(ev("late", t)).unwrap(); // 5 h late: a first occurrence
+        d.pipe(ev("e", t + h5)).unwrap(); // a commit and its sweep
+        d.pipe(ev("late", t)).unwrap(); // its copy
+        let c = d.counts();
+        assert_eq!((c.passed, c.duplicates), (5, 1), "{g:?}");
+        assert!(
+            d.dedup_entry("dedup", 0, b"late").unwrap().is_some(),
+            "{g:?}"
+        );
+    }
+}
+
 #[test]
 fn event_time_window_is_judged_per_key() {
     for g in GUARANTEES {

@@ -358,6 +358,7 @@ impl StagedStore {
     /// Number of keys in the committed state, when the store knows it without a scan (a
     /// write-behind store whose engine was empty when opened, or keeps the count with its
     /// data as sled does).
+    #[cfg(test)]
     pub(crate) fn known_len(&self) -> Option<u64> {
         self.behind.as_ref().and_then(|b| b.known_len)
     }

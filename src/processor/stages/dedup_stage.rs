@@ -262,6 +262,10 @@ pub(crate) struct Dedup {
 /// to date by the stage's own writes.
 struct KeyBook {
     count: u64,
+    /// The two highest [`DedupEntry::sweep_base_ms`] among the committed entries (highest
+    /// first; `i64::MIN` when fewer): where stream time was, at least, when they were
+    /// written. See [`Dedup::fold_time`].
+    top_bases: [i64; 2],
     by_age: Option<std::collections::BTreeSet<(i64, Vec<u8>)>>,
     gauge: metrics::Gauge,
     evicted: metrics::Counter,
@@ -276,28 +280,22 @@ impl KeyBook {
     ) -> Result<KeyBook, crate::error::Error> {
         let mut book = KeyBook {
             count: 0,
+            top_bases: [i64::MIN; 2],
             by_age: with_index.then(Default::default),
             gauge,
             evicted,
         };
-        // Without max_keys only the count is needed: a store that knows it (its engine was
-        // empty when opened, e.g. after a restore into a fresh state dir) spares the scan.
-        if !with_index {
-            if let Some(n) = store.known_len() {
-                book.count = n;
-                book.gauge.set(n as f64);
-                return Ok(book);
-            }
-        }
         // One pass over the committed state (no wait for writes still going to the engine).
         let name = store.name().to_string();
         store.for_each_committed(|k, v| {
             book.count += 1;
+            let e = DedupEntry::decode(v).map_err(|e| {
+                crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
+            })?;
+            let base = e.sweep_base_ms();
+            fold_time(&mut book.top_bases, base);
             if let Some(idx) = &mut book.by_age {
-                let e = DedupEntry::decode(v).map_err(|e| {
-                    crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
-                })?;
-                idx.insert((e.sweep_base_ms(), k.to_vec()));
+                idx.insert((base, k.to_vec()));
             }
             Ok(())
         })?;
@@ -326,6 +324,18 @@ impl KeyBook {
             idx.remove(&(entry.sweep_base_ms(), key.to_vec()));
         }
         self.gauge.set(self.count as f64);
+    }
+}
+
+/// Fold `time_ms` into `top`, the two highest times (highest first). Stream time is the
+/// second: one far-future timestamp alone cannot move it. Folding the committed entries'
+/// two highest sweep bases never moves it past where it was: each base is a record's time
+/// or a past stream time, and two entries are two records.
+fn fold_time(top: &mut [i64; 2], time_ms: i64) {
+    if time_ms > top[0] {
+        *top = [time_ms, top[0]];
+    } else if time_ms > top[1] {
+        top[1] = time_ms;
     }
 }
 
@@ -400,9 +410,9 @@ impl Processor for Dedup {
         // The key book counted staged writes that are gone: rebuild it from the store.
         self.book = None;
         // The dropped records are read again; until they have been, stream time is what
-        // they move it to, as after a restart: a sweep by the time they had reached would
-        // delete entries still live for the records before them. The sweep's cursor
-        // starts over (its staged deletes are gone).
+        // the committed entries and they move it to, as after a restart: a sweep by the
+        // time they had reached would delete entries still live for the records before
+        // them. The sweep's cursor starts over (its staged deletes are gone).
         self.top_times = [i64::MIN; 2];
         self.sweep_after = None;
         self.held.clear();
@@ -515,11 +525,7 @@ impl Processor for Dedup {
             TimeSource::Event => record.timestamp.unwrap_or(ctx.wall_clock_ms),
             TimeSource::Processing => ctx.wall_clock_ms,
         };
-        if time_ms > self.top_times[0] {
-            self.top_times = [time_ms, self.top_times[0]];
-        } else if time_ms > self.top_times[1] {
-            self.top_times[1] = time_ms;
-        }
+        fold_time(&mut self.top_times, time_ms);
         let fingerprint = match (self.spec.fingerprint, &self.fingerprinter) {
             (false, _) => None,
             (true, None) => Some(xxhash_rust::xxh3::xxh3_64(
@@ -551,12 +557,19 @@ impl Processor for Dedup {
                 ("store", self.store.clone()),
                 ("partition", record.source.partition.to_string()),
             ];
-            self.book = Some(KeyBook::build(
+            let book = KeyBook::build(
                 store,
                 self.spec.max_keys.is_some(),
                 metrics::gauge!(crate::metrics::DEDUP_KEYS, &labels),
                 metrics::counter!(crate::metrics::EVICTED, &labels),
-            )?);
+            )?;
+            // After a restart (or an abort) stream time starts from the committed entries,
+            // not from nothing: a late first occurrence among the first records is known
+            // as late, and keeps its entry a full window after it arrived.
+            for base in book.top_bases {
+                fold_time(&mut self.top_times, base);
+            }
+            self.book = Some(book);
         }
         let prev = match store.lookup(&self.key_buf)? {
             None => None,
