@@ -135,7 +135,7 @@ impl Admin {
         let md = self
             .client
             .inner()
-            .fetch_metadata(Some(topic), self.timeout)
+            .fetch_metadata(Some(topic), self.timeout.min(METADATA_ATTEMPT))
             .map_err(Error::kafka("fetch metadata"))?;
         let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
             return Ok(None);
@@ -522,3 +522,8 @@ mod tests {
         assert_eq!(changelog_mismatches(&c), vec![]);
     }
 }
+
+/// The longest one metadata request may wait: [`Admin::partition_count`] retries for up to
+/// two minutes, in attempts this long, so that a stop asked for meanwhile
+/// ([`crate::kafka::retry::cancellable`]) is seen within seconds.
+const METADATA_ATTEMPT: Duration = Duration::from_secs(5);

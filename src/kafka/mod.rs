@@ -33,13 +33,18 @@ pub(crate) fn client_config(
     c
 }
 
-/// Turn a librdkafka "No such configuration property" failure into a config error naming
-/// the `kafka.*` key.
+/// Turn librdkafka refusing a property (unknown, or a value it cannot take) into a config
+/// error naming the `kafka.*` key and its value.
 pub(crate) fn config_error(e: rdkafka::error::KafkaError) -> crate::Error {
     match e {
         rdkafka::error::KafkaError::ClientCreation(msg) => crate::Error::Config(format!(
             "a kafka.* property was refused by librdkafka: {msg}"
         )),
+        rdkafka::error::KafkaError::ClientConfig(_, desc, key, value) => {
+            crate::Error::Config(format!(
+                "kafka.{key} (or kafka.consumer.{key} / kafka.producer.{key}) = {value:?} was refused by librdkafka: {desc}"
+            ))
+        }
         other => crate::Error::Kafka {
             op: "client creation",
             source: other,

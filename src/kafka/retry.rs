@@ -68,6 +68,33 @@ pub(crate) fn retry<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
     retry_for(what, DEFAULT_BUDGET, f)
 }
 
+std::thread_local! {
+    /// The stop flag of the run on this thread, set by [`cancellable`].
+    static CANCEL: std::cell::RefCell<Option<std::sync::Arc<std::sync::atomic::AtomicBool>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` with `stop` as this thread's stop flag: a [`retry`] loop in it gives up (with
+/// the last transient error) as soon as `stop` is set, instead of retrying out its budget.
+/// So a SIGTERM while the broker is unreachable at start-up stops the run at once.
+pub(crate) fn cancellable<T>(
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    f: impl FnOnce() -> T,
+) -> T {
+    let before = CANCEL.with(|c| c.replace(Some(stop.clone())));
+    let out = f();
+    CANCEL.with(|c| *c.borrow_mut() = before);
+    out
+}
+
+fn cancelled() -> bool {
+    CANCEL.with(|c| {
+        c.borrow()
+            .as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
+    })
+}
+
 /// As [`retry`], with a budget of `budget`.
 ///
 /// # Errors
@@ -83,10 +110,14 @@ pub(crate) fn retry_for<T>(
     loop {
         match f() {
             Ok(v) => return Ok(v),
-            Err(e) if is_retriable(&e) && Instant::now() + backoff < deadline => {
+            Err(e) if is_retriable(&e) && Instant::now() + backoff < deadline && !cancelled() => {
                 tracing::info!(what, attempt, error = %e, backoff_ms = backoff.as_millis() as u64,
                     "transient broker error: retrying");
-                std::thread::sleep(backoff);
+                // In steps, so that a stop is seen within 100 ms.
+                let until = Instant::now() + backoff;
+                while Instant::now() < until && !cancelled() {
+                    std::thread::sleep((until - Instant::now()).min(Duration::from_millis(100)));
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(2));
                 attempt += 1;
             }

@@ -547,7 +547,16 @@ impl App {
             .clone()
             .with_state_dir(&self.config.state_dir, &self.config.application_id);
         self.topology.preflight()?;
-        let partitions = self.prepare_topics()?;
+        // A stop asked for while the broker is still out of reach ends the run here.
+        let partitions = match crate::kafka::retry::cancellable(&opts.shutdown, || {
+            self.prepare_topics()
+        }) {
+            Err(e) if opts.shutdown.load(Ordering::SeqCst) => {
+                tracing::info!(error = %e, "shutdown requested while preparing topics: stopping");
+                return Ok(RunSummary::default());
+            }
+            r => r?,
+        };
         let dir = self.config.state_dir.join(&self.config.application_id);
         // A corrupted database is set aside and its stores restore from the changelogs.
         let backend = SledBackend::open_checked(&dir)?;

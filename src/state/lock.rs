@@ -12,8 +12,8 @@ impl StateDirLock {
     /// Create `dir` if needed and lock it.
     ///
     /// # Errors
-    /// [`crate::Error::State`] naming the dir and the pid holding it, when another process
-    /// has it; [`crate::Error::Io`] when the dir or lock file cannot be created.
+    /// [`crate::Error::Config`] naming the dir and the pid holding it, when another process
+    /// has it (exit code 2: give each instance its own state dir); [`crate::Error::Io`] when the dir or lock file cannot be created.
     pub(crate) fn acquire(dir: &std::path::Path) -> Result<StateDirLock> {
         use std::io::{Read, Seek, Write};
         use std::os::unix::io::AsRawFd;
@@ -35,13 +35,12 @@ impl StateDirLock {
         if rc != 0 {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
-            return Err(crate::Error::state(
-                dir.display().to_string(),
-                format!(
-                    "state.dir is locked by another onceflow process (pid {}); give each instance its own state.dir",
-                    holder.trim()
-                ),
-            ));
+            // The user's to fix (as a port in use): exit 2, not "a restart resumes".
+            return Err(crate::Error::Config(format!(
+                "state.dir is locked by another onceflow process (pid {}): {}; give each instance its own state.dir",
+                holder.trim(),
+                dir.display()
+            )));
         }
         file.set_len(0).map_err(io)?;
         file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;

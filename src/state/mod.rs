@@ -177,6 +177,8 @@ mod tests {
             .expect("second lock must fail");
         let msg = err.to_string();
         assert!(msg.contains("locked by another onceflow process"), "{msg}");
+        // A fault to fix, as a port in use: exit code 2.
+        assert_eq!(err.fault(), crate::error::Fault::User, "{msg}");
         assert!(
             msg.contains(&std::process::id().to_string()),
             "names the holder: {msg}"

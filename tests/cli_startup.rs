@@ -1,0 +1,103 @@
+//! `onceflow run` start-up faults, without a broker (bootstrap 127.0.0.1:1, nothing
+//! listening): exit 2 for a config fault (fix it and start again), 1 for a failure outside
+//! onceflow (a restart resumes); SIGTERM stops the run, also while the broker is still out
+//! of reach.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_onceflow");
+
+fn topology() -> String {
+    format!(
+        "{}/topologies/gharchive-dedup.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn base(state: &std::path::Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("run")
+        .arg(topology())
+        .args([
+            "--set",
+            "bootstrap.servers=127.0.0.1:1",
+            "--set",
+            "http.address=off",
+        ])
+        .arg("--set")
+        .arg(format!("state.dir={}", state.display()))
+        .env_remove("ONCEFLOW_BOOTSTRAP_SERVERS");
+    c
+}
+
+/// A property that librdkafka refuses is a config fault: exit 2, naming the key.
+#[test]
+fn a_bad_kafka_property_is_a_config_fault_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (how, env) in [("set", false), ("env", true)] {
+        let mut c = base(dir.path());
+        if env {
+            c.env("ONCEFLOW__KAFKA__LINGER__MS", "abc");
+        } else {
+            c.args(["--set", "kafka.linger.ms=abc"]);
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{how}: {err}");
+        assert!(
+            err.contains("kafka.linger.ms"),
+            "{how}: names the key: {err}"
+        );
+        assert!(err.contains("\"abc\""), "{how}: names the value: {err}");
+    }
+}
+
+/// A second instance on a state.dir in use is told to fix it (as a port in use): exit 2.
+#[test]
+fn a_locked_state_dir_is_a_config_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = base(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let out = base(dir.path()).output().unwrap();
+    let _ = first.kill();
+    let _ = first.wait();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("locked"), "{err}");
+    assert_eq!(out.status.code(), Some(2), "{err}");
+}
+
+/// One SIGTERM while start-up waits for the broker (metadata retried for up to 2 min)
+/// stops the run: exit 0, without a second signal (130).
+#[test]
+fn sigterm_during_start_up_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = base(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if t0.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running 15 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        code,
+        Some(0),
+        "a second signal was needed, or the stop failed"
+    );
+}
