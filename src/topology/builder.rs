@@ -154,6 +154,14 @@ impl TopologyBuilder {
             if !seen.insert(st.name.clone()) {
                 err("name", "duplicate stage name".into());
             }
+            // Lookup tables keep their state in sled trees `table-<name>`: a store named so
+            // would share a table's tree and miss the store checks.
+            if matches!(st.kind, StageKind::Dedup(_)) && st.name.starts_with("table-") {
+                err(
+                    "name",
+                    "must not start with `table-` (the prefix of lookup tables' state); rename the stage".into(),
+                );
+            }
             let cx = CheckCx {
                 source: source.as_ref(),
                 upstream_dedup: upstream_dedup.as_ref(),

@@ -305,6 +305,22 @@ mod tests {
     }
 
     #[test]
+    fn a_dedup_stage_may_not_take_the_tables_prefix() {
+        let errs = TopologyBuilder::new("t")
+            .source("in", Format::Json)
+            .dedup("table-x", DedupSpec::new(KeySource::KafkaKey))
+            .sink("out", "out")
+            .build()
+            .unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(
+            errs[0].to_string().starts_with("topology error in table-x: field `name`: must not start with `table-`"),
+            "{}",
+            errs[0]
+        );
+    }
+
+    #[test]
     fn build_checks_the_language_stages() {
         let errs = TopologyBuilder::new("t")
             .source("in", Format::Bytes)
