@@ -289,8 +289,8 @@ fn write_text(
     )?;
     writeln!(
         out,
-        "  swept after: stream time {} (+ grace)",
-        format_ms(expires.saturating_add(store.grace_ms))
+        "  swept after: stream time {} (its time, or the stream time when written if later, + ttl + grace)",
+        format_ms(super::swept_after_ms(e, store))
     )?;
     match f.changelog_offset {
         Some(o) => writeln!(out, "  read from:   {} offset {o}", store.changelog),
@@ -460,5 +460,40 @@ mod tests {
         );
         let e = parse_time("yesterday").unwrap_err().to_string();
         assert!(e.contains("--first-seen"), "{e}");
+    }
+
+    #[test]
+    fn text_and_json_agree_on_when_a_late_entry_is_swept() {
+        let store = StoreInfo {
+            name: "dedup".into(),
+            changelog: "app-dedup-changelog".into(),
+            ttl_ms: 600_000,
+            grace_ms: 3_600_000,
+        };
+        let f = FoundEntry {
+            partition: 0,
+            key: b"late".to_vec(),
+            entry: crate::processor::dedup::DedupEntry {
+                first_seen_ms: 0,
+                source_partition: 0,
+                source_offset: 3,
+                fingerprint: None,
+                written_stream_ms: Some(86_400_000), // a day late
+            },
+            changelog_offset: None,
+        };
+        let json = f.to_json(&store, "in")["swept_after"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // From when it was written: a day + 10 min + 1 h.
+        assert_eq!(json, "1970-01-02T01:10:00.000Z");
+        let mut text = Vec::new();
+        write_text(&mut text, &f, &store, "in").unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains(&format!("swept after: stream time {json}")),
+            "{text}"
+        );
     }
 }

@@ -104,6 +104,15 @@ pub(crate) fn format_ms(ms: i64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
+/// The stream time past which the sweep may delete entry `e` of `store`: from its sweep
+/// base (its time, or the later stream time when it was written: a late first occurrence)
+/// + TTL + grace. One rule for `state get`'s text and JSON and the sweep itself.
+pub(crate) fn swept_after_ms(e: &DedupEntry, store: &StoreInfo) -> i64 {
+    e.sweep_base_ms()
+        .saturating_add(store.ttl_ms)
+        .saturating_add(store.grace_ms)
+}
+
 impl FoundEntry {
     /// The entry as one JSON object (the line format of `state dump` and `state get --json`).
     ///
@@ -131,11 +140,7 @@ impl FoundEntry {
             "source_offset": e.source_offset,
             "expires_at_ms": expires,
             "expires_at": format_ms(expires),
-            "swept_after": format_ms(
-                e.sweep_base_ms()
-                    .saturating_add(store.ttl_ms)
-                    .saturating_add(store.grace_ms)
-            ),
+            "swept_after": format_ms(swept_after_ms(e, store)),
             "fingerprint": e.fingerprint.map(|f| format!("{f:016x}")),
             "changelog_offset": self.changelog_offset,
         })

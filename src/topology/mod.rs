@@ -314,7 +314,9 @@ mod tests {
             .unwrap_err();
         assert_eq!(errs.len(), 1, "{errs:?}");
         assert!(
-            errs[0].to_string().starts_with("topology error in table-x: field `name`: must not start with `table-`"),
+            errs[0].to_string().starts_with(
+                "topology error in table-x: field `name`: must not start with `table-`"
+            ),
             "{}",
             errs[0]
         );
