@@ -257,16 +257,17 @@ fn with_source(
     key: Option<Bytes>,
     keyed: bool,
 ) -> OutRecord {
+    // The coordinates of the record read (its origin), always: a header of these names
+    // that the source record carried itself is replaced, never trusted (it would name
+    // another record, and without [`UNKEYED`] make an unkeyed record keyed).
     let mut headers = record.headers.clone();
-    if source_of(&headers).is_none() {
-        let s = record.origin();
-        let mut text = Vec::new();
-        source_text(&s.topic, s.partition, s.offset, &mut text);
-        headers.retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
-        headers.push((SOURCE.into(), Some(Bytes::from(text))));
-        if !keyed {
-            headers.push((UNKEYED.into(), None));
-        }
+    let s = record.origin();
+    let mut text = Vec::new();
+    source_text(&s.topic, s.partition, s.offset, &mut text);
+    headers.retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
+    headers.push((SOURCE.into(), Some(Bytes::from(text))));
+    if !keyed {
+        headers.push((UNKEYED.into(), None));
     }
     OutRecord {
         topic: topic.to_string(),

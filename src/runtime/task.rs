@@ -724,9 +724,9 @@ fn keyed_pointers(topology: &Topology) -> Option<(std::sync::Arc<[String]>, Vec<
 /// Build the dead-letter record for a refused source record: its key, value, timestamp and
 /// headers as read, plus the `onceflow.dlq.*` headers naming `source` and the reason. Callers
 /// pass the record's [`Record::origin`](crate::Record::origin), so a record read from a
-/// repartition topic is named by its original source, not by its repartition coordinates;
-/// headers that still name a source ([`SOURCE`](crate::headers::SOURCE), e.g. a record an
-/// earlier hop routed) win.
+/// repartition topic is named by its original source, not by its repartition coordinates.
+/// Headers the record carries are never read for that: a source record's own
+/// `onceflow.source` header would name another record.
 pub(crate) fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
@@ -737,8 +737,6 @@ pub(crate) fn dead_letter(
     err: &RecordError,
 ) -> OutRecord {
     let h = |s: String| Some(Bytes::from(s.into_bytes()));
-    let original = crate::processor::repartition::source_of(&headers);
-    let source = original.as_ref().unwrap_or(source);
     headers.push((dlq_headers::TOPIC.into(), h(source.0.clone())));
     headers.push((dlq_headers::PARTITION.into(), h(source.1.to_string())));
     headers.push((dlq_headers::OFFSET.into(), h(source.2.to_string())));
