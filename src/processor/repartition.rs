@@ -561,13 +561,19 @@ mod tests {
         take_source(&mut bad, &mut last);
         assert_eq!(bad.headers.len(), 2);
         assert_eq!(bad.origin(), &bad.source);
-        // A second hop keeps the first source.
-        let mut again = rec.clone();
-        again.headers = out.headers.clone();
+        // A second hop keeps the first source: the record read back has it as its origin.
+        let mut again = back.clone();
         again.source.offset = 99;
         let out2 = route(&again, &key, "t", 4).unwrap();
         assert_eq!(source_of(&out2.headers), Some(("events".into(), 3, 17)));
         assert_eq!(out2.headers.len(), out.headers.len());
+        // Hop headers a source record carried itself are replaced, never trusted.
+        let mut carried = rec.clone();
+        carried.headers = out.headers.clone();
+        carried.source.offset = 99;
+        let out3 = route(&carried, &key, "t", 4).unwrap();
+        assert_eq!(source_of(&out3.headers), Some(("events".into(), 3, 99)));
+        assert_eq!(out3.headers.len(), out.headers.len());
         // The router: keyed by the scanned key; a record without one keeps its Kafka key.
         let router = Router::new(key.clone(), crate::codec::Format::Json, "t", 4);
         let mut raw = rec.clone();
