@@ -751,3 +751,24 @@ stages:
         Some(&[0xfe][..])
     );
 }
+
+/// A CEL map with keys `1` and `"1"` is two entries in CEL but one name in JSON: the record
+/// is dead-lettered naming the stage, not written with one entry lost.
+#[test]
+fn a_map_result_whose_keys_collide_in_json_is_a_dead_letter() {
+    let mut d = file(
+        r#"
+name: t
+source: { topic: in }
+stages:
+  - map: { name: m, set: { o: '{1: "int", "1": "string"}' } }
+  - sink: { topic: out }
+"#,
+    );
+    d.pipe(TestRecord::json(r#"{}"#)).unwrap();
+    assert_eq!(d.output_values("out"), Vec::<String>::new());
+    let dead = dead(&d);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "m", "{dead:?}");
+    assert!(dead[0].1.contains("two keys written \"1\""), "{dead:?}");
+}

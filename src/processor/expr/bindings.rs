@@ -224,7 +224,13 @@ pub(crate) fn cel_to_json(v: &Value) -> Result<serde_json::Value, String> {
             let mut entries: Vec<_> = m.map.iter().collect();
             entries.sort_by_key(|(k, _)| key_text(k));
             for (k, v) in entries {
-                o.insert(key_text(k), cel_to_json(v)?);
+                let text = key_text(k);
+                // `1` and `"1"` are two CEL keys but one JSON name: refused, not merged.
+                if o.insert(text.clone(), cel_to_json(v)?).is_some() {
+                    return Err(format!(
+                        "the result map has two keys written {text:?} in JSON (e.g. 1 and \"1\"); JSON holds one"
+                    ));
+                }
             }
             J::Object(o)
         }
