@@ -355,6 +355,11 @@ impl Router {
     }
 
     /// The repartition topic.
+    /// The dedup key it routes by.
+    pub(crate) fn key(&self) -> &KeySource {
+        &self.key
+    }
+
     pub(crate) fn topic(&self) -> &str {
         &self.topic
     }

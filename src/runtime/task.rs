@@ -78,11 +78,16 @@ pub(crate) struct Task {
     /// A router whose stages rewrite the value (a map) of a source whose format is not
     /// JSON: what they pass is encoded in the source format again before it is routed.
     reencode: bool,
+    /// A router task: the name of the dedup stage after its hop (it names the records whose
+    /// key the stages before the hop made unusable, see [`Task::process`]).
+    hop_stage: String,
     /// The largest record the producer accepts (see [`Task::with_max_record_bytes`]).
     max_record_bytes: usize,
     /// The task reads a repartition topic: each record's source header is taken off into
     /// its origin ([`crate::processor::repartition::take_source`]).
     reads_hop: bool,
+    /// A buffer for [`Task::hop_stage`]'s key check.
+    key_check: Vec<u8>,
     /// The last origin topic seen, shared by the records that name it.
     origin_topic: Option<std::sync::Arc<str>>,
     /// Behind a hop whose dedup key is read from a JSON value: the pointers (and tokens)
@@ -147,8 +152,10 @@ impl Task {
                 .any(|s| matches!(s.kind, crate::topology::StageKind::External(_))),
             router: None,
             reencode: false,
+            hop_stage: String::new(),
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
             reads_hop: topology.hop().ok().flatten().is_some(),
+            key_check: Vec::new(),
             origin_topic: None,
             keyed_pointers: keyed_pointers(topology),
         })
@@ -211,8 +218,10 @@ impl Task {
             fails_late: false,
             router: Some(router),
             reencode,
+            hop_stage: topology.stages()[topology.hop_stage()].name.clone(),
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
             reads_hop: false,
+            key_check: Vec::new(),
             origin_topic: None,
             keyed_pointers: None,
         }
@@ -403,6 +412,21 @@ impl Task {
                             );
                             continue;
                         }
+                    }
+                }
+                // A stage rewrote the value: the dedup key read from what it made must be
+                // one the dedup would take without the hop. A number whose digits the
+                // rewrite lost (an integer beyond 64 bits, now a float) is refused as the
+                // dedup refuses it; routed by the float's text, two ids would become one.
+                if rec.json.is_some() {
+                    self.key_check.clear();
+                    if let Err(e @ crate::processor::key::KeyError::WrongType(_)) =
+                        r.key().extract_into(&rec, &mut self.key_check)
+                    {
+                        self.dlq_counters[self.nodes.len()].increment(1);
+                        let err = RecordError::new(&self.hop_stage, e.to_string());
+                        dead(err, out, &mut self.counts);
+                        continue;
                     }
                 }
                 routed = true;
