@@ -548,3 +548,87 @@ stages:
         assert_eq!(last_header(out[0], headers::SOURCE), None, "{g:?}");
     }
 }
+
+// Source records that carry headers named like onceflow's own source coordinates
+// (`onceflow.source`, e.g. read from a topic another onceflow or a relay wrote): never
+// trusted. The router writes the coordinates of the record read, and dead letters and
+// dedup entries name that record.
+
+/// The topic, partition and offset dead letter `r` names.
+fn dlq_source(r: &onceflow::OutRecord) -> (String, String, String) {
+    let h = |n| String::from_utf8_lossy(&last_header(r, n).unwrap_or_default()).into_owned();
+    (
+        h(dlq_headers::TOPIC),
+        h(dlq_headers::PARTITION),
+        h(dlq_headers::OFFSET),
+    )
+}
+
+/// A record without the dedup key is dead-lettered, never keyed by its Kafka key, also when
+/// it carries a well-formed `onceflow.source` header (which made the router leave out
+/// `onceflow.source.unkeyed`: such records passed, the second as a "duplicate").
+#[test]
+fn an_unkeyed_record_carrying_a_source_header_is_dead_lettered() {
+    let mut d = TestDriver::new(by_id(Some(Partitioning::Repartition))).source_partitions(4);
+    for (n, p) in [(7, 1), (8, 2)] {
+        d.pipe(
+            TestRecord::json(format!(r#"{{"x":{n}}}"#))
+                .key("k9")
+                .header("onceflow.source", format!("elsewhere/0/{n}"))
+                .partition(p),
+        )
+        .unwrap();
+    }
+    assert_eq!(
+        d.output_values("out"),
+        Vec::<String>::new(),
+        "{:?}",
+        d.counts()
+    );
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 2);
+    assert_eq!(dlq_source(dl[0]), ("in".into(), "1".into(), "0".into()));
+}
+
+/// The dedup entry and a dead letter after the hop name the record read (in/1/0), not a
+/// header it carried; that header name is onceflow's, so it does not reach the output.
+#[test]
+fn a_source_header_on_the_input_names_nothing() {
+    let mut d = TestDriver::new(by_id(Some(Partitioning::Repartition))).source_partitions(4);
+    let spoofed = |v: &str| {
+        TestRecord::json(v)
+            .header("onceflow.source", "spoofed/3/999")
+            .partition(1)
+    };
+    d.pipe(spoofed(r#"{"id":"e-1"}"#)).unwrap();
+    d.pipe(spoofed(r#"{"id":null}"#)).unwrap();
+    d.commit().unwrap();
+    let e = d
+        .dedup_entry("dedup", partition_for(b"e-1", 4), b"e-1")
+        .unwrap()
+        .unwrap();
+    assert_eq!((e.source_partition, e.source_offset), (1, 0));
+    let out = d.output("out");
+    assert_eq!(out.len(), 1);
+    assert_eq!(last_header(out[0], "onceflow.source"), None);
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    assert_eq!(dlq_source(dl[0]), ("in".into(), "1".into(), "1".into()));
+}
+
+/// Without a hop too: a dead letter names where the record was read, not an
+/// `onceflow.source` header it carried.
+#[test]
+fn without_a_hop_a_dead_letter_names_where_the_record_was_read() {
+    let t = dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in }\nstages:\n  - filter: { name: f, when: 'value.n > 1' }\n  - sink: { topic: out }\n",
+    )
+    .unwrap();
+    let mut d = TestDriver::new(t);
+    d.pipe(TestRecord::json(r#"{"x":1}"#).header("onceflow.source", "other/5/42"))
+        .unwrap();
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    assert_eq!(dlq_source(dl[0]), ("in".into(), "0".into(), "0".into()));
+}
