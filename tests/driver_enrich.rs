@@ -162,6 +162,28 @@ fn bad_lookup_keys_and_records_are_dead_lettered() {
     );
 }
 
+/// Into a top-level field, a row joins the same whether the record had that field or not:
+/// the record's and the row's numbers keep their digits (an integer beyond 64 bits too).
+/// Found by a review helper: with the field present, the row went through `f64`.
+#[test]
+fn a_row_joins_the_same_whether_or_not_the_field_exists() {
+    let mut d = driver(MissingPolicy::DeadLetter, "/customer");
+    customer(&mut d, "c1", Some(r#"{"acct":18446744073709551617}"#));
+    for order in [
+        r#"{"customer_id":"c1","n":18446744073709551616}"#,
+        r#"{"customer_id":"c1","n":18446744073709551616,"customer":null}"#,
+        r#"{"customer_id":"c1","customer":{"old":1},"n":18446744073709551616}"#,
+    ] {
+        d.pipe(TestRecord::json(order)).unwrap();
+    }
+    let out = d.output_values("orders.enriched");
+    assert_eq!(out.len(), 3, "{out:?}");
+    for v in &out {
+        assert!(v.contains(r#""customer":{"acct":18446744073709551617}"#), "{v}");
+        assert!(v.contains(r#""n":18446744073709551616"#), "{v}");
+    }
+}
+
 #[test]
 fn empty_into_merges_the_row_fields() {
     let mut d = driver(MissingPolicy::Pass, "");

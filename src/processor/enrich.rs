@@ -8,6 +8,12 @@
 //! creating objects on the way; with `into` empty the row's fields are merged into the
 //! record's top level, overwriting fields of the same name.
 //!
+//! Into one top-level field of a JSON object no earlier stage decoded, the result is
+//! written from the record's text and the row's, so numbers keep their digits whatever
+//! their size, whether the field was there or not. Into a nested field, into the top level,
+//! or after a `map`, the join goes through a JSON tree, which holds numbers as 64-bit
+//! integers or `f64` (an integer beyond 64 bits becomes a float).
+//!
 //! A record with no lookup key (missing field, null, wrong type) goes to the dead-letter
 //! topic. A record with a key but no row follows [`MissingPolicy`]. The lookup sees the
 //! table as loaded at that moment: the table follows its topic in the background, so an
@@ -110,7 +116,7 @@ pub(crate) struct Enrich {
     name: String,
     spec: EnrichSpec,
     into: Vec<String>,
-    /// `"<field>":` when `into` names one top-level field (the splice fast path).
+    /// `"<field>":` when `into` names one top-level field (the text path).
     splice_key: Option<Vec<u8>>,
     key_buf: Vec<u8>,
     matched: metrics::Counter,
@@ -211,22 +217,28 @@ impl Processor for Enrich {
 }
 
 impl Enrich {
-    /// The fast path for a JSON record not decoded yet, joined into one top-level field the
-    /// source scan found absent: the row's JSON text is appended to the object's text
-    /// (`{...,"field":row}`), with no tree built or written. The result is the same JSON as
-    /// the slow path's, with the record's own text (spacing, number forms) kept. `None` when
-    /// the fast path does not apply.
+    /// The text path for a JSON object not decoded yet, joined into one top-level field:
+    /// the result is written from the record's own text and the row's, so both keep their
+    /// number forms (an integer beyond 64 bits stays itself), with no tree built. When the
+    /// source scan found the field absent, the row is appended to the object's text
+    /// (`{...,"field":row}`); otherwise the object is rewritten member by member from their
+    /// raw texts, a repeated name kept once at its first place with its last value, as the
+    /// tree path does. `None` when the path does not apply (a view exists, `into` is nested
+    /// or empty) or the value is not a JSON object; the tree path then decides.
     fn splice(&self, record: &Record, row: &[u8]) -> Option<bytes::Bytes> {
         let key = self.splice_key.as_ref()?;
         if record.json.is_some() {
             return None;
         }
-        let (ptrs, vals) = record.fields.as_ref()?;
-        let i = ptrs.iter().position(|p| *p == self.spec.into)?;
-        if vals[i] != super::json_scan::Scalar::Missing {
-            return None;
-        }
         let v = record.value.as_deref()?;
+        let absent = record.fields.as_ref().is_some_and(|(ptrs, vals)| {
+            ptrs.iter()
+                .position(|p| *p == self.spec.into)
+                .is_some_and(|i| vals[i] == super::json_scan::Scalar::Missing)
+        });
+        if !absent {
+            return rewrite_members(v, &self.into[0], row).map(Into::into);
+        }
         let end = v.iter().rposition(|b| !b.is_ascii_whitespace())?;
         let start = v.iter().position(|b| !b.is_ascii_whitespace())?;
         if v[start] != b'{' || v[end] != b'}' {
@@ -243,6 +255,58 @@ impl Enrich {
         out.push(b'}');
         Some(out.into())
     }
+}
+
+/// The JSON object `value` with its member `field` set to the JSON text `row`, written from
+/// the members' raw texts (numbers keep their digits); a repeated member name is kept once,
+/// at its first place with its last value. `None` when `value` is not one JSON object or
+/// `row` is not JSON.
+fn rewrite_members(value: &[u8], field: &str, row: &[u8]) -> Option<Vec<u8>> {
+    use serde::de::{Deserializer as _, MapAccess, Visitor};
+    use serde_json::value::RawValue;
+
+    struct Members<'a>(std::marker::PhantomData<&'a ()>);
+    impl<'de> Visitor<'de> for Members<'de> {
+        type Value = Vec<(String, &'de RawValue)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out: Vec<(String, &'de RawValue)> = Vec::new();
+            let mut at = std::collections::HashMap::new();
+            while let Some(k) = map.next_key::<String>()? {
+                let v: &'de RawValue = map.next_value()?;
+                match at.get(&k) {
+                    Some(&i) => out[i] = (k, v),
+                    None => {
+                        at.insert(k.clone(), out.len());
+                        out.push((k, v));
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+    let row: &RawValue = serde_json::from_slice(row).ok()?;
+    let mut de = serde_json::Deserializer::from_slice(value);
+    let mut members = de.deserialize_map(Members(std::marker::PhantomData)).ok()?;
+    de.end().ok()?;
+    match members.iter_mut().find(|(k, _)| k == field) {
+        Some(m) => m.1 = row,
+        None => members.push((field.to_string(), row)),
+    }
+    let mut out = Vec::with_capacity(value.len() + row.get().len() + field.len() + 4);
+    out.push(b'{');
+    for (i, (k, v)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).ok()?;
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    out.push(b'}');
+    Some(out)
 }
 
 /// The field of a pointer naming one top-level field (`/customer`), else `None`.
@@ -331,7 +395,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// The splice fast path gives the same JSON as the tree path, or declines.
+        /// The text path gives the same JSON as the tree path, present field or not.
         #[test]
         fn splice_agrees_with_the_tree_path(
             fields in proptest::collection::vec((0usize..4, 0i64..100), 0..5),
@@ -352,15 +416,35 @@ mod tests {
             let rec = record(text.as_bytes(), &["/customer".to_string()]);
             let mut tree: Value = serde_json::from_str(&text).unwrap();
             place(&mut tree, &e.into, "/customer", serde_json::from_str(&row).unwrap()).unwrap();
-            let has_customer = fields.iter().any(|(n, _)| *n == 1);
-            match e.splice(&rec, row.as_bytes()) {
-                Some(out) => {
-                    proptest::prop_assert!(!has_customer);
-                    let got: Value = serde_json::from_slice(&out).unwrap();
-                    proptest::prop_assert_eq!(got, tree);
-                }
-                None => proptest::prop_assert!(has_customer),
-            }
+            let out = e.splice(&rec, row.as_bytes());
+            proptest::prop_assert!(out.is_some(), "an object always takes the text path");
+            let got: Value = serde_json::from_slice(&out.unwrap()).unwrap();
+            proptest::prop_assert_eq!(got, tree);
+        }
+    }
+
+    /// Into a top-level field, big numbers in the record and the row keep their digits
+    /// whether the field was absent, null or an object, and a repeated member is kept once.
+    #[test]
+    fn the_text_path_keeps_numbers_present_field_or_not() {
+        let spec = EnrichSpec::new("t", KeySource::KafkaKey, "/customer");
+        let e = Enrich::new("t", "e", spec);
+        let row = br#"{"acct": 18446744073709551617, "r": 1.50}"#;
+        let cases = [
+            (r#"{"id":18446744073709551616}"#, r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
+            (r#"{"id":18446744073709551616,"customer":null}"#, r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
+            (r#" { "customer" : {"x":1}, "id" : 1e400 } "#, r#"{"customer":{"acct": 18446744073709551617, "r": 1.50},"id":1e400}"#),
+            (r#"{"a":1,"customer":2,"a":3}"#, r#"{"a":3,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
+            (r#"{"a\u0041":1,"customer":2}"#, r#"{"aA":1,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
+        ];
+        for (input, want) in cases {
+            let rec = record(input.as_bytes(), &["/customer".to_string()]);
+            let got = e.splice(&rec, row).expect(input);
+            assert_eq!(std::str::from_utf8(&got).unwrap(), want, "{input}");
+        }
+        for not_an_object in [&b"[1]"[..], b"{\"a\":1} x", b"\"s\"", b"{"] {
+            let rec = record(not_an_object, &["/customer".to_string()]);
+            assert!(e.splice(&rec, row).is_none(), "{:?}", std::str::from_utf8(not_an_object));
         }
     }
 
