@@ -179,7 +179,10 @@ fn a_row_joins_the_same_whether_or_not_the_field_exists() {
     let out = d.output_values("orders.enriched");
     assert_eq!(out.len(), 3, "{out:?}");
     for v in &out {
-        assert!(v.contains(r#""customer":{"acct":18446744073709551617}"#), "{v}");
+        assert!(
+            v.contains(r#""customer":{"acct":18446744073709551617}"#),
+            "{v}"
+        );
         assert!(v.contains(r#""n":18446744073709551616"#), "{v}");
     }
 }

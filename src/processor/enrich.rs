@@ -431,11 +431,26 @@ mod tests {
         let e = Enrich::new("t", "e", spec);
         let row = br#"{"acct": 18446744073709551617, "r": 1.50}"#;
         let cases = [
-            (r#"{"id":18446744073709551616}"#, r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
-            (r#"{"id":18446744073709551616,"customer":null}"#, r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
-            (r#" { "customer" : {"x":1}, "id" : 1e400 } "#, r#"{"customer":{"acct": 18446744073709551617, "r": 1.50},"id":1e400}"#),
-            (r#"{"a":1,"customer":2,"a":3}"#, r#"{"a":3,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
-            (r#"{"a\u0041":1,"customer":2}"#, r#"{"aA":1,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#),
+            (
+                r#"{"id":18446744073709551616}"#,
+                r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#,
+            ),
+            (
+                r#"{"id":18446744073709551616,"customer":null}"#,
+                r#"{"id":18446744073709551616,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#,
+            ),
+            (
+                r#" { "customer" : {"x":1}, "id" : 1e400 } "#,
+                r#"{"customer":{"acct": 18446744073709551617, "r": 1.50},"id":1e400}"#,
+            ),
+            (
+                r#"{"a":1,"customer":2,"a":3}"#,
+                r#"{"a":3,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#,
+            ),
+            (
+                r#"{"a\u0041":1,"customer":2}"#,
+                r#"{"aA":1,"customer":{"acct": 18446744073709551617, "r": 1.50}}"#,
+            ),
         ];
         for (input, want) in cases {
             let rec = record(input.as_bytes(), &["/customer".to_string()]);
@@ -444,7 +459,11 @@ mod tests {
         }
         for not_an_object in [&b"[1]"[..], b"{\"a\":1} x", b"\"s\"", b"{"] {
             let rec = record(not_an_object, &["/customer".to_string()]);
-            assert!(e.splice(&rec, row).is_none(), "{:?}", std::str::from_utf8(not_an_object));
+            assert!(
+                e.splice(&rec, row).is_none(),
+                "{:?}",
+                std::str::from_utf8(not_an_object)
+            );
         }
     }
 

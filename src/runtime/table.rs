@@ -96,6 +96,7 @@ impl TableSet {
                     spec.topic, spec.name, config.bootstrap_servers
                 ))
             })?;
+            warn_unless_compacted(&admin, &spec.name, &spec.topic);
             let engine: Arc<dyn TableEngine> = backend.open_table(&spec.name)?;
             let mut marks = Vec::with_capacity(n);
             for p in 0..n as i32 {
@@ -269,5 +270,115 @@ fn follow(consumer: BaseConsumer, tables: Vec<Loaded>, stop: Arc<AtomicBool>) {
             tracing::error!(error = %e, "a table update failed: tables stop following their topics");
             return;
         }
+    }
+}
+
+/// Warn when table `table`'s topic may delete rows the table still holds: a topic whose
+/// `cleanup.policy` is not `compact` (or `compact,delete` with a time or size bound) loses
+/// its old rows to retention, and a table loaded again from it (a new instance, a wiped
+/// state dir) silently lacks them. Not an error: the topic is the user's, and one that is
+/// never trimmed (`retention.ms=-1`) is fine. A configuration that cannot be read is
+/// logged at debug level and the check skipped.
+fn warn_unless_compacted(admin: &Admin, table: &str, topic: &str) {
+    match admin.topic_configs(topic) {
+        Ok(configs) => {
+            if let Some(w) = compaction_warning(table, topic, &configs) {
+                tracing::warn!(table = %table, topic = %topic, "{w}");
+            }
+        }
+        Err(e) => tracing::debug!(table = %table, topic = %topic,
+            "cannot read the table topic's configuration, not checking its cleanup policy: {e}"),
+    }
+}
+
+/// The warning for table `table` read from `topic` with configuration `configs` (as
+/// [`Admin::topic_configs`] returns it), or `None` when the topic keeps every key's latest
+/// row (compacted without a time or size bound, or never trimmed at all).
+fn compaction_warning(
+    table: &str,
+    topic: &str,
+    configs: &BTreeMap<String, (String, bool)>,
+) -> Option<String> {
+    let plain: BTreeMap<String, String> = configs
+        .iter()
+        .map(|(k, (v, _))| (k.clone(), v.clone()))
+        .collect();
+    let get = |k: &str| plain.get(k).map(String::as_str);
+    if get("retention.ms") == Some("-1") && get("retention.bytes").unwrap_or("-1") == "-1" {
+        return None;
+    }
+    let m = crate::kafka::admin::changelog_mismatches(&plain);
+    let m = m.first()?;
+    Some(format!(
+        "table topic {topic} of table {table} may delete rows: its {m}; \
+         rows older than its retention are missing whenever the table is loaded again \
+         (a new instance, a wiped state dir). Set cleanup.policy=compact on it"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(pairs: &[(&str, &str)]) -> BTreeMap<String, (String, bool)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), (v.to_string(), true)))
+            .collect()
+    }
+
+    /// A table topic that retention can trim gets a warning naming the table, the topic
+    /// and what was found; a compacted or never-trimmed one gets none.
+    #[test]
+    fn a_table_topic_that_may_delete_rows_is_named() {
+        let w = compaction_warning(
+            "customers",
+            "cust",
+            &cfg(&[("cleanup.policy", "delete"), ("retention.ms", "604800000")]),
+        )
+        .expect("delete policy warns");
+        assert!(w.contains("table topic cust of table customers"), "{w}");
+        assert!(
+            w.contains("cleanup.policy is delete (retention.ms=604800000"),
+            "{w}"
+        );
+        assert!(
+            compaction_warning("c", "t", &cfg(&[])).is_some(),
+            "broker default is delete"
+        );
+        assert!(compaction_warning(
+            "c",
+            "t",
+            &cfg(&[
+                ("cleanup.policy", "compact,delete"),
+                ("retention.ms", "1000")
+            ])
+        )
+        .is_some());
+        assert_eq!(
+            compaction_warning("c", "t", &cfg(&[("cleanup.policy", "compact")])),
+            None
+        );
+        assert_eq!(
+            compaction_warning(
+                "c",
+                "t",
+                &cfg(&[("cleanup.policy", "delete"), ("retention.ms", "-1")])
+            ),
+            None,
+            "a topic never trimmed keeps every row"
+        );
+        assert_eq!(
+            compaction_warning(
+                "c",
+                "t",
+                &cfg(&[
+                    ("cleanup.policy", "compact,delete"),
+                    ("retention.ms", "-1"),
+                    ("retention.bytes", "-1")
+                ])
+            ),
+            None
+        );
     }
 }
