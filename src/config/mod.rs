@@ -136,7 +136,8 @@ impl Config {
                 .parse()
                 .map_err(|e| Error::Config(format!("{origin}: {e}")))?;
             let mut out = BTreeMap::new();
-            flatten("", &toml::Value::Table(table), &mut out);
+            flatten("", &toml::Value::Table(table), &mut out)
+                .map_err(|e| Error::Config(format!("{origin}: {e}")))?;
             for (k, v) in out {
                 flat.insert(k, (v, origin.clone()));
             }
@@ -189,12 +190,17 @@ impl Config {
         let mut kafka_consumer = BTreeMap::new();
         let mut kafka_producer = BTreeMap::new();
         for (k, v) in flat {
-            if let Some(p) = k.strip_prefix("kafka.consumer.") {
-                kafka_consumer.insert(p.to_string(), v.clone());
-            } else if let Some(p) = k.strip_prefix("kafka.producer.") {
-                kafka_producer.insert(p.to_string(), v.clone());
-            } else if let Some(p) = k.strip_prefix("kafka.") {
-                kafka.insert(p.to_string(), v.clone());
+            let property = k
+                .strip_prefix("kafka.consumer.")
+                .map(|p| (p, &mut kafka_consumer))
+                .or_else(|| {
+                    k.strip_prefix("kafka.producer.")
+                        .map(|p| (p, &mut kafka_producer))
+                })
+                .or_else(|| k.strip_prefix("kafka.").map(|p| (p, &mut kafka)));
+            if let Some((p, into)) = property {
+                check_kafka_property(p, v).map_err(|why| bad(k, why))?;
+                into.insert(p.to_string(), v.clone());
             } else if !KEYS.contains(&k.as_str()) {
                 return Err(Error::Config(format!(
                     "unknown config key `{k}` (from {}){}; known keys: {}, kafka.<librdkafka property>",
@@ -306,6 +312,25 @@ impl Config {
     }
 }
 
+/// Whether librdkafka takes `value` for `property` on its own (its name, type and range):
+/// checked when the config is read, so that a refusal names where the key was set. A
+/// property meant for the other client kind, or one that conflicts with another, is still
+/// refused when the client is created.
+///
+/// # Errors
+/// librdkafka's reason, with the value.
+fn check_kafka_property(property: &str, value: &str) -> std::result::Result<(), String> {
+    let mut c = rdkafka::ClientConfig::new();
+    c.set(property, value);
+    match c.create_native_config() {
+        Ok(_) => Ok(()),
+        Err(rdkafka::error::KafkaError::ClientConfig(_, desc, _, _)) => {
+            Err(format!("{value:?} was refused by librdkafka: {desc}"))
+        }
+        Err(e) => Err(format!("{value:?} was refused by librdkafka: {e}")),
+    }
+}
+
 /// `; did you mean `x`?` for the known key nearest to `key` (a renamed key's new name, or
 /// one within a third of its length in edits), or nothing.
 fn did_you_mean(key: &str) -> String {
@@ -318,7 +343,21 @@ fn did_you_mean(key: &str) -> String {
     }
 }
 
-fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
+/// Flatten a TOML table to dotted keys. A list is joined with commas, and is allowed only
+/// where the value is a comma-separated list: `bootstrap.servers` and `kafka.*` properties
+/// (librdkafka's lists, e.g. `partition.assignment.strategy`), of scalars only.
+///
+/// # Errors
+/// A list under another key, or a list holding a list or a table, naming the key.
+fn flatten(
+    prefix: &str,
+    v: &toml::Value,
+    out: &mut BTreeMap<String, String>,
+) -> std::result::Result<(), String> {
+    let scalar = |x: &toml::Value| match x {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
     let text = match v {
         toml::Value::Table(t) => {
             for (k, v) in t {
@@ -327,22 +366,28 @@ fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
                 } else {
                     format!("{prefix}.{k}")
                 };
-                flatten(&key, v, out);
+                flatten(&key, v, out)?;
             }
-            return;
+            return Ok(());
         }
-        toml::Value::String(s) => s.clone(),
-        toml::Value::Array(a) => a
-            .iter()
-            .map(|x| match x {
-                toml::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            })
-            .collect::<Vec<_>>()
-            .join(","),
-        other => other.to_string(),
+        toml::Value::Array(a) => {
+            if prefix != "bootstrap.servers" && !prefix.starts_with("kafka.") {
+                return Err(format!(
+                    "`{prefix}` takes one value, not a list (lists are for bootstrap.servers and kafka.* properties)"
+                ));
+            }
+            if let Some(x) = a.iter().find(|x| x.is_array() || x.is_table()) {
+                return Err(format!(
+                    "`{prefix}`: a list of plain values was expected, it holds {}",
+                    x.type_str()
+                ));
+            }
+            a.iter().map(scalar).collect::<Vec<_>>().join(",")
+        }
+        other => scalar(other),
     };
     out.insert(prefix.to_string(), text);
+    Ok(())
 }
 
 /// The host name, or `onceflow` if it cannot be read.
@@ -445,6 +490,90 @@ mod tests {
                 .get("fetch.queue.backoff.ms")
                 .map(String::as_str),
             Some("20")
+        );
+    }
+
+    /// A refused `kafka.*` value is a config error naming the key, the value and where it
+    /// was set (file, environment or --set), before any client is made; a property for the
+    /// other client kind passes here (librdkafka takes it on its own).
+    #[test]
+    fn a_refused_kafka_value_names_where_it_was_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("a.toml");
+        std::fs::write(&f, "[kafka]\n\"linger.ms\" = \"soon\"\n").unwrap();
+        let e = Config::load_with_env(std::slice::from_ref(&f), &[], env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`kafka.linger.ms`"), "{e}");
+        assert!(e.contains(&format!("config file {}", f.display())), "{e}");
+        assert!(e.contains("\"soon\" was refused by librdkafka"), "{e}");
+        let e = Config::load_with_env(
+            &[],
+            &[],
+            env(&[("ONCEFLOW__KAFKA__CONSUMER__FETCH__MAX__BYTES", "-5")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`kafka.consumer.fetch.max.bytes`"), "{e}");
+        assert!(
+            e.contains("environment variable ONCEFLOW__KAFKA__CONSUMER__FETCH__MAX__BYTES"),
+            "{e}"
+        );
+        let e = Config::load_with_env(
+            &[],
+            &[("kafka.producer.no.such.property".into(), "1".into())],
+            env(&[]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--set kafka.producer.no.such.property=1"), "{e}");
+        let c = Config::load_with_env(
+            &[],
+            &[("kafka.consumer.linger.ms".into(), "5".into())],
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.kafka_consumer.get("linger.ms").map(String::as_str),
+            Some("5")
+        );
+    }
+
+    /// A TOML list is a comma-separated value only where one is meant (bootstrap.servers,
+    /// kafka.*); elsewhere it is an error naming the key and the file.
+    #[test]
+    fn lists_only_where_a_list_is_meant() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("a.toml");
+        let load = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            Config::load_with_env(std::slice::from_ref(&f), &[], env(&[]))
+        };
+        let e = load("commit.interval.ms = [1000]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`commit.interval.ms` takes one value, not a list"),
+            "{e}"
+        );
+        assert!(e.contains(&format!("config file {}", f.display())), "{e}");
+        let e = load("[kafka]\n\"client.rack\" = [[\"a\"]]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`kafka.client.rack`: a list of plain values"),
+            "{e}"
+        );
+        let c = load(
+            "bootstrap.servers = [\"h1:9092\", \"h2:9092\"]\n[kafka]\n\"partition.assignment.strategy\" = [\"range\", \"roundrobin\"]\n",
+        )
+        .unwrap();
+        assert_eq!(c.bootstrap_servers, "h1:9092,h2:9092");
+        assert_eq!(
+            c.kafka
+                .get("partition.assignment.strategy")
+                .map(String::as_str),
+            Some("range,roundrobin")
         );
     }
 
