@@ -116,7 +116,7 @@ impl Config {
     /// [`Error::Config`] naming the key and its source for unknown keys, bad values, a
     /// missing or malformed file.
     pub fn load(files: &[PathBuf], sets: &[(String, String)]) -> Result<Config> {
-        Self::load_with_env(files, sets, std::env::vars())
+        Self::load_with_env(files, sets, utf8_env(std::env::vars_os())?)
     }
 
     /// As [`Config::load`], with the environment given (for tests).
@@ -312,6 +312,39 @@ impl Config {
     }
 }
 
+/// The environment variables that can be config keys, as text. A variable that is not
+/// UTF-8 is skipped unless its name makes it a config key (`ONCEFLOW__*`,
+/// `ONCEFLOW_BOOTSTRAP_SERVERS`), which is an error: other programs' variables may hold any
+/// bytes.
+///
+/// # Errors
+/// [`Error::Config`] naming a config variable whose name or value is not UTF-8.
+fn utf8_env(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for (k, v) in vars {
+        let name = k.to_string_lossy();
+        let ours = name.starts_with(ENV_PREFIX) || name == BOOTSTRAP_ENV;
+        match (k.to_str(), v.to_str()) {
+            (Some(k), Some(v)) => out.push((k.to_string(), v.to_string())),
+            _ if ours => {
+                return Err(Error::Config(format!(
+                    "environment variable {}: its {} is not UTF-8",
+                    name.escape_debug(),
+                    if k.to_str().is_none() {
+                        "name"
+                    } else {
+                        "value"
+                    }
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
 /// Whether librdkafka takes `value` for `property` on its own (its name, type and range):
 /// checked when the config is read, so that a refusal names where the key was set. A
 /// property meant for the other client kind, or one that conflicts with another, is still
@@ -491,6 +524,34 @@ mod tests {
                 .map(String::as_str),
             Some("20")
         );
+    }
+
+    /// A variable that is not UTF-8 is skipped, unless it is a config variable: then it is
+    /// an error naming it (it panicked in `std::env::vars`; found by a review helper).
+    #[test]
+    fn variables_that_are_not_utf8() {
+        use std::os::unix::ffi::OsStringExt;
+        let os = |s: &[u8]| std::ffi::OsString::from_vec(s.to_vec());
+        let got = utf8_env([
+            (os(b"OTHER"), os(b"caf\xe9")),
+            (os(b"ONCEFLOW__DLQ__TOPIC"), os(b"dead")),
+        ])
+        .unwrap();
+        assert_eq!(
+            got,
+            [("ONCEFLOW__DLQ__TOPIC".to_string(), "dead".to_string())]
+        );
+        let e = utf8_env([(os(b"ONCEFLOW__DLQ__TOPIC"), os(b"caf\xe9"))])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("environment variable ONCEFLOW__DLQ__TOPIC: its value is not UTF-8"),
+            "{e}"
+        );
+        let e = utf8_env([(os(b"ONCEFLOW__A\xff"), os(b"x"))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("its name is not UTF-8"), "{e}");
     }
 
     /// A refused `kafka.*` value is a config error naming the key, the value and where it
