@@ -39,8 +39,9 @@ enum Command {
         /// Output format: text, mermaid or dot.
         #[arg(long, default_value = "text")]
         format: crate::topology::DescribeFormat,
-        /// The application.id that prefixes changelog topic names.
-        #[arg(long, default_value = "onceflow")]
+        /// The application.id that prefixes changelog topic names (checked as `run` checks
+        /// it).
+        #[arg(long, default_value = "onceflow", value_parser = application_id)]
         application_id: String,
     },
     /// Inspect or seed a dedup store: `state get`, `state dump`, `state seed`.
@@ -122,4 +123,12 @@ pub fn main() -> ExitCode {
             crate::deploy::run(topo, &args)
         }
     }
+}
+
+/// An `--application-id` value: it prefixes internal topic names, so it must make valid
+/// ones (the check `run` makes on `application.id`).
+fn application_id(v: &str) -> Result<String, String> {
+    crate::names::check_topic_name(v)
+        .map(|()| v.to_string())
+        .map_err(|r| format!("it prefixes internal topic names: {r}"))
 }

@@ -507,3 +507,18 @@ fn describe_graphs_draw_the_repartition_hop() {
         .describe_as(DescribeFormat::Mermaid, "app")
         .contains("repartition"));
 }
+
+/// `describe --application-id` refuses an id that `run` refuses (it printed topic names
+/// that cannot exist; found by a review helper).
+#[test]
+fn describe_refuses_an_application_id_that_run_refuses() {
+    let file = root().join("topologies/gharchive-dedup.yaml");
+    let (code, _, err) = onceflow(&[
+        "describe",
+        file.to_str().unwrap(),
+        "--application-id",
+        "my app/x",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("it prefixes internal topic names"), "{err}");
+}

@@ -64,12 +64,33 @@ impl Compiler {
         }
         // The stages that compiled go to the builder, so its checks (duplicate names, topic
         // names, ...) are reported with the file's own errors.
+        // A topic has one format: two stages writing one topic in different formats would
+        // leave one of them writing the other's.
+        let mut formats: HashMap<String, (Format, String)> = HashMap::new();
         for (i, st) in stages.into_iter().enumerate() {
             match st {
                 Some((name, kind, format)) => {
                     self.builder_index.push(i);
                     if let Some(f) = format {
                         for t in kind.output_topics() {
+                            match formats.get(&t) {
+                                Some((g, by)) if *g != f => {
+                                    let (pos, place, fields) = &self.stage_pos[i];
+                                    let (pos, place) = (
+                                        fields.get("format").copied().unwrap_or(*pos),
+                                        place.clone(),
+                                    );
+                                    let msg = format!(
+                                        "topic {t} is written as {} by stage `{by}`; a topic has one format",
+                                        g.describe()
+                                    );
+                                    self.err(pos, &place, Some("format"), msg);
+                                }
+                                Some(_) => {}
+                                None => {
+                                    formats.insert(t.clone(), (f.clone(), name.clone()));
+                                }
+                            }
                             b = b.topic_format(t, f.clone());
                         }
                     }
