@@ -101,3 +101,64 @@ fn sigterm_during_start_up_stops_the_run() {
         "a second signal was needed, or the stop failed"
     );
 }
+
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (code, body.to_string())
+}
+
+/// While start-up cannot reach any broker, `/ready` answers 503 with
+/// `"broker_reachable":false` (it said true: only the run loop's clients reported "all
+/// brokers down", the start-up admin client did not; found by a review helper).
+#[test]
+fn ready_says_the_broker_is_unreachable_during_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = base(dir.path())
+        .args(["--set", "http.address=127.0.0.1:0"])
+        .env("ONCEFLOW_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut addr = None;
+    let mut down = false;
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) && !(addr.is_some() && down) {
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            if let Some(a) = line.split("address=").nth(1) {
+                addr = Some(a.split_whitespace().next().unwrap().to_string());
+            }
+            down |= line.contains("every broker is unreachable");
+        }
+    }
+    let got = addr.as_ref().map(|a| http_get(a, "/ready"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let (code, body) = got.expect("no `http listening` line");
+    assert!(down, "start-up never noted every broker down");
+    assert_eq!(code, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["broker_reachable"], serde_json::json!(false), "{body}");
+}

@@ -136,7 +136,18 @@ impl Admin {
             .client
             .inner()
             .fetch_metadata(Some(topic), self.timeout.min(METADATA_ATTEMPT))
-            .map_err(Error::kafka("fetch metadata"))?;
+            .map_err(|e| {
+                if matches!(
+                    e.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::BrokerTransportFailure | RDKafkaErrorCode::AllBrokersDown
+                    )
+                ) {
+                    crate::kafka::link::note_down();
+                }
+                Error::kafka("fetch metadata")(e)
+            })?;
+        crate::kafka::link::note_up();
         let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
             return Ok(None);
         };

@@ -68,6 +68,15 @@ pub(crate) fn note_error(error: &KafkaError) {
     LINK.note_error(error);
 }
 
+/// A request that needs a broker found none to answer it within its time (a start-up
+/// metadata request failing with a transport error): the cluster is unreachable, as when a
+/// client reports every broker down. Start-up's admin client needs this: librdkafka's
+/// error reports reach only clients whose main queue is polled, and the admin client's is
+/// not.
+pub(crate) fn note_down() {
+    LINK.note_error(&KafkaError::Global(RDKafkaErrorCode::AllBrokersDown));
+}
+
 /// A broker answered: the cluster is reachable again.
 pub(crate) fn note_up() {
     LINK.note_up();

@@ -95,6 +95,38 @@ fn cancelled() -> bool {
     })
 }
 
+/// How long [`retry_known_topic`] waits for a client to learn a topic's partitions.
+pub(crate) const KNOWN_TOPIC_BUDGET: Duration = Duration::from_secs(30);
+
+/// Whether `e` is transient for a request about a topic known to exist (checked or created
+/// at start-up): as [`is_retriable`], and also "unknown partition / topic", which a client
+/// answers until its metadata shows a topic another instance (or this one) just created.
+pub(crate) fn is_retriable_for_known_topic(e: &Error) -> bool {
+    use RDKafkaErrorCode as C;
+    let unknown = |c: RDKafkaErrorCode| {
+        matches!(
+            c,
+            C::UnknownPartition | C::UnknownTopic | C::UnknownTopicOrPartition
+        )
+    };
+    is_retriable(e)
+        || match e {
+            Error::Kafka { source, .. } => source.rdkafka_error_code().is_some_and(unknown),
+            Error::BrokerCode { code, .. } => unknown(*code),
+            _ => false,
+        }
+}
+
+/// As [`retry`], for a request about a topic known to exist (see
+/// [`is_retriable_for_known_topic`]); an unknown partition is retried for at most
+/// [`KNOWN_TOPIC_BUDGET`] (30 s).
+///
+/// # Errors
+/// As [`retry`].
+pub(crate) fn retry_known_topic<T>(what: &str, f: impl FnMut() -> Result<T>) -> Result<T> {
+    retry_when(what, KNOWN_TOPIC_BUDGET, is_retriable_for_known_topic, f)
+}
+
 /// As [`retry`], with a budget of `budget`.
 ///
 /// # Errors
@@ -102,6 +134,16 @@ fn cancelled() -> bool {
 pub(crate) fn retry_for<T>(
     what: &str,
     budget: Duration,
+    f: impl FnMut() -> Result<T>,
+) -> Result<T> {
+    retry_when(what, budget, is_retriable, f)
+}
+
+/// As [`retry_for`], retrying the errors `transient` accepts.
+fn retry_when<T>(
+    what: &str,
+    budget: Duration,
+    transient: fn(&Error) -> bool,
     mut f: impl FnMut() -> Result<T>,
 ) -> Result<T> {
     let deadline = Instant::now() + budget;
@@ -110,7 +152,7 @@ pub(crate) fn retry_for<T>(
     loop {
         match f() {
             Ok(v) => return Ok(v),
-            Err(e) if is_retriable(&e) && Instant::now() + backoff < deadline && !cancelled() => {
+            Err(e) if transient(&e) && Instant::now() + backoff < deadline && !cancelled() => {
                 tracing::info!(what, attempt, error = %e, backoff_ms = backoff.as_millis() as u64,
                     "transient broker error: retrying");
                 // In steps, so that a stop is seen within 100 ms.
@@ -177,5 +219,35 @@ mod tests {
         );
         assert!(calls >= 2, "{calls}");
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A client that has not yet learnt of a just-created topic answers "unknown
+    /// partition": retried for a topic known to exist, not for others. (A crash-harness run
+    /// lost an instance to it: the restore's watermarks of a changelog another instance had
+    /// just created.)
+    #[test]
+    fn an_unknown_partition_is_transient_only_for_a_known_topic() {
+        let local = || Error::Kafka {
+            op: "changelog offsets",
+            source: rdkafka::error::KafkaError::MetadataFetch(RDKafkaErrorCode::UnknownPartition),
+        };
+        assert!(!is_retriable(&local()));
+        assert!(is_retriable_for_known_topic(&local()));
+        assert!(is_retriable_for_known_topic(&code(
+            RDKafkaErrorCode::UnknownTopicOrPartition
+        )));
+        assert!(!is_retriable_for_known_topic(&code(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+        )));
+        let mut calls = 0;
+        let r = retry_known_topic("t", || {
+            calls += 1;
+            if calls < 3 {
+                Err(local())
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(r.unwrap(), 3);
     }
 }

@@ -179,11 +179,12 @@ impl RunLoop {
                 match found {
                     Some(o) => Ok(o),
                     None => {
-                        let (low, high) = crate::kafka::retry::retry("changelog offsets", || {
-                            client
-                                .fetch_watermarks(topic, *p, timeout)
-                                .map_err(Error::kafka("changelog offsets"))
-                        })?;
+                        let (low, high) =
+                            crate::kafka::retry::retry_known_topic("changelog offsets", || {
+                                client
+                                    .fetch_watermarks(topic, *p, timeout)
+                                    .map_err(Error::kafka("changelog offsets"))
+                            })?;
                         Ok(if at == Offset::Beginning { low } else { high })
                     }
                 }

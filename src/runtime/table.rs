@@ -100,11 +100,12 @@ impl TableSet {
             let engine: Arc<dyn TableEngine> = backend.open_table(&spec.name)?;
             let mut marks = Vec::with_capacity(n);
             for p in 0..n as i32 {
-                let (low, high) = crate::kafka::retry::retry("fetch table watermarks", || {
-                    consumer
-                        .fetch_watermarks(&spec.topic, p, Duration::from_secs(30))
-                        .map_err(Error::kafka("fetch table watermarks"))
-                })?;
+                let (low, high) =
+                    crate::kafka::retry::retry_known_topic("fetch table watermarks", || {
+                        consumer
+                            .fetch_watermarks(&spec.topic, p, Duration::from_secs(30))
+                            .map_err(Error::kafka("fetch table watermarks"))
+                    })?;
                 marks.push((p, low, high));
             }
             let mut stored = engine.offsets()?;
