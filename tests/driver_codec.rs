@@ -373,3 +373,40 @@ fn dedup_by_pointer_on_a_protobuf_source() {
     );
     assert_eq!(d.counts().duplicates, 1);
 }
+
+/// Reading a value never changes it: a stage that only reads the view (a filter on the
+/// whole value, a dedup) leaves the value bytes as read for a sink of the source's format.
+/// A protobuf message keeps the fields its descriptor does not know (a newer producer's),
+/// and a JSON value keeps its numbers' digits and its spacing. Found by a review helper
+/// (protobuf); a filter on `size(value)` showed the JSON case (`1.50` became `1.5`, an
+/// integer beyond 64 bits a float). A `map` still writes its result.
+#[test]
+fn a_value_only_read_is_written_as_read() {
+    let t = TopologyBuilder::new("t")
+        .source("orders", proto("shop.Order"))
+        .filter("any", |_| Ok(true))
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    let mut bytes = order_bytes("o1", "c1", 5, &["a"]);
+    // Field 99, length-delimited: "v2" from a newer schema.
+    bytes.extend_from_slice(&[0x9a, 0x06, 0x02, b'v', b'2']);
+    d.pipe(TestRecord::json(bytes.clone())).unwrap();
+    assert!(d.dead_letters().is_empty());
+    assert_eq!(d.output("out")[0].value.as_deref(), Some(bytes.as_slice()));
+
+    let t = onceflow::dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in }\nstages:\n  - filter: { name: f, when: 'size(value) > 1' }\n  - sink: { topic: out }\n  - map: { name: m, set: { n: 'value.n + 1' } }\n  - sink: { name: mapped, topic: mapped }\n",
+    )
+    .unwrap();
+    let mut d = TestDriver::new(t);
+    let input = r#"{"n": 1, "big": 18446744073709551617, "x": 1.50}"#;
+    d.pipe(TestRecord::json(input)).unwrap();
+    assert_eq!(d.output_values("out"), [input]);
+    assert_eq!(
+        d.output_values("mapped"),
+        [r#"{"n":2,"big":1.8446744073709552e+19,"x":1.5}"#]
+    );
+}

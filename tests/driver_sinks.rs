@@ -246,6 +246,65 @@ fn a_4xx_is_dead_lettered_with_status_and_body() {
     assert_eq!(rx.calls().len(), 2);
 }
 
+/// A record an external sink fails late (at the commit), behind a `map` and a first sink
+/// whose outcome headers it carries, is dead-lettered as read: value, key and headers as the
+/// source had them, with one set of `onceflow.dlq.*` headers. Found by a review helper: this
+/// path wrote the mapped value and the earlier sink's headers, while a record refused while
+/// processed was written as read.
+#[test]
+fn a_late_failure_dead_letters_the_record_as_read() {
+    let ok = Receiver::ok();
+    let bad = Receiver::start(Arc::new(|_, _| (422, Duration::ZERO)));
+    let dir = tempfile::tempdir().unwrap();
+    let first = ExternalSinkSpec::new(EffectSpec::Http(http(&ok.url)), sled(&dir))
+        .with_key("a-{value./id}");
+    let second = ExternalSinkSpec::new(EffectSpec::Http(http(&bad.url)), sled(&dir))
+        .with_key("b-{value./id}");
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .map(
+            "add",
+            onceflow::MapSpec::new().set("/added", |_| Ok(serde_json::Value::Bool(true))),
+        )
+        .external_sink("first", first)
+        .external_sink("second", second)
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    let input = r#"{"id": 1}"#;
+    d.pipe(
+        TestRecord::json(input)
+            .key("k1")
+            .header("h", "v")
+            .header(dlq_headers::REASON, "an earlier failure, replayed"),
+    )
+    .unwrap();
+    assert_eq!(bad.calls().len(), 1);
+    let dl = d.dead_letters();
+    assert_eq!(dl.len(), 1);
+    assert_eq!(
+        dl[0].value.as_deref(),
+        Some(input.as_bytes()),
+        "the value as read"
+    );
+    assert_eq!(dl[0].key.as_deref(), Some(&b"k1"[..]));
+    let names: Vec<&str> = dl[0].headers.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "h",
+            dlq_headers::TOPIC,
+            dlq_headers::PARTITION,
+            dlq_headers::OFFSET,
+            dlq_headers::STAGE,
+            dlq_headers::REASON
+        ],
+        "the headers as read, the old dead-letter headers replaced"
+    );
+    assert_eq!(header(dl[0], dlq_headers::STAGE), Some(&b"second"[..]));
+}
+
 fn outage(policy: OnStoreError) -> (Receiver, TestDriver, usize) {
     let mut redis = OwnRedis::start();
     let rx = Receiver::ok();

@@ -772,3 +772,45 @@ stages:
     assert_eq!(dead[0].0, "m", "{dead:?}");
     assert!(dead[0].1.contains("two keys written \"1\""), "{dead:?}");
 }
+
+/// A dead letter carries the record as read, even when a `map` before the failing stage
+/// rewrote it, and one set of `onceflow.dlq.*` headers: a replayed dead letter that fails
+/// again names only its new failure (it kept the old headers and got a second set; found
+/// by a review helper).
+#[test]
+fn a_dead_letter_is_the_record_as_read_with_one_set_of_dlq_headers() {
+    let mut d = file(
+        r#"
+name: t
+source: { topic: in }
+stages:
+  - map: { name: m, set: { n: "value.a + 1" } }
+  - route:
+      name: r
+      routes:
+        - { when: 'value.n.missing == 1', to: out }
+"#,
+    );
+    d.pipe(
+        TestRecord::json(r#"{"a":1}"#)
+            .header(dlq_headers::STAGE, "old-stage")
+            .header(dlq_headers::REASON, "an old failure")
+            .header(dlq_headers::OFFSET, "12345")
+            .header("mine", "kept"),
+    )
+    .unwrap();
+    let got = dead(&d);
+    assert_eq!(got.len(), 1);
+    assert_eq!((got[0].0.as_str(), got[0].2.as_str()), ("r", r#"{"a":1}"#));
+    assert!(!got[0].1.contains("old failure"), "{got:?}");
+    let h = &d.dead_letters()[0].headers;
+    for name in [dlq_headers::STAGE, dlq_headers::REASON, dlq_headers::OFFSET] {
+        assert_eq!(
+            h.iter().filter(|(k, _)| k == name).count(),
+            1,
+            "{name}: {h:?}"
+        );
+    }
+    assert_eq!(header(h, dlq_headers::OFFSET), Some("0"));
+    assert_eq!(header(h, "mine"), Some("kept"));
+}

@@ -25,9 +25,10 @@ pub(crate) fn view_mut(record: &mut Record) -> Result<&mut Value, String> {
 }
 
 /// The value bytes to write for `record` to a topic of format `sink`, the source being of
-/// format `source`: the view encoded when a stage or decoder made one; otherwise the value
-/// bytes as read when the formats agree (or the sink is `bytes`), else decoded with
-/// `source` and encoded with `sink`.
+/// format `source`: the value bytes as read when no stage edited the view
+/// ([`Record::view_edited`]) and the formats agree, or when the sink is `bytes`; the view
+/// encoded when a stage edited it or when a view exists and the formats differ; otherwise
+/// decoded with `source` and encoded with `sink`.
 ///
 /// # Errors
 /// The view does not encode in `sink` format, or the source value does not decode.
@@ -39,6 +40,10 @@ pub(crate) fn encode_for_sink(
     if let Some(view) = &record.json {
         if matches!(sink, Format::Bytes) && !matches!(source, Format::Bytes) {
             // Decoded but the sink wants raw bytes: write what was read.
+            return Ok(record.value.clone());
+        }
+        if !record.view_edited && sink == source {
+            // Decoded only to be read: the bytes say the same, and more exactly.
             return Ok(record.value.clone());
         }
         return sink.encode(view).map(|b| Some(Bytes::from(b)));

@@ -209,6 +209,7 @@ impl Processor for Enrich {
         }
         // The view is now what sinks write (see `codec`); fields scanned from the source
         // bytes no longer describe it.
+        record.view_edited = true;
         record.fields = None;
         self.matched.increment(1);
         ctx.forward(record);
@@ -391,6 +392,8 @@ mod tests {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         }
     }
 

@@ -259,6 +259,8 @@ mod tests {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         }
     }
 

@@ -48,6 +48,24 @@ pub struct Record {
     /// external sink after it takes that key as its idempotency key (its default): the sink
     /// uses it rather than reading the key again from a value a `map` may have rewritten.
     pub(crate) dedup_key: Option<Bytes>,
+    /// The record as its task read it, kept when an external sink may fail it late (at the
+    /// commit, after stages such as a `map` rewrote it): its dead letter carries this.
+    pub(crate) as_read: Option<Arc<AsRead>>,
+    /// A stage changed [`Record::json`] (a `map`, an `enrich` through the tree): sinks
+    /// encode the view. While false, the view (when one was made, to read it) says what the
+    /// value bytes say, and a sink of the source's format writes those bytes as read, so
+    /// reading a value never changes it (number forms, spacing, protobuf unknown fields).
+    pub(crate) view_edited: bool,
+}
+
+/// Key, value, headers and timestamp of a record as its task read it (clones of the
+/// record's own bytes: no copy).
+#[derive(Debug, Clone)]
+pub(crate) struct AsRead {
+    pub(crate) key: Option<Bytes>,
+    pub(crate) value: Option<Bytes>,
+    pub(crate) headers: Vec<(String, Option<Bytes>)>,
+    pub(crate) timestamp: Option<i64>,
 }
 
 impl Record {
@@ -96,6 +114,8 @@ impl Record {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         }
     }
 }

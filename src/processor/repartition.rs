@@ -512,6 +512,8 @@ mod tests {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         };
         let key = KeySource::JsonPointer("/id".into());
         let out = route(&rec, &key, "app-d-repartition", 4).unwrap();

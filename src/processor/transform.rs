@@ -260,6 +260,7 @@ impl MapFields {
         let bytes =
             serde_json::to_vec(json).map_err(|e| format!("cannot encode the value: {e}"))?;
         record.value = Some(bytes.into());
+        record.view_edited = true;
         // The scanned fields described the old bytes.
         record.fields = None;
         Ok(())

@@ -495,6 +495,8 @@ fn to_record(
         origin: from,
         keyed,
         dedup_key: None,
+        as_read: None,
+        view_edited: false,
     }
 }
 

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 pub(super) enum Work {
     /// Run the record through the stages from this index on.
     Run(usize, Record),
-    /// Dead-letter the record (as the stage that refused it has it), then withdraw its
+    /// Dead-letter the record (as read: [`Record::as_read`] when set), then withdraw its
     /// marks. The index is the refusing stage's in the dead-letter counters (0: source,
     /// node i: i + 1).
     Fail(usize, Record, RecordError),
@@ -104,13 +104,21 @@ impl Task {
                     let offset = rec.source.offset;
                     let o = rec.origin();
                     let src = (o.topic.to_string(), o.partition, o.offset);
+                    // The record as read, not as the stages before the failing one left it.
+                    let (key, value, headers, timestamp) = match rec.as_read {
+                        Some(r) => {
+                            let r = std::sync::Arc::unwrap_or_clone(r);
+                            (r.key, r.value, r.headers, r.timestamp)
+                        }
+                        None => (rec.key, rec.value, rec.headers, rec.timestamp),
+                    };
                     out.push(dead_letter(
                         &self.dlq_topic,
                         &src,
-                        rec.key,
-                        rec.value,
-                        rec.headers,
-                        rec.timestamp,
+                        key,
+                        value,
+                        headers,
+                        timestamp,
                         &err,
                     ));
                     work.push_front(Work::Withdraw(offset));

@@ -34,6 +34,8 @@ mod effects;
 
 /// Header names of a dead-letter record; the original headers come first.
 pub mod dlq_headers {
+    /// The prefix of every header onceflow writes on a dead letter.
+    pub const PREFIX: &str = "onceflow.dlq.";
     /// Source topic of the dead record.
     pub const TOPIC: &str = "onceflow.dlq.source.topic";
     /// Source partition (decimal text).
@@ -355,6 +357,15 @@ impl Task {
             dead(RecordError::new("source", reason), out, &mut self.counts);
             self.position = Some(offset + 1);
             return Ok(());
+        }
+        if self.fails_late {
+            // An external sink may fail it at the commit, after a stage rewrote it.
+            record.as_read = Some(std::sync::Arc::new(crate::processor::record::AsRead {
+                key: original.0.clone(),
+                value: original.1.clone(),
+                headers: headers.clone(),
+                timestamp: original.2,
+            }));
         }
         self.cur.clear();
         self.cur.push(record);
@@ -746,11 +757,13 @@ fn keyed_pointers(topology: &Topology) -> Option<(std::sync::Arc<[String]>, Vec<
 }
 
 /// Build the dead-letter record for a refused source record: its key, value, timestamp and
-/// headers as read, plus the `onceflow.dlq.*` headers naming `source` and the reason. Callers
-/// pass the record's [`Record::origin`](crate::Record::origin), so a record read from a
-/// repartition topic is named by its original source, not by its repartition coordinates.
-/// Headers the record carries are never read for that: a source record's own
-/// `onceflow.source` header would name another record.
+/// headers as read, plus the `onceflow.dlq.*` headers naming `source` and the reason; any
+/// `onceflow.dlq.*` headers the record already had (a dead letter replayed into the source)
+/// are replaced, so each names this failure once. Callers pass the record's
+/// [`Record::origin`](crate::Record::origin), so a record read from a repartition topic is
+/// named by its original source, not by its repartition coordinates. Headers the record
+/// carries are never read for that: a source record's own `onceflow.source` header would
+/// name another record.
 pub(crate) fn dead_letter(
     dlq_topic: &str,
     source: &(String, i32, i64),
@@ -761,6 +774,7 @@ pub(crate) fn dead_letter(
     err: &RecordError,
 ) -> OutRecord {
     let h = |s: String| Some(Bytes::from(s.into_bytes()));
+    headers.retain(|(k, _)| !k.starts_with(dlq_headers::PREFIX));
     headers.push((dlq_headers::TOPIC.into(), h(source.0.clone())));
     headers.push((dlq_headers::PARTITION.into(), h(source.1.to_string())));
     headers.push((dlq_headers::OFFSET.into(), h(source.2.to_string())));

@@ -72,6 +72,48 @@ impl App {
         self.topology.hop().map(|_| ()).map_err(Error::Config)
     }
 
+    /// Check that each topic has one role: the dead-letter topic is none of the topics the
+    /// run reads (source, tables, changelogs, repartition topic), and no sink writes a
+    /// changelog or the repartition topic. A dead-letter topic that is the source re-reads
+    /// every dead letter and dead-letters it again, without end.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting or the stage and the topic's other role.
+    pub(crate) fn check_topic_roles(&self) -> Result<()> {
+        let mut read: Vec<(String, String)> = vec![(
+            self.topology.source().topic.clone(),
+            "the source topic".to_string(),
+        )];
+        for t in self.topology.tables() {
+            read.push((t.topic.clone(), format!("the topic of table {}", t.name)));
+        }
+        let mut internal: Vec<(String, String)> = self
+            .changelog_topics()
+            .into_iter()
+            .map(|(store, topic)| (topic, format!("the changelog of store {store}")))
+            .collect();
+        if let Some(t) = self.repartition_topic() {
+            internal.push((t, "the repartition topic".to_string()));
+        }
+        let dlq = &self.config.dlq_topic;
+        if let Some((_, role)) = read.iter().chain(&internal).find(|(t, _)| t == dlq) {
+            return Err(Error::Config(format!(
+                "dlq.topic {dlq} is {role}; dead letters need a topic of their own (it would read them back)"
+            )));
+        }
+        for st in self.topology.stages() {
+            for t in st.kind.output_topics() {
+                if let Some((_, role)) = internal.iter().find(|(i, _)| *i == t) {
+                    return Err(Error::Config(format!(
+                        "stage `{}` writes topic {t}, which is {role}; onceflow writes that topic itself",
+                        st.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The changelog topic of each store.
     pub(crate) fn changelog_topics(&self) -> BTreeMap<String, String> {
         self.topology
@@ -108,6 +150,7 @@ impl App {
     /// has a configuration that cannot be corrected, or topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<usize> {
         self.check_hop()?;
+        self.check_topic_roles()?;
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
         let n = admin.partition_count(src)?.ok_or_else(|| {
@@ -194,6 +237,61 @@ mod tests {
     use crate::processor::transform::MapSpec;
     use crate::runtime::App;
     use crate::topology::{Format, TopologyBuilder};
+
+    /// A dead-letter topic that the run reads or writes itself, or a sink writing an
+    /// internal topic, is a config error before any topic is touched (the broker address is
+    /// unreachable on purpose). dlq.topic = the source topic dead-lettered its own dead
+    /// letters without end; found by a review helper.
+    #[test]
+    fn each_topic_has_one_role() {
+        let cfg = |dlq: &str| {
+            let mut sets = vec![
+                ("bootstrap.servers".to_string(), "127.0.0.1:1".to_string()),
+                ("application.id".to_string(), "app".to_string()),
+            ];
+            if !dlq.is_empty() {
+                sets.push(("dlq.topic".into(), dlq.into()));
+            }
+            Config::load_with_env(&[], &sets, Vec::new()).unwrap()
+        };
+        let topology = |sink: &str| {
+            TopologyBuilder::new("t")
+                .source("in", Format::Json)
+                .table(crate::processor::enrich::TableSpec::new(
+                    "cust",
+                    "customers",
+                ))
+                .dedup(
+                    "by-id",
+                    DedupSpec::new(KeySource::JsonPointer("/id".into())),
+                )
+                .sink("out", sink)
+                .build()
+                .unwrap()
+        };
+        let refused =
+            |dlq: &str, sink: &str| match App::new(cfg(dlq), topology(sink)).prepare_topics() {
+                Err(crate::Error::Config(m)) => m,
+                other => panic!("dlq {dlq}, sink {sink}: {other:?}"),
+            };
+        assert_eq!(
+            refused("in", "out"),
+            "dlq.topic in is the source topic; dead letters need a topic of their own (it would read them back)"
+        );
+        assert!(refused("customers", "out").contains("is the topic of table cust"));
+        assert!(refused("app-by-id-changelog", "out").contains("is the changelog of store by-id"));
+        assert!(refused("app-by-id-repartition", "out").contains("is the repartition topic"));
+        assert_eq!(
+            refused("", "app-by-id-changelog"),
+            "stage `out` writes topic app-by-id-changelog, which is the changelog of store by-id; onceflow writes that topic itself"
+        );
+        // The default dead-letter topic and a plain sink pass these checks (and then fail
+        // on the unreachable broker, not on config).
+        assert!(!matches!(
+            App::new(cfg(""), topology("out")).check_topic_roles(),
+            Err(_)
+        ));
+    }
 
     /// A dedup that repartitions gets its repartition topic when it is the first stage or
     /// follows stateless stages only (filter, map: the routers run them); a stage with

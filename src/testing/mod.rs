@@ -93,6 +93,8 @@ impl TestRecord {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         }
     }
 
@@ -383,6 +385,8 @@ impl TestDriver {
             origin: None,
             keyed: false,
             dedup_key: None,
+            as_read: None,
+            view_edited: false,
         };
         log.push(routed.clone());
         routed
