@@ -75,7 +75,8 @@ impl App {
     /// Check that each topic has one role: the dead-letter topic is none of the topics the
     /// run reads (source, tables, changelogs, repartition topic), and no sink writes a
     /// changelog or the repartition topic. A dead-letter topic that is the source re-reads
-    /// every dead letter and dead-letters it again, without end.
+    /// every dead letter and dead-letters it again, without end. A stage writing the source
+    /// topic is only warned about (a dedup in front drops what comes back).
     ///
     /// # Errors
     /// [`Error::Config`] naming the setting or the stage and the topic's other role.
@@ -101,8 +102,13 @@ impl App {
                 "dlq.topic {dlq} is {role}; dead letters need a topic of their own (it would read them back)"
             )));
         }
+        let source = &self.topology.source().topic;
         for st in self.topology.stages() {
             for t in st.kind.output_topics() {
+                if t == *source {
+                    tracing::warn!(stage = %st.name, topic = %t,
+                        "this stage writes the source topic: every record it writes is read and processed again");
+                }
                 if let Some((_, role)) = internal.iter().find(|(i, _)| *i == t) {
                     return Err(Error::Config(format!(
                         "stage `{}` writes topic {t}, which is {role}; onceflow writes that topic itself",
