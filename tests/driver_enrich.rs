@@ -291,7 +291,7 @@ fn build_checks_tables_and_enrich_stages() {
             "topology error in join: enrich needs a source with a record view (json, string or protobuf), but the source format is bytes",
             "topology error in join: field `key`: JSON pointer \"id\" must start with '/'",
             "topology error in join: field `into`: JSON pointer \"x\" must start with '/'",
-            "topology error in topic other: a format (json) is set for a topic no sink writes",
+            "topology error in topic other: a format (json) is set for a topic no sink or route writes",
             "topology error in topic other: the source format is bytes, which cannot be written as json",
         ]
     );

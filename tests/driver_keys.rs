@@ -442,7 +442,7 @@ fn fingerprint_fields_from_the_builder() {
         .map(|e| e.to_string())
         .collect();
     assert!(
-        errs.contains(&"topology error in dedup: field `fingerprint`: fingerprint fields need a source with fields (json, string, protobuf), but the source format is bytes".to_string()),
+        errs.contains(&"topology error in dedup: field `fingerprint`: fingerprint fields need a source with fields (json, protobuf), but the source format is bytes".to_string()),
         "{errs:?}"
     );
     assert!(

@@ -72,6 +72,28 @@ impl KeySource {
         }
     }
 
+    /// What makes this key unusable, for build errors: a JSON pointer without a leading
+    /// `/`, a composite without parts (every record would have one key, the empty one).
+    pub(crate) fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        self.collect_problems(&mut out);
+        out
+    }
+
+    fn collect_problems(&self, out: &mut Vec<String>) {
+        match self {
+            KeySource::JsonPointer(p) if !p.is_empty() && !p.starts_with('/') => {
+                out.push(format!("JSON pointer {p:?} must start with '/'"))
+            }
+            KeySource::Composite(parts) if parts.is_empty() => out.push(
+                "a composite key needs at least one part (without parts every record has the same empty key)"
+                    .into(),
+            ),
+            KeySource::Composite(parts) => parts.iter().for_each(|p| p.collect_problems(out)),
+            _ => {}
+        }
+    }
+
     /// Whether this key needs the decoded JSON value.
     pub(crate) fn needs_json(&self) -> bool {
         match self {

@@ -105,7 +105,8 @@ pub struct MapSpec {
 }
 
 impl MapSpec {
-    /// An empty map (passes values through unchanged).
+    /// An empty map, to give fields with [`MapSpec::set`], [`MapSpec::rename`] and
+    /// [`MapSpec::drop_field`]; `build` refuses a map left empty, as topology files do.
     pub fn new() -> Self {
         MapSpec::default()
     }

@@ -384,6 +384,32 @@ impl ExternalSinkSpec {
         if spec.policy.lease.is_zero() {
             errs.push(FieldError::at("idempotency.lease", "must be positive"));
         }
+        // As topology files refuse them where they are read: no deadline overflows later.
+        let max = crate::schema::MAX_DURATION;
+        let mut durations = vec![
+            ("idempotency.lease", spec.policy.lease),
+            ("idempotency.ttl", spec.policy.completed_ttl),
+            ("idempotency.raise_backoff", spec.policy.raise_backoff),
+            ("idempotency.store_retry_for", spec.policy.store_retry_for),
+        ];
+        if let Some(d) = spec.policy.in_flight_give_up {
+            durations.push(("idempotency.in_flight_give_up", d));
+        }
+        if let crate::sink::InFlight::Wait(d) = spec.policy.in_flight {
+            durations.push(("idempotency.in_flight", d));
+        }
+        if let EffectSpec::Http(h) = &spec.effect {
+            durations.push(("timeout", h.timeout));
+            durations.push(("backoff", h.backoff));
+        }
+        for (field, d) in durations {
+            if d > max {
+                errs.push(FieldError::at(
+                    field,
+                    format!("{d:?} is longer than 100 years; give a shorter duration"),
+                ));
+            }
+        }
         if spec.policy.completed_ttl.is_zero() && !matches!(spec.store, StoreSpec::None) {
             errs.push(FieldError::at(
                 "idempotency.ttl",

@@ -52,9 +52,10 @@ pub struct ReservationPolicy {
     pub in_flight: InFlight,
     /// Pause before a raised ("in progress") record is tried again (default 500 ms).
     pub raise_backoff: Duration,
-    /// How long a record keeps being retried while its key is in flight elsewhere (default
-    /// lease × 2); past it the record is dead-lettered.
-    pub in_flight_give_up: Duration,
+    /// How long a record keeps being retried while its key is in flight elsewhere; past it
+    /// the record is dead-lettered. `None` (the default): `lease` × 2, whatever `lease` is
+    /// set to (see [`ReservationPolicy::give_up`]).
+    pub in_flight_give_up: Option<Duration>,
     /// Store failure policy (default fail_closed).
     pub on_store_error: OnStoreError,
     /// How long store operations are retried before `on_store_error` applies (default 30 s).
@@ -68,10 +69,19 @@ impl Default for ReservationPolicy {
             completed_ttl: Duration::from_secs(7 * 24 * 3600),
             in_flight: InFlight::Wait(Duration::from_secs(30)),
             raise_backoff: Duration::from_millis(500),
-            in_flight_give_up: Duration::from_secs(600),
+            in_flight_give_up: None,
             on_store_error: OnStoreError::FailClosed,
             store_retry_for: Duration::from_secs(30),
         }
+    }
+}
+
+impl ReservationPolicy {
+    /// How long a record keeps being retried while its key is in flight elsewhere:
+    /// `in_flight_give_up`, else `lease` × 2 (10 min with the default lease).
+    pub fn give_up(&self) -> Duration {
+        self.in_flight_give_up
+            .unwrap_or_else(|| self.lease.saturating_mul(2))
     }
 }
 
@@ -285,10 +295,10 @@ where
                     in_flight = ?policy.in_flight,
                     "effect key in progress elsewhere: the record is retried after the backoff"
                 );
-                if started.elapsed() >= policy.in_flight_give_up {
+                if started.elapsed() >= policy.give_up() {
                     return Err(format!(
                         "effect key still in flight elsewhere after {:?}",
-                        policy.in_flight_give_up
+                        policy.give_up()
                     )
                     .into());
                 }
@@ -307,7 +317,7 @@ fn test_policy(lease: Duration, wait: Duration, give_up: Duration) -> Reservatio
         lease,
         in_flight: InFlight::Wait(wait),
         raise_backoff: Duration::from_millis(30),
-        in_flight_give_up: give_up,
+        in_flight_give_up: Some(give_up),
         store_retry_for: Duration::from_millis(300),
         ..ReservationPolicy::default()
     }
@@ -490,7 +500,7 @@ mod tests {
                 .unwrap();
             let p = ReservationPolicy {
                 in_flight: InFlight::Raise,
-                in_flight_give_up: Duration::from_millis(200),
+                in_flight_give_up: Some(Duration::from_millis(200)),
                 ..quick()
             };
             let r = run_once(&s, b"k", &p, || async { Ok(b"x".to_vec()) }).await;

@@ -105,6 +105,11 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// `now` (ms) plus `d`, saturating: a duration too long for the clock means "never".
+fn deadline(now: u64, d: std::time::Duration) -> u64 {
+    now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// Entry encoding shared by the memory and sled stores: `I` + token (8) + expiry ms (8), or
 /// `C` + expiry ms (8) + result.
 fn encode_in_flight(token: u64, expires: u64) -> Vec<u8> {
@@ -200,7 +205,7 @@ impl<M: LocalMap> IdempotencyStore for M {
                 if let Some(r) = cur.as_deref().and_then(|v| held(v, now, token)) {
                     return Ok(r);
                 }
-                let new = encode_in_flight(token, now + lease.as_millis() as u64);
+                let new = encode_in_flight(token, deadline(now, lease));
                 if self.swap(key, cur.as_deref(), Some(new))? {
                     return Ok(Reservation::Acquired);
                 }
@@ -213,10 +218,7 @@ impl<M: LocalMap> IdempotencyStore for M {
         let Completion { result, ttl } = done;
         Box::pin(async move {
             self.begin()?;
-            self.put(
-                key,
-                encode_completed(result, now_ms() + ttl.as_millis() as u64),
-            )?;
+            self.put(key, encode_completed(result, deadline(now_ms(), ttl)))?;
             self.persist().await
         })
     }

@@ -338,13 +338,13 @@ impl TopologyBuilder {
             let written = self
                 .stages
                 .iter()
-                .any(|s| matches!(&s.kind, StageKind::Sink(k) if k.topics.contains(topic)));
+                .any(|s| s.kind.output_topics().contains(topic));
             if !written {
                 errors.push(err(
                     &format!("topic {topic}"),
                     None,
                     format!(
-                        "a format ({}) is set for a topic no sink writes",
+                        "a format ({}) is set for a topic no sink or route writes",
                         f.describe()
                     ),
                 ));

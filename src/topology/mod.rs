@@ -364,7 +364,7 @@ mod tests {
             (
                 Some(0),
                 None,
-                "a map stage needs a source with a record view (json, string or protobuf), but the source format is bytes".into(),
+                "a map stage needs JSON objects (a json or protobuf source), but the source format is bytes".into(),
             ),
             (
                 Some(1),

@@ -97,7 +97,7 @@ pub struct DedupSpec {
     /// What the fingerprint is taken over: `None` (the default), the value bytes as read;
     /// otherwise the JSON fields covered or ignored (see [`FingerprintFields`]), so that a
     /// re-serialized copy, or one differing only in an ignored field, is a duplicate. Needs
-    /// `fingerprint` and a source with a record view (json, string, protobuf).
+    /// `fingerprint` and a source whose values are objects (json, protobuf; `build` refuses bytes and string).
     pub fingerprint_fields: Option<FingerprintFields>,
     /// What to do with a conflict.
     pub on_conflict: ConflictPolicy,
@@ -106,7 +106,9 @@ pub struct DedupSpec {
     /// grace, the base being the later of its first-seen time and the stream time when it
     /// was written. The changelog has no time-based retention.
     pub grace_ms: i64,
-    /// Keys kept per partition at most (default unlimited); the oldest are evicted.
+    /// Keys kept per partition at most (default unlimited; 0 is refused at build); past it,
+    /// the entries the sweep would delete first (the oldest expiry base, see `grace_ms`)
+    /// are evicted.
     pub max_keys: Option<u64>,
     /// Topic that receives duplicates (key, value, headers and timestamp as read, plus
     /// the `onceflow.duplicate.of.*` headers naming the first occurrence); default none:
@@ -180,9 +182,10 @@ impl DedupSpec {
         self
     }
 
-    /// Limit the keys kept per partition (default none); past it, the entries with the
-    /// oldest first-seen time are evicted (with a changelog tombstone), counted in
-    /// `onceflow_dedup_evicted_total`.
+    /// Limit the keys kept per partition (default none; `build` refuses 0); past it, the
+    /// entries with the oldest expiry base (the later of first-seen time and the stream time
+    /// when written: those the sweep would delete first) are evicted, with a changelog
+    /// tombstone, counted in `onceflow_dedup_evicted_total`.
     pub fn with_max_keys(mut self, max: u64) -> Self {
         self.max_keys = Some(max);
         self

@@ -104,12 +104,14 @@ impl StageKindSpec for DedupSpec {
             err("grace", "must not be negative".into());
         }
         // Every pointer of the key, a composite's parts too.
-        let mut pointers = Vec::new();
-        d.key.json_pointers(&mut pointers);
-        for p in pointers {
-            if !p.is_empty() && !p.starts_with('/') {
-                err("key", format!("JSON pointer {p:?} must start with '/'"));
-            }
+        for p in d.key.problems() {
+            err("key", p);
+        }
+        if d.max_keys == Some(0) {
+            err(
+                "max_keys",
+                "must be positive (0 would evict every entry as it is written: no dedup)".into(),
+            );
         }
         if let Some(t) = &d.duplicates_to {
             if let Err(r) = check_topic_name(t) {
@@ -125,11 +127,14 @@ impl StageKindSpec for DedupSpec {
                     "fingerprint fields are given but the fingerprint is off".into(),
                 );
             }
-            if let Some(s) = cx.source.filter(|s| !s.format.has_view()) {
+            if let Some(s) = cx
+                .source
+                .filter(|s| matches!(s.format, Format::Bytes | Format::String))
+            {
                 err(
                     "fingerprint",
                     format!(
-                        "fingerprint fields need a source with fields (json, string, protobuf), but the source format is {}",
+                        "fingerprint fields need a source with fields (json, protobuf), but the source format is {}",
                         s.format.name()
                     ),
                 );

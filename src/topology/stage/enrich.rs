@@ -10,7 +10,6 @@
 
 use super::{BuildCx, CheckCx, FieldError, FileKind, Link, ReadStage, StageKind, StageKindSpec};
 use crate::processor::enrich::{splice_field, Enrich, EnrichSpec, MissingPolicy};
-use crate::processor::key::KeySource;
 use crate::processor::Processor;
 use crate::schema::node::Node;
 use crate::schema::{Fields, Reader};
@@ -62,19 +61,30 @@ impl StageKindSpec for EnrichSpec {
                 "enrich needs a source with a record view (json, string or protobuf), but the source format is bytes",
             ));
         }
-        let key = match &self.key {
-            KeySource::JsonPointer(p) => Some(p.as_str()),
-            _ => None,
-        };
-        for (field, p) in [("key", key), ("into", Some(self.into.as_str()))] {
-            if let Some(p) = p {
-                if !p.is_empty() && !p.starts_with('/') {
-                    errors.push(FieldError::at(
-                        field,
-                        format!("JSON pointer {p:?} must start with '/'"),
-                    ));
-                }
-            }
+        for p in self.key.problems() {
+            errors.push(FieldError::at("key", p));
+        }
+        // (A bytes source is refused above, for the whole stage.)
+        if self.key.needs_json()
+            && cx
+                .source
+                .is_some_and(|s| matches!(s.format, crate::Format::String))
+        {
+            errors.push(FieldError::at(
+                "key",
+                format!(
+                    "{} needs a json source, but the source format is {}",
+                    self.key.describe(),
+                    cx.format_name()
+                ),
+            ));
+        }
+        let p = &self.into;
+        if !p.is_empty() && !p.starts_with('/') {
+            errors.push(FieldError::at(
+                "into",
+                format!("JSON pointer {p:?} must start with '/'"),
+            ));
         }
     }
 

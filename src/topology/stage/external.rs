@@ -344,7 +344,6 @@ fn finish(
     let p = &mut spec.policy;
     if let Some(d) = dur(c, "lease") {
         p.lease = d;
-        p.in_flight_give_up = d.saturating_mul(2);
     }
     if let Some(d) = dur(c, "ttl") {
         p.completed_ttl = d;
@@ -353,7 +352,7 @@ fn finish(
         p.raise_backoff = d;
     }
     if let Some(d) = dur(c, "in_flight_give_up") {
-        p.in_flight_give_up = d;
+        p.in_flight_give_up = Some(d);
     }
     if let Some(d) = dur(c, "store_retry_for") {
         p.store_retry_for = d;

@@ -38,9 +38,17 @@ impl StageKindSpec for MapSpec {
                 errors.push(FieldError::at(field, r));
             }
         }
-        if cx.source.is_some_and(|s| !s.format.has_view()) {
+        if self.set.is_empty() && self.rename.is_empty() && self.drop.is_empty() {
+            errors.push(FieldError::whole(
+                "a map stage needs at least one of set, rename, drop",
+            ));
+        }
+        if cx
+            .source
+            .is_some_and(|s| matches!(s.format, crate::Format::Bytes | crate::Format::String))
+        {
             errors.push(FieldError::whole(format!(
-                "a map stage needs a source with a record view (json, string or protobuf), but the source format is {}",
+                "a map stage needs JSON objects (a json or protobuf source), but the source format is {}",
                 cx.format_name()
             )));
         }
@@ -118,8 +126,9 @@ fn read(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
 }
 
 impl TopologyBuilder {
-    /// Add a map stage: set, rename and drop fields of the record view (json, string or
-    /// protobuf sources; a bytes source is a build error).
+    /// Add a map stage: set, rename and drop fields of the record view, a JSON object
+    /// (json or protobuf sources; a bytes or string source, or a map with nothing to do, is
+    /// a build error).
     ///
     /// ```
     /// use onceflow::prelude::*;
