@@ -1113,3 +1113,32 @@ fn redis_incrby_transaction_delayed_past_the_timeout_runs_once() {
     std::thread::sleep(Duration::from_secs(4));
     assert_eq!(redis_get(&redis, "orders:c:9").as_deref(), Some("5"));
 }
+
+/// A pretty-printed JSON value is one JSON line in a file sink (`{value}` renders JSON on one
+/// line): its line breaks, whitespace between tokens, are left out; numbers keep their text.
+/// It was dead-lettered for holding a line break (found by a review helper). A string's
+/// `\n` escape (two characters) is untouched; a placeholder whose text holds a raw line
+/// break is still refused (`a_file_sink_line_with_a_line_break_is_dead_lettered`).
+#[test]
+fn a_pretty_printed_json_value_is_one_line_in_a_file_sink() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out.jsonl");
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::FileSpec {
+            path: path.clone(),
+            line: "{value}".into(),
+        }),
+        sled(&dir),
+    )
+    .with_key("{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    d.pipe(TestRecord::json(
+        "{\n  \"id\": 1,\r\n  \"n\": 1.50,\n  \"s\": \"a\\nb\"\n}\n",
+    ))
+    .unwrap();
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        "{  \"id\": 1,  \"n\": 1.50,  \"s\": \"a\\nb\"}\n"
+    );
+}

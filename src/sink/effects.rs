@@ -95,6 +95,9 @@ impl Effector {
                 Kind::Http {
                     client: reqwest::Client::builder()
                         .timeout(h.timeout)
+                        // A redirect would resend a POST as a body-less GET (301-303) and
+                        // its 2xx count as done: a 3xx is an answer of its own, dead-lettered.
+                        .redirect(reqwest::redirect::Policy::none())
                         .pool_max_idle_per_host(64)
                         .build()
                         .map_err(|e| format!("http client: {e}"))?,
@@ -165,7 +168,7 @@ impl Effector {
                     .collect::<Result<_, _>>()?,
             ),
             Kind::File { line, .. } => {
-                let l = line.render(record).map_err(|e| format!("line: {e}"))?;
+                let l = line.render_line(record).map_err(|e| format!("line: {e}"))?;
                 // One record, one line: a rendered line break would split it.
                 if l.iter().any(|b| matches!(b, b'\n' | b'\r')) {
                     return Err(
@@ -210,6 +213,12 @@ impl Effector {
             ) => {
                 let mut headers = headers.clone();
                 if let Some(k) = key {
+                    // HTTP drops a header value's outer whitespace: " a" would reach the
+                    // receiver as "a", one key for two records.
+                    if matches!(k.first().zip(k.last()), Some((a, b)) if a.is_ascii_whitespace() || b.is_ascii_whitespace())
+                    {
+                        return Err("the idempotency key starts or ends with whitespace, which HTTP drops from a header value (two keys would reach the receiver as one); trim the id or put a literal around it in the key template".to_string().into());
+                    }
                     let v = reqwest::header::HeaderValue::from_bytes(k).map_err(|_| {
                         "the idempotency key holds bytes an HTTP header cannot carry (control characters)".to_string()
                     })?;
@@ -228,6 +237,12 @@ impl Effector {
                     let retry_reason = match resp {
                         Ok(r) => {
                             let status = r.status().as_u16();
+                            let moved = r
+                                .headers()
+                                .get(reqwest::header::LOCATION)
+                                .map(|l| format!(" (redirected to {:?}, not followed: set the sink's url to it)", String::from_utf8_lossy(l.as_bytes())))
+                                .filter(|_| (300..400).contains(&status))
+                                .unwrap_or_default();
                             let text = r.bytes().await.unwrap_or_default();
                             let excerpt =
                                 String::from_utf8_lossy(&text[..text.len().min(200)]).into_owned();
@@ -237,9 +252,10 @@ impl Effector {
                             let retriable =
                                 matches!(status, 408 | 409 | 425 | 429) || status >= 500;
                             if !retriable {
-                                return Err(
-                                    format!("HTTP {status} (not retried): {excerpt}").into()
-                                );
+                                return Err(format!(
+                                    "HTTP {status} (not retried){moved}: {excerpt}"
+                                )
+                                .into());
                             }
                             format!("HTTP {status}: {excerpt}")
                         }
@@ -416,16 +432,26 @@ impl Effector {
         prep: &Prepared,
     ) -> Result<EffectOutcome, String> {
         match prep {
-            Prepared::Sql(params) => self.pg(Some((table, scope, key)), params).await,
+            Prepared::Sql(params) => self
+                .pg(Some((table, scope, key)), params)
+                .await
+                .map_err(|e| e.reason),
             _ => Err("internal error: inbox for a non-SQL effect".into()),
         }
     }
 
+    /// Run the sink's statement (with `inbox`: and its inbox row, in one transaction),
+    /// retrying a failed connection and serialization failures within `retry_for`.
+    ///
+    /// # Errors
+    /// The statement failed; or, without an inbox, the connection failed after the
+    /// statement was sent: its outcome is unknown ([`EffectError::unknown`], not retried, as
+    /// it may have committed); with an inbox a retry is safe (the row tells).
     async fn pg(
         &self,
         inbox: Option<(&str, &str, &[u8])>,
         params: &[String],
-    ) -> Result<EffectOutcome, String> {
+    ) -> Result<EffectOutcome, EffectError> {
         let Kind::Postgres {
             url,
             sql,
@@ -437,6 +463,7 @@ impl Effector {
             return Err("internal error: not a postgres effect".into());
         };
         let deadline = Instant::now() + self.retry_for;
+        // Whether the failure came before anything was sent (no connection).
         let mut pause = Duration::from_millis(100);
         loop {
             let client = {
@@ -447,11 +474,12 @@ impl Effector {
                 Some(c) if !c.is_closed() => Ok(c),
                 _ => connect(url).await,
             };
+            let unsent = client.is_err();
             let r = match client {
                 Ok(mut c) => {
                     if let Some((table, _, _)) = inbox {
                         if let Err(e) = ready.get_or_try_init(|| create_inbox(&c, table)).await {
-                            return Err(format!("postgres inbox table {table}: {e}"));
+                            return Err(format!("postgres inbox table {table}: {e}").into());
                         }
                     }
                     let r = pg_once(&mut c, inbox, sql, params).await;
@@ -465,16 +493,23 @@ impl Effector {
             match r {
                 Ok(o) => return Ok(o),
                 Err(e) => {
+                    let lost = unsent || connection_lost(&e);
+                    let text = pg_error(&e);
+                    if lost && !unsent && inbox.is_none() {
+                        tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown; not retried: dead-lettering the record");
+                        return Err(EffectError::unknown(format!(
+                            "postgres: the outcome of the statement is unknown: the connection failed after it was sent ({text}); it is not sent again (it may have committed). The postgres idempotency store (an inbox row in the statement's transaction) makes this case safe"
+                        )));
+                    }
                     let retriable = match e.code() {
-                        None => true, // connection, I/O
+                        None => lost,
                         Some(c) => {
                             *c == tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE
                                 || *c == tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED
                         }
                     };
-                    let text = pg_error(&e);
                     if !retriable || Instant::now() + pause >= deadline {
-                        return Err(format!("postgres: {text}"));
+                        return Err(format!("postgres: {text}").into());
                     }
                     tracing::warn!(sink = %self.sink, error = %text, "postgres sink: retrying");
                     tokio::time::sleep(pause).await;
@@ -483,6 +518,30 @@ impl Effector {
             }
         }
     }
+}
+
+/// Whether `e` is the connection failing (closed, an I/O error, a timeout), as against
+/// the server or the client refusing the statement.
+fn connection_lost(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if s.is::<std::io::Error>() {
+            return true;
+        }
+        src = s.source();
+    }
+    false
+}
+
+/// The longest a `redis` sink's command can take, retrying for `retry_for`: the last
+/// attempt may start just before it ends and take a connection (two tries) and a reply.
+pub(crate) fn redis_worst_case(retry_for: Duration) -> Duration {
+    retry_for
+        .saturating_add(REDIS_CONNECT_TIMEOUT * 2)
+        .saturating_add(REDIS_RESPONSE_TIMEOUT)
 }
 
 /// How long one connection attempt of a `redis` sink may take.
@@ -701,6 +760,7 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Er
 }
 
 async fn create_inbox(c: &tokio_postgres::Client, table: &str) -> Result<(), String> {
+    let table = super::inbox_table_sql(table);
     let ddl = format!(
         "CREATE TABLE IF NOT EXISTS {table} (sink text NOT NULL, key bytea NOT NULL, \
          created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, key))"
@@ -735,8 +795,10 @@ async fn pg_once(
         }
         Some((table, sink, key)) => {
             let tx = c.transaction().await?;
-            let ins =
-                format!("INSERT INTO {table} (sink, key) VALUES ($1, $2) ON CONFLICT DO NOTHING");
+            let ins = format!(
+                "INSERT INTO {} (sink, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                super::inbox_table_sql(table)
+            );
             let k: &[u8] = key;
             let fresh = tx.execute(&ins, &[&sink, &k]).await?;
             if fresh == 0 {

@@ -427,6 +427,18 @@ impl ExternalSinkSpec {
             )));
             }
         }
+        if let (EffectSpec::Redis(_), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
+            (&spec.effect, &spec.store)
+        {
+            // As for HTTP: a lease that ends while the command may still run lets a twin
+            // run it too.
+            let worst = effects::redis_worst_case(spec.policy.store_retry_for);
+            if spec.policy.lease <= worst {
+                errs.push(FieldError::at("idempotency.lease", format!("{:?} is not longer than the longest the command can take with its retries ({worst:?} = store_retry_for + connecting + the 10 s reply timeout); raise the lease or lower store_retry_for",
+                    spec.policy.lease
+                )));
+            }
+        }
         match &spec.effect {
             EffectSpec::Http(h) => {
                 check("body", &h.body, &mut errs);
@@ -468,6 +480,21 @@ impl ExternalSinkSpec {
                 for (i, t) in r.command.iter().enumerate() {
                     check(&format!("command[{i}]"), t, &mut errs);
                 }
+                // The command itself is the topology's, never a record's: a record could
+                // turn SET into DEL, and whether a lost reply may be sent again is decided
+                // by the command's name.
+                if let Some(name) = r.command.first() {
+                    if Template::parse(name).is_ok_and(|t| {
+                        t.parts()
+                            .iter()
+                            .any(|p| !matches!(p, crate::sink::template::Part::Lit(_)))
+                    }) {
+                        errs.push(FieldError::at(
+                            "command[0]",
+                            format!("{name:?}: the command name must be literal text (SET, HSET, XADD, ...), not taken from the record"),
+                        ));
+                    }
+                }
             }
             EffectSpec::File(f) => {
                 check("line", &f.line, &mut errs);
@@ -477,14 +504,10 @@ impl ExternalSinkSpec {
             if !matches!(spec.effect, EffectSpec::Postgres(_)) {
                 errs.push(FieldError::at("idempotency.store", "postgres (the inbox table) works only with a postgres sink, whose SQL commits in the same transaction; use redis or sled"));
             }
-            if table.is_empty()
-                || !table
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
-            {
+            if !inbox_table_ok(table) {
                 errs.push(FieldError::at(
                     "idempotency.table",
-                    format!("{table:?}; use ASCII letters, digits, '_' and '.'"),
+                    format!("{table:?}; use a table name or schema.table, each made of lowercase ASCII letters, digits and '_', not starting with a digit"),
                 ));
             }
         }
@@ -554,6 +577,30 @@ impl ExternalSinkSpec {
     }
 }
 
+/// Whether `table` names an inbox table onceflow can write: `name` or `schema.name`, each
+/// part `[a-z_][a-z0-9_]*` (lowercase: it is quoted in SQL, see [`inbox_table_sql`], so a
+/// reserved word such as `order` works, and means what it would unquoted).
+pub(crate) fn inbox_table_ok(table: &str) -> bool {
+    let parts: Vec<&str> = table.split('.').collect();
+    parts.len() <= 2
+        && parts.iter().all(|p| {
+            p.chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+                && p.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        })
+}
+
+/// `table` (checked by [`inbox_table_ok`]) as SQL: each part double-quoted.
+pub(crate) fn inbox_table_sql(table: &str) -> String {
+    table
+        .split('.')
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
 /// The longest an HTTP effect can take: every try timing out, plus the backoffs between.
 pub(crate) fn http_worst_case(h: &HttpSpec) -> Duration {
     let mut total = h.timeout.saturating_mul(h.retries.saturating_add(1));
@@ -584,27 +631,23 @@ pub(crate) fn preflight<'a>(
     for (name, spec) in sinks {
         // Found while `check` borrows `errs`; appended after.
         let mut later: Vec<String> = Vec::new();
-        let mut check = |field: &str, s: &Secret| {
-            if let Err(e) = s.resolve() {
-                errs.push(format!("stage `{}`: field `{field}`: {e}", name));
-            }
-        };
+        // Set is not enough: a value the client cannot use would dead-letter every record
+        // (or, under fail_open, run every effect unprotected). The messages name the source
+        // of the value, never the value.
+        let usable =
+            |field: &str, s: &Secret, ok: &dyn Fn(&str) -> bool, what: &str| match s.resolve() {
+                Err(e) => Some(format!("stage `{}`: field `{field}`: {e}", name)),
+                Ok(v) if !ok(&v) => Some(format!(
+                    "stage `{}`: field `{field}`: the value of {} is not {what}",
+                    name,
+                    s.describe()
+                )),
+                Ok(_) => None,
+            };
+        let redis_url = |v: &str| redis::IntoConnectionInfo::into_connection_info(v).is_ok();
+        let postgres_url = |v: &str| v.parse::<tokio_postgres::Config>().is_ok();
         match &spec.effect {
             EffectSpec::Http(h) => {
-                // Set is not enough: a value the client cannot use would dead-letter every
-                // record. The messages name the source of the value, never the value.
-                let usable =
-                    |field: &str, s: &Secret, ok: &dyn Fn(&str) -> bool, what: &str| match s
-                        .resolve()
-                    {
-                        Err(e) => Some(format!("stage `{}`: field `{field}`: {e}", name)),
-                        Ok(v) if !ok(&v) => Some(format!(
-                            "stage `{}`: field `{field}`: the value of {} is not {what}",
-                            name,
-                            s.describe()
-                        )),
-                        Ok(_) => None,
-                    };
                 let mut found = Vec::new();
                 found.extend(usable(
                     "url",
@@ -626,8 +669,10 @@ pub(crate) fn preflight<'a>(
                 }
                 later.extend(found);
             }
-            EffectSpec::Postgres(p) => check("url", &p.url),
-            EffectSpec::Redis(r) => check("url", &r.url),
+            EffectSpec::Postgres(p) => {
+                later.extend(usable("url", &p.url, &postgres_url, "a PostgreSQL URL"))
+            }
+            EffectSpec::Redis(r) => later.extend(usable("url", &r.url, &redis_url, "a Redis URL")),
             // Opened (created if need be) for appending as the sink will, so that a path in
             // a missing or read-only directory stops start-up.
             EffectSpec::File(f) => {
@@ -652,7 +697,7 @@ pub(crate) fn preflight<'a>(
             }
         }
         if let StoreSpec::Redis { url, .. } = &spec.store {
-            check("idempotency.url", url);
+            later.extend(usable("idempotency.url", url, &redis_url, "a Redis URL"));
         }
         errs.extend(later);
     }
@@ -679,7 +724,21 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
 
 #[cfg(test)]
 mod scope_tests {
-    use super::{idempotency_scope, redis_prefix};
+    use super::{idempotency_scope, inbox_table_ok, inbox_table_sql, redis_prefix};
+
+    /// An inbox table name is a lowercase identifier or schema.identifier, quoted in SQL:
+    /// `order` works (it failed on every record as a reserved word), `1inbox`, `a..b` and
+    /// `Inbox` are refused at build (they passed, then failed per record). Review helper.
+    #[test]
+    fn inbox_table_names_are_checked_and_quoted() {
+        for ok in ["onceflow_inbox", "order", "user", "ops.inbox_2", "_x"] {
+            assert!(inbox_table_ok(ok), "{ok}");
+        }
+        for bad in ["", "1inbox", "a..b", "Inbox", "a.b.c", "a-b", "a.", "x y"] {
+            assert!(!inbox_table_ok(bad), "{bad}");
+        }
+        assert_eq!(inbox_table_sql("ops.order"), "\"ops\".\"order\"");
+    }
 
     #[test]
     fn scopes_of_names_build_allows_are_unchanged() {

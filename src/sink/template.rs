@@ -194,6 +194,16 @@ impl Template {
                 self.text
             ));
         }
+        if self
+            .parts
+            .iter()
+            .any(|p| matches!(p, Part::Lit(l) if l.contains(&b'%')))
+        {
+            return Err(format!(
+                "{:?} has `%` in its literal text, which reads like the `%XX` a placeholder's text is escaped with, so two different records could render one key; use another separator",
+                self.text
+            ));
+        }
         for pair in self.parts.windows(2) {
             if !matches!(pair[0], Part::Lit(_)) && !matches!(pair[1], Part::Lit(_)) {
                 return Err(format!(
@@ -250,6 +260,31 @@ impl Template {
     pub(crate) fn render(&self, record: &Record) -> Result<Vec<u8>, String> {
         let mut out = Vec::new();
         self.render_into(record, &mut out)?;
+        Ok(out)
+    }
+}
+
+impl Template {
+    /// Render as one line of a file sink: as [`Template::render`], but a `{value}` that is
+    /// JSON spread over several lines (pretty-printed) is written without its line breaks.
+    /// They are whitespace between tokens (JSON strings hold no raw line break), so the
+    /// line is the same JSON, with its numbers and strings as read.
+    ///
+    /// # Errors
+    /// As [`Template::render_into`].
+    pub(crate) fn render_line(&self, record: &Record) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            match (p, &record.json, &record.value) {
+                (Part::Value, None, Some(v))
+                    if v.iter().any(|b| matches!(b, b'\n' | b'\r'))
+                        && serde_json::from_slice::<serde::de::IgnoredAny>(v).is_ok() =>
+                {
+                    out.extend(v.iter().filter(|b| !matches!(b, b'\n' | b'\r')));
+                }
+                _ => render_part(p, record, &mut out)?,
+            }
+        }
         Ok(out)
     }
 }
@@ -420,6 +455,9 @@ mod tests {
             ("invoice", "no placeholder"),
             ("{value./a}{value./b}", "nothing between them"),
             ("x{key}{topic}y", "nothing between them"),
+            // (a="x%", b="y") and (a="x", b="%y") both rendered `x%25%25y` (review helper).
+            ("{value./a}%25{value./b}", "has `%` in its literal text"),
+            ("k%{value./a}", "has `%` in its literal text"),
         ] {
             let e = Template::parse(text).unwrap().check_key().unwrap_err();
             assert!(e.contains(why), "{text}: {e}");
