@@ -29,19 +29,6 @@ fn topology(spec: ExternalSinkSpec, format: Format) -> Topology {
         .unwrap()
 }
 
-fn sled(dir: &tempfile::TempDir) -> StoreSpec {
-    StoreSpec::Sled {
-        path: Some(dir.path().join("idem")),
-    }
-}
-
-fn header<'a>(r: &'a onceflow::OutRecord, name: &str) -> Option<&'a [u8]> {
-    r.headers
-        .iter()
-        .find(|(k, _)| k == name)
-        .and_then(|(_, v)| v.as_deref())
-}
-
 #[test]
 fn key_templates_keep_raw_bytes_and_refuse_long_keys() {
     let rx = Receiver::ok();

@@ -357,3 +357,18 @@ impl LossyProxy {
         self.cuts.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
+
+/// A sled idempotency store in `dir` (subdirectory `idem`).
+pub fn sled(dir: &tempfile::TempDir) -> onceflow::StoreSpec {
+    onceflow::StoreSpec::Sled {
+        path: Some(dir.path().join("idem")),
+    }
+}
+
+/// The first header `name` of `r`, as bytes (`None`: absent or null).
+pub fn header<'a>(r: &'a onceflow::OutRecord, name: &str) -> Option<&'a [u8]> {
+    r.headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| v.as_deref())
+}
