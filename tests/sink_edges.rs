@@ -262,7 +262,8 @@ fn pg_spec(url: &str, sql: &str, params: &[&str], store: StoreSpec) -> ExternalS
     .with_key("{value./id}")
 }
 
-fn pg_exec(url: &str, sql: &str) {
+/// Run `sql` (simple query protocol) on a connection of its own.
+fn pg_simple(url: &str, sql: &str) -> Vec<tokio_postgres::SimpleQueryMessage> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -272,25 +273,22 @@ fn pg_exec(url: &str, sql: &str) {
             .await
             .unwrap();
         tokio::spawn(conn);
-        c.simple_query(sql).await.unwrap();
+        c.simple_query(sql).await.unwrap()
     })
 }
 
+fn pg_exec(url: &str, sql: &str) {
+    pg_simple(url, sql);
+}
+
 fn pg_count(url: &str, table: &str) -> i64 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        c.query_one(&format!("SELECT count(*) FROM {table}"), &[])
-            .await
-            .unwrap()
-            .get(0)
-    })
+    pg_simple(url, &format!("SELECT count(*) FROM {table}"))
+        .into_iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(|v| v.parse().unwrap()),
+            _ => None,
+        })
+        .expect("count(*) returns a row")
 }
 
 /// Expected: an inbox table name that passes the build check works, or the name is
