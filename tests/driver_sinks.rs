@@ -1129,3 +1129,44 @@ fn a_pretty_printed_json_value_is_one_line_in_a_file_sink() {
         "{  \"id\": 1,  \"n\": 1.50,  \"s\": \"a\\nb\"}\n"
     );
 }
+
+/// `{value}` renders a JSON value as read when no stage rewrote it, even after a stage that
+/// parsed the tree to read it (a filter on the whole value): numbers keep their digits.
+/// After a `map`, it renders the map's result.
+#[test]
+fn value_placeholder_renders_an_unchanged_json_value_as_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = |name: &str| {
+        ExternalSinkSpec::new(
+            EffectSpec::File(onceflow::FileSpec {
+                path: dir.path().join(name),
+                line: "{value}".into(),
+            }),
+            sled(&dir),
+        )
+        .with_key("{value./id}")
+    };
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .filter("whole", |r| {
+            Ok(r.json.as_ref().is_some_and(|v| v.is_object()))
+        })
+        .external_sink("read", line("read.jsonl"))
+        .map(
+            "m",
+            onceflow::MapSpec::new().set("/m", |_| Ok(serde_json::Value::Bool(true))),
+        )
+        .external_sink("mapped", line("mapped.jsonl"))
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    let input = r#"{"id": "a", "n": 18446744073709551617, "x": 1.50}"#;
+    d.pipe(TestRecord::json(input)).unwrap();
+    assert!(d.dead_letters().is_empty(), "{:?}", d.dead_letters());
+    let read = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap();
+    assert_eq!(read("read.jsonl"), format!("{input}\n"));
+    assert_eq!(
+        read("mapped.jsonl"),
+        "{\"id\":\"a\",\"n\":1.8446744073709552e+19,\"x\":1.5,\"m\":true}\n"
+    );
+}

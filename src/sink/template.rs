@@ -297,9 +297,14 @@ fn render_part(p: &Part, record: &Record, out: &mut Vec<u8>) -> Result<(), Strin
             Some(k) => out.extend_from_slice(k),
             None => return Err("{key}: the record has a null Kafka key".into()),
         },
-        // The view when a stage changed it (or the source decoded one), as JSON;
-        // else the value bytes as read.
+        // The view when a stage changed it, or when the value bytes are not JSON text (a
+        // string or protobuf source decodes one), as JSON; else the value bytes as read
+        // (a JSON source's view made only to be read says the same, less exactly: numbers
+        // as i64/f64). Scanned `fields` mark a value read as JSON text.
         Part::Value => match (&record.json, &record.value) {
+            (Some(_), Some(v)) if !record.view_edited && record.fields.is_some() => {
+                out.extend_from_slice(v)
+            }
             (Some(view), _) => {
                 serde_json::to_writer(&mut *out, view).map_err(|e| format!("{{value}}: {e}"))?
             }
