@@ -50,10 +50,15 @@ pub(crate) fn is_retriable_code(code: RDKafkaErrorCode) -> bool {
 
 /// Whether `e` is a transient broker error (see [`is_retriable_code`]).
 pub(crate) fn is_retriable(e: &Error) -> bool {
+    code_of(e).is_some_and(is_retriable_code)
+}
+
+/// The librdkafka or broker error code of `e`, if it has one.
+fn code_of(e: &Error) -> Option<RDKafkaErrorCode> {
     match e {
-        Error::Kafka { source, .. } => source.rdkafka_error_code().is_some_and(is_retriable_code),
-        Error::BrokerCode { code, .. } => is_retriable_code(*code),
-        _ => false,
+        Error::Kafka { source, .. } => source.rdkafka_error_code(),
+        Error::BrokerCode { code, .. } => Some(*code),
+        _ => None,
     }
 }
 
@@ -109,12 +114,7 @@ pub(crate) fn is_retriable_for_known_topic(e: &Error) -> bool {
             C::UnknownPartition | C::UnknownTopic | C::UnknownTopicOrPartition
         )
     };
-    is_retriable(e)
-        || match e {
-            Error::Kafka { source, .. } => source.rdkafka_error_code().is_some_and(unknown),
-            Error::BrokerCode { code, .. } => unknown(*code),
-            _ => false,
-        }
+    is_retriable(e) || code_of(e).is_some_and(unknown)
 }
 
 /// As [`retry`], for a request about a topic known to exist (see

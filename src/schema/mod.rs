@@ -213,12 +213,7 @@ impl Reader {
         };
         match humantime::parse_duration(s) {
             Ok(d) if d > MAX_DURATION => {
-                self.err(
-                    n.pos,
-                    place,
-                    Some(field),
-                    format!("{s:?} is longer than the longest duration onceflow takes, 100 years"),
-                );
+                self.err(n.pos, place, Some(field), too_long(&format!("{s:?}")));
                 None
             }
             Ok(d) => Some(d),
@@ -500,6 +495,11 @@ impl Reader {
             }
         }
     }
+}
+
+/// The error for a duration (as written, `text`) over [`MAX_DURATION`].
+pub(crate) fn too_long(text: &str) -> String {
+    format!("{text} is longer than 100 years, the longest duration onceflow takes")
 }
 
 /// The longest duration a topology file may give (100 years): longer ones are refused

@@ -406,7 +406,7 @@ impl ExternalSinkSpec {
             if d > max {
                 errs.push(FieldError::at(
                     field,
-                    format!("{d:?} is longer than 100 years; give a shorter duration"),
+                    crate::schema::too_long(&format!("{d:?}")),
                 ));
             }
         }
@@ -416,25 +416,28 @@ impl ExternalSinkSpec {
                 "must be positive (completed keys kept for no time protect nothing)",
             ));
         }
-        if let (EffectSpec::Http(h), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
-            (&spec.effect, &spec.store)
-        {
-            // A lease that ends while its holder is still calling lets a twin call too.
-            let worst = http_worst_case(h);
+        // A lease that ends while its holder may still be running the effect lets a twin
+        // run it too (a sink without a store has no lease).
+        let worst = match (&spec.effect, &spec.store) {
+            (_, StoreSpec::None | StoreSpec::Postgres { .. }) => None,
+            (EffectSpec::Http(h), _) => Some((
+                http_worst_case(h),
+                "the call can take with its retries",
+                "timeout x (retries + 1) + backoffs",
+                "timeout/retries",
+            )),
+            (EffectSpec::Redis(_), _) => Some((
+                effects::redis_worst_case(spec.policy.store_retry_for),
+                "the command can take with its retries",
+                "store_retry_for + connecting + the 10 s reply timeout",
+                "store_retry_for",
+            )),
+            _ => None,
+        };
+        if let Some((worst, what, how, lower)) = worst {
             if spec.policy.lease <= worst {
-                errs.push(FieldError::at("idempotency.lease", format!("{:?} is not longer than the longest the call can take with its retries ({:?} = timeout x (retries + 1) + backoffs); raise the lease or lower timeout/retries",
-                spec.policy.lease, worst
-            )));
-            }
-        }
-        if let (EffectSpec::Redis(_), StoreSpec::Sled { .. } | StoreSpec::Redis { .. }) =
-            (&spec.effect, &spec.store)
-        {
-            // As for HTTP: a lease that ends while the command may still run lets a twin
-            // run it too.
-            let worst = effects::redis_worst_case(spec.policy.store_retry_for);
-            if spec.policy.lease <= worst {
-                errs.push(FieldError::at("idempotency.lease", format!("{:?} is not longer than the longest the command can take with its retries ({worst:?} = store_retry_for + connecting + the 10 s reply timeout); raise the lease or lower store_retry_for",
+                errs.push(FieldError::at("idempotency.lease", format!(
+                    "{:?} is not longer than the longest {what} ({worst:?} = {how}); raise the lease or lower {lower}",
                     spec.policy.lease
                 )));
             }
