@@ -1170,3 +1170,25 @@ fn value_placeholder_renders_an_unchanged_json_value_as_read() {
         "{\"id\":\"a\",\"n\":1.8446744073709552e+19,\"x\":1.5,\"m\":true}\n"
     );
 }
+
+/// The driver checks the external sinks as `onceflow run` does at start-up
+/// (`Topology::preflight`): a file sink in a missing directory is a config error at the
+/// first record, not a dead letter per record.
+#[test]
+fn the_driver_runs_the_start_up_check_of_external_sinks() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ExternalSinkSpec::new(
+        EffectSpec::File(onceflow::FileSpec {
+            path: dir.path().join("missing/out.jsonl"),
+            line: "{value}".into(),
+        }),
+        sled(&dir),
+    )
+    .with_key("{value./id}");
+    let mut d = TestDriver::new(topology(spec, Format::Json));
+    let err = d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap_err();
+    assert!(matches!(err, onceflow::Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("cannot open"), "{err}");
+    assert!(d.dead_letters().is_empty());
+    assert!(d.output("out").is_empty());
+}

@@ -133,6 +133,8 @@ pub struct TestDriver {
     /// With a hop: the next offset per source partition (`inputs` then holds the
     /// repartition topic, which the tasks read).
     source_offsets: BTreeMap<i32, i64>,
+    /// Whether the start-up check of the external sinks passed (run at the first record).
+    preflighted: bool,
 }
 
 /// The driver's repartition topic: piped records go through a router task of their source
@@ -168,6 +170,7 @@ impl TestDriver {
             tables: TableState::default(),
             hop: None,
             source_offsets: BTreeMap::new(),
+            preflighted: false,
         }
         .with_tables()
         .with_hop()
@@ -297,12 +300,20 @@ impl TestDriver {
     /// ([`Self::source_partitions`]), whose task processes it; what they refuse goes to
     /// the dead-letter topic from the router.
     ///
+    /// The first record runs the start-up check of the external sinks first, as
+    /// `onceflow run` does before processing ([`Topology::preflight`]).
+    ///
     /// # Errors
     /// A store failure from the task; [`crate::Error::Config`] when a repartitioning dedup
     /// stage has a stage other than a filter or a map before it (refused by `onceflow run`
-    /// too), naming both.
+    /// too), naming both, or when the start-up check of an external sink fails (a secret
+    /// not set, a file sink's path that cannot be opened, ...).
     pub fn pipe(&mut self, r: TestRecord) -> Result<i64> {
         self.topology.hop().map_err(crate::Error::Config)?;
+        if !self.preflighted {
+            self.topology.preflight()?;
+            self.preflighted = true;
+        }
         if self.hop.is_some() {
             let n = self.source_offsets.entry(r.partition).or_default();
             let offset = *n;
