@@ -621,3 +621,83 @@ fn a_redis_sink_lease_shorter_than_its_command_lets_a_twin_run_it_again() {
         outcomes(&d)
     );
 }
+
+/// A PostgreSQL sink with the inbox store whose COMMIT reply is lost: the retry finds the
+/// inbox row its own attempt wrote, so the effect ran once and is counted `done`, not
+/// `skipped_duplicate` (which would say another record's effect came first). A second
+/// record with the same key is then a real duplicate.
+#[test]
+fn an_inbox_commit_whose_reply_is_lost_is_counted_done_once() {
+    let Some(url) = postgres_url() else { return };
+    let table = format!("edge_commit_{}", tag());
+    pg_exec(&url, &format!("CREATE TABLE {table} (id text)"));
+    let (upstream, _) = pg_via(&url, 0);
+    let proxy = LossyProxy::start(upstream, b"COMMIT");
+    let (_, via) = pg_via(&url, proxy.port);
+    let spec = pg_spec(
+        &via,
+        &format!("INSERT INTO {table} (id) VALUES ($1)"),
+        &["{value./id}"],
+        StoreSpec::Postgres {
+            table: format!("edge_inbox_{}", tag()),
+        },
+    );
+    let mut d = TestDriver::new(topology(spec));
+    d.pipe(TestRecord::json(r#"{"id":"c1"}"#)).unwrap();
+    d.commit().unwrap();
+    assert_eq!(
+        proxy.cuts(),
+        1,
+        "the proxy must have lost the COMMIT's reply"
+    );
+    assert_eq!(pg_count(&url, &table), 1);
+    assert_eq!(outcomes(&d), ["done"], "{:?}", reasons(&d));
+    d.pipe(TestRecord::json(r#"{"id":"c1"}"#)).unwrap();
+    d.commit().unwrap();
+    assert_eq!(pg_count(&url, &table), 1);
+    assert_eq!(outcomes(&d), ["done", "skipped_duplicate"]);
+}
+
+/// An inbox table made before the `attempt` column existed gets it, and its rows go on
+/// counting: an old row is a duplicate, a new row carries its try's token.
+#[test]
+fn an_inbox_table_without_the_attempt_column_gets_it() {
+    let Some(url) = postgres_url() else { return };
+    let (table, inbox) = (
+        format!("edge_old_{}", tag()),
+        format!("edge_oldinbox_{}", tag()),
+    );
+    pg_exec(&url, &format!("CREATE TABLE {table} (id text)"));
+    pg_exec(
+        &url,
+        &format!(
+            "CREATE TABLE {inbox} (sink text NOT NULL, key bytea NOT NULL, \
+             created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, key)); \
+             INSERT INTO {inbox} (sink, key) VALUES ('t/hook', 'old')"
+        ),
+    );
+    let spec = pg_spec(
+        &url,
+        &format!("INSERT INTO {table} (id) VALUES ($1)"),
+        &["{value./id}"],
+        StoreSpec::Postgres {
+            table: inbox.clone(),
+        },
+    );
+    let mut d = TestDriver::new(topology(spec));
+    d.pipe(TestRecord::json(r#"{"id":"old"}"#)).unwrap();
+    d.pipe(TestRecord::json(r#"{"id":"new"}"#)).unwrap();
+    d.commit().unwrap();
+    assert_eq!(
+        outcomes(&d),
+        ["skipped_duplicate", "done"],
+        "{:?}",
+        reasons(&d)
+    );
+    assert_eq!(pg_count(&url, &table), 1);
+    assert_eq!(
+        pg_count(&url, &format!("{inbox} WHERE attempt IS NOT NULL")),
+        1,
+        "the new row carries its try's token"
+    );
+}

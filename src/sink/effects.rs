@@ -42,7 +42,8 @@ enum Kind {
         sql: String,
         params: Vec<Template>,
         pool: tokio::sync::Mutex<Vec<tokio_postgres::Client>>,
-        ready: tokio::sync::OnceCell<()>,
+        /// The inbox table is there; `true` when it has the `attempt` column.
+        ready: tokio::sync::OnceCell<bool>,
     },
     Redis {
         link: RedisLink,
@@ -463,7 +464,9 @@ impl Effector {
             return Err("internal error: not a postgres effect".into());
         };
         let deadline = Instant::now() + self.retry_for;
-        // Whether the failure came before anything was sent (no connection).
+        // One token for every try of this effect: an inbox row holding it was written by
+        // an earlier try whose COMMIT reply was lost (done), not by another record.
+        let attempt: i64 = rand::random();
         let mut pause = Duration::from_millis(100);
         loop {
             let client = {
@@ -477,12 +480,17 @@ impl Effector {
             let unsent = client.is_err();
             let r = match client {
                 Ok(mut c) => {
+                    let mut token = None;
                     if let Some((table, _, _)) = inbox {
-                        if let Err(e) = ready.get_or_try_init(|| create_inbox(&c, table)).await {
-                            return Err(format!("postgres inbox table {table}: {e}").into());
+                        match ready.get_or_try_init(|| create_inbox(&c, table)).await {
+                            Err(e) => {
+                                return Err(format!("postgres inbox table {table}: {e}").into())
+                            }
+                            Ok(true) => token = Some(attempt),
+                            Ok(false) => {}
                         }
                     }
-                    let r = pg_once(&mut c, inbox, sql, params).await;
+                    let r = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params).await;
                     if !c.is_closed() {
                         pool.lock().await.push(c);
                     }
@@ -759,28 +767,46 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Er
     Ok(client)
 }
 
-async fn create_inbox(c: &tokio_postgres::Client, table: &str) -> Result<(), String> {
+/// Create the inbox table if missing. Returns whether it has the `attempt` column (the
+/// token of the try that wrote a row); a table made by an earlier onceflow gets it added
+/// when this user may alter it, else it works on without (a try whose COMMIT reply was lost
+/// is then counted a duplicate of itself: the effect still ran once).
+async fn create_inbox(c: &tokio_postgres::Client, table: &str) -> Result<bool, String> {
+    use tokio_postgres::error::SqlState;
     let table = super::inbox_table_sql(table);
     let ddl = format!(
         "CREATE TABLE IF NOT EXISTS {table} (sink text NOT NULL, key bytea NOT NULL, \
-         created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, key))"
+         created_at timestamptz NOT NULL DEFAULT now(), attempt bigint, PRIMARY KEY (sink, key))"
     );
     for _ in 0..3 {
         match c.batch_execute(&ddl).await {
-            Ok(()) => return Ok(()),
+            Ok(()) => break,
             // Two sessions creating it at once: one loses on the catalog's unique index.
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
-                continue
-            }
+            Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => continue,
             Err(e) => return Err(pg_error(&e)),
         }
     }
-    Ok(())
+    let probe = format!("SELECT attempt FROM {table} LIMIT 0");
+    match c.batch_execute(&probe).await {
+        Ok(()) => return Ok(true),
+        Err(e) if e.code() == Some(&SqlState::UNDEFINED_COLUMN) => {}
+        Err(e) => return Err(pg_error(&e)),
+    }
+    let alter = format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS attempt bigint");
+    match c.batch_execute(&alter).await {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            tracing::warn!(table = %table, error = %pg_error(&e), "postgres inbox table has no `attempt` column and it could not be added: a try whose COMMIT reply is lost will be counted skipped_duplicate (its effect still ran once)");
+            Ok(false)
+        }
+    }
 }
 
+/// Run the statement once; with an inbox `((table, scope, key), attempt)`, in one
+/// transaction with its inbox row (stamped with `attempt` when the table has the column).
 async fn pg_once(
     c: &mut tokio_postgres::Client,
-    inbox: Option<(&str, &str, &[u8])>,
+    inbox: Option<((&str, &str, &[u8]), Option<i64>)>,
     sql: &str,
     params: &[String],
 ) -> Result<EffectOutcome, tokio_postgres::Error> {
@@ -793,16 +819,41 @@ async fn pg_once(
             let n = c.execute(&stmt, &args).await?;
             Ok(EffectOutcome::Done(format!("{n} rows").into_bytes()))
         }
-        Some((table, sink, key)) => {
+        Some(((table, sink, key), attempt)) => {
             let tx = c.transaction().await?;
-            let ins = format!(
-                "INSERT INTO {} (sink, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-                super::inbox_table_sql(table)
-            );
+            let table = super::inbox_table_sql(table);
             let k: &[u8] = key;
-            let fresh = tx.execute(&ins, &[&sink, &k]).await?;
+            let fresh = match attempt {
+                Some(a) => {
+                    let ins = format!(
+                        "INSERT INTO {table} (sink, key, attempt) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
+                    );
+                    tx.execute(&ins, &[&sink, &k, &a]).await?
+                }
+                None => {
+                    let ins = format!(
+                        "INSERT INTO {table} (sink, key) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+                    );
+                    tx.execute(&ins, &[&sink, &k]).await?
+                }
+            };
             if fresh == 0 {
+                // Written by an earlier try of this very effect (its COMMIT's reply was
+                // lost): done, once. Else another record's effect came first.
+                let mine = match attempt {
+                    Some(a) => {
+                        let q = format!("SELECT attempt FROM {table} WHERE sink = $1 AND key = $2");
+                        let row = tx.query_opt(&q, &[&sink, &k]).await?;
+                        row.and_then(|r| r.get::<_, Option<i64>>(0)) == Some(a)
+                    }
+                    None => false,
+                };
                 tx.rollback().await?;
+                if mine {
+                    return Ok(EffectOutcome::Done(
+                        b"committed by an earlier try whose reply was lost".to_vec(),
+                    ));
+                }
                 return Ok(EffectOutcome::SkippedDuplicate(b"inbox".to_vec()));
             }
             let stmt = tx.prepare_typed(sql, &types).await?;
