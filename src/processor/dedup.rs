@@ -34,6 +34,11 @@ pub struct DedupEntry {
     /// time was not ahead): the sweep then counts from `first_seen_ms` alone.
     #[prost(int64, optional, tag = "5")]
     pub written_stream_ms: Option<i64>,
+    /// `first_seen_ms` is not the record's own time: under event time its record had no
+    /// timestamp (Kafka's -1), so it took the partition's stream time (or, before any, the
+    /// wall clock). Such entries, and seeded ones, do not set stream time after a restart.
+    #[prost(bool, tag = "6")]
+    pub untimed: bool,
 }
 
 impl DedupEntry {
@@ -105,6 +110,7 @@ pub(crate) fn decide(
         source_offset: obs.offset,
         fingerprint: obs.fingerprint,
         written_stream_ms: None,
+        untimed: false,
     };
     match prev {
         None => (Decision::First, Some(fresh())),
@@ -140,6 +146,7 @@ mod tests {
             source_offset: 7,
             fingerprint: fp,
             written_stream_ms: None,
+            untimed: false,
         }
     }
 

@@ -479,6 +479,7 @@ mod tests {
                 source_offset: 3,
                 fingerprint: None,
                 written_stream_ms: Some(86_400_000), // a day late
+                untimed: false,
             },
             changelog_offset: None,
         };

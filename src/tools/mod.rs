@@ -600,6 +600,7 @@ mod tests {
                 source_offset: 7,
                 fingerprint: Some(255),
                 written_stream_ms: None,
+                untimed: false,
             },
             changelog_offset: Some(3),
         };

@@ -58,6 +58,7 @@ impl StateTools {
             source_offset: SEEDED_OFFSET,
             fingerprint: None,
             written_stream_ms: None,
+            untimed: false,
         };
         let mut report = SeedReport {
             topic: store.changelog.clone(),

@@ -202,6 +202,7 @@ fn entry(first_seen_ms: i64, partition: i32, offset: i64) -> DedupEntry {
         source_offset: offset,
         fingerprint: None,
         written_stream_ms: None,
+        untimed: false,
     }
 }
 

@@ -232,8 +232,9 @@ pub(crate) struct Dedup {
     metrics: StageMetrics,
     sweep_after: Option<Vec<u8>>,
     swept: metrics::Counter,
-    /// The two highest record times seen (highest first). The sweep goes by the second:
-    /// stream time that one far-future timestamp alone cannot move.
+    /// The two highest times of records that wrote an entry, by their own timestamps
+    /// (highest first). The sweep goes by the second: stream time that one far-future
+    /// timestamp alone (delivered once or many times) cannot move.
     top_times: [i64; 2],
     topology: String,
     book: Option<KeyBook>,
@@ -296,7 +297,10 @@ impl KeyBook {
                 crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
             })?;
             let base = e.sweep_base_ms();
-            fold_time(&mut book.top_bases, base);
+            // Seeded and untimed entries carry no record's time: not stream time.
+            if !e.untimed && e.source_offset != crate::tools::SEEDED_OFFSET {
+                fold_time(&mut book.top_bases, base);
+            }
             if let Some(idx) = &mut book.by_age {
                 idx.insert((base, k.to_vec()));
             }
@@ -524,11 +528,13 @@ impl Processor for Dedup {
         // has a sample too): clock reads cost more than the check.
         self.checks = self.checks.wrapping_add(1);
         let started = (self.checks % 64 == 1).then(std::time::Instant::now);
-        let time_ms = match self.spec.time {
-            TimeSource::Event => record.timestamp.unwrap_or(ctx.wall_clock_ms),
-            TimeSource::Processing => ctx.wall_clock_ms,
+        // Event time is the record's timestamp; a record without one (Kafka's -1) has no
+        // time of its own: it never moves stream time nor expires an entry (below).
+        let own_time = match self.spec.time {
+            TimeSource::Event => record.timestamp,
+            TimeSource::Processing => Some(ctx.wall_clock_ms),
         };
-        fold_time(&mut self.top_times, time_ms);
+        let wall_clock_ms = ctx.wall_clock_ms;
         let fingerprint = match (self.spec.fingerprint, &self.fingerprinter) {
             (false, _) => None,
             (true, None) => Some(xxhash_rust::xxh3::xxh3_64(
@@ -541,17 +547,6 @@ impl Processor for Dedup {
                     return Err(RecordError::new(&self.name, e).into());
                 }
             },
-        };
-        // Behind a repartition hop the entry names the original source record.
-        let (partition, offset) = (record.origin().partition, record.origin().offset);
-        let obs = Observation {
-            time_ms,
-            partition,
-            offset,
-            fingerprint,
-        };
-        let policy = Policy {
-            ttl_ms: self.spec.ttl_ms,
         };
         let store = ctx.store(&self.store)?;
         if self.book.is_none() {
@@ -578,13 +573,39 @@ impl Processor for Dedup {
             None => None,
             Some(bytes) => Some(decode_entry(store, &bytes)?),
         };
+        // A record without a time of its own is judged at its entry's first-seen time (a
+        // duplicate: it cannot expire the entry); a first one takes stream time, or before
+        // any, the wall clock, and its entry is marked `untimed`.
+        let time_ms = match (own_time, &prev) {
+            (Some(t), _) => t,
+            (None, Some(e)) => e.first_seen_ms,
+            (None, None) if self.top_times[1] != i64::MIN => self.top_times[1],
+            (None, None) => wall_clock_ms,
+        };
+        // Behind a repartition hop the entry names the original source record.
+        let (partition, offset) = (record.origin().partition, record.origin().offset);
+        let obs = Observation {
+            time_ms,
+            partition,
+            offset,
+            fingerprint,
+        };
+        let policy = Policy {
+            ttl_ms: self.spec.ttl_ms,
+        };
         let (decision, new) = decide(prev.as_ref(), &obs, &policy);
         if let Some(mut entry) = new {
+            entry.untimed = own_time.is_none();
             // A late first occurrence (stream time already past its own time): record the
             // stream time, from which the sweep then counts its expiry.
             let stream_time = self.top_times[1];
             if stream_time > entry.first_seen_ms {
                 entry.written_stream_ms = Some(stream_time);
+            }
+            // Stream time moves with the records that write an entry, by their own time
+            // only: a redelivered copy (a duplicate) does not confirm a far-future time.
+            if own_time.is_some() {
+                fold_time(&mut self.top_times, time_ms);
             }
             let book = self.book.as_mut().expect("built above");
             book.added(&self.key_buf, prev.as_ref(), &entry);
