@@ -263,12 +263,16 @@ fn state_seed_is_refused_while_instances_run_and_every_later_run_sees_the_seeds(
         stdout.contains("keys=3 written=5 kept_existing=1 partitions=0,1"),
         "{stdout}"
     );
-    // Again: every key has its entry now, nothing is written.
+    // Again, the same time: every key has its live entry now, nothing is written.
     let (code, stdout, stderr) = tool(
         &names,
         &other,
         &["state", "seed"],
-        &[seeds.to_str().unwrap()],
+        &[
+            seeds.to_str().unwrap(),
+            "--first-seen",
+            "2025-12-01T00:30:00Z",
+        ],
     );
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(stdout.contains("written=0 kept_existing=6"), "{stdout}");
@@ -462,4 +466,164 @@ fn reset_lists_in_a_dry_run_refuses_while_running_and_deletes_topics_offsets_and
     let out = run_to_end(&names);
     assert_eq!(summary_field(&out, "records_in"), Some(3.0), "{out}");
     assert_eq!(summary_field(&out, "passed"), Some(2.0), "{out}");
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Seeded entries do not set stream time: seeding (while the instances are stopped, their
+/// input lagging the wall clock) must not make the next start's sweep delete the live
+/// entries of other keys (their first-seen times made stream time at the wall clock, and a
+/// copy within its TTL passed).
+#[test]
+fn seeding_keys_does_not_sweep_the_live_entries_of_other_keys() {
+    let names = names_for(TOPOLOGY, 1);
+    // The instance processed events up to 3 h ago, then was stopped.
+    let t = now_ms() - 3 * HOUR;
+    produce(&names.input, &[(0, b"a", t), (0, b"b", t + 1)]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(2.0), "{out}");
+    wait_group_empty(&names);
+
+    // While it is down, the operator seeds two known ids (default first-seen: now).
+    let seeds = names.state.path().join("seeds.txt");
+    std::fs::write(&seeds, "s1\ns2\n").unwrap();
+    let (code, stdout, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "seed"],
+        &[seeds.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+
+    // Restarted, it reads its backlog: the events right after the ones it had done.
+    produce(&names.input, &[(0, b"c", t + 2)]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(1.0), "{out}");
+    wait_group_empty(&names);
+
+    // a is still live for its copies (first seen t, expires t + 1 h): state get says so...
+    let (code, stdout, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "get"],
+        &["a", "--json"],
+    );
+    let a_seen = code == 0;
+    // ... and run drops the copy of a, 3 ms after it.
+    produce(&names.input, &[(0, b"a", t + 3)]);
+    let out = run_to_end(&names);
+    assert!(
+        a_seen,
+        "state get: key a was forgotten after the seed of s1, s2: {stdout}{stderr}"
+    );
+    assert_eq!(
+        (
+            summary_field(&out, "passed"),
+            summary_field(&out, "duplicates")
+        ),
+        (Some(0.0), Some(1.0)),
+        "the copy of a passed: {out}"
+    );
+    let got =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let mut got: Vec<Vec<u8>> = got
+        .into_iter()
+        .map(|r| r.value.map(|b| b.to_vec()).unwrap_or_default())
+        .collect();
+    got.sort();
+    assert_eq!(got, vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+}
+
+/// `state seed` replaces an entry that has expired at the seed's first-seen time (first
+/// seen 5 h ago, TTL 1 h, not swept yet because stream time has not moved): kept, the key
+/// would not be seen and a copy arriving now would pass.
+#[test]
+fn a_seeded_key_is_seen_even_when_its_old_entry_had_expired() {
+    let names = names_for(TOPOLOGY, 1);
+    let t0 = now_ms() - 5 * HOUR;
+    produce(&names.input, &[(0, b"k", t0)]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(1.0), "{out}");
+    wait_group_empty(&names);
+
+    let seeds = names.state.path().join("seeds.txt");
+    std::fs::write(&seeds, "k\n").unwrap();
+    let before = now_ms();
+    let (code, stdout, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "seed"],
+        &[seeds.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    // What the tools say now: k must be seen from the seed on, for an hour.
+    let (code, got, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "get"],
+        &["k", "--json"],
+    );
+    assert_eq!(code, 0, "{got}{stderr}");
+    let v = &json_lines(&got)[0];
+    let expires = v["expires_at_ms"].as_i64().unwrap();
+
+    // A copy of k, stamped now (within the hour after the seed).
+    produce(&names.input, &[(0, b"k", before + 1000)]);
+    let out = run_to_end(&names);
+    assert!(
+        expires >= before + HOUR,
+        "after `state seed` ({stdout}) state get says k expires at {expires}, before the seed at {before}: {got}"
+    );
+    assert_eq!(
+        summary_field(&out, "duplicates"),
+        Some(1.0),
+        "the copy of the seeded key passed: {out}"
+    );
+}
+
+/// Records without a timestamp (CreateTime -1) among older events do not set stream time,
+/// in the run or after a restart: with the wall clock as their time, the sweep deleted the
+/// live entries of the events and the next copy passed (tests/driver_time.rs has the same
+/// through the driver).
+#[test]
+fn records_without_a_timestamp_do_not_sweep_the_live_entries_of_older_events() {
+    let names = names_for(TOPOLOGY, 1);
+    let t = now_ms() - 48 * HOUR; // two days old events (a replay, a backlog)
+    produce(
+        &names.input,
+        &[
+            (0, b"a", t),
+            (0, b"b", t + 1),
+            (0, b"n1", -1),
+            (0, b"n2", -1),
+            (0, b"c", t + 2),
+        ],
+    );
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(5.0), "{out}");
+    wait_group_empty(&names);
+    // The next run reads one more event of that time (a commit, and its sweep).
+    produce(&names.input, &[(0, b"d", t + 3)]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(1.0), "{out}");
+    wait_group_empty(&names);
+    let (code, got, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "get"],
+        &["a", "--json"],
+    );
+    produce(&names.input, &[(0, b"a", t + 4)]); // a copy of a, 4 ms after it
+    let out = run_to_end(&names);
+    assert_eq!(code, 0, "a's entry (first seen {t}) is gone: {got}{stderr}");
+    assert_eq!(
+        summary_field(&out, "duplicates"),
+        Some(1.0),
+        "the copy of a passed: {out}"
+    );
 }

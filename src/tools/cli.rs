@@ -303,15 +303,44 @@ fn parse_time(t: &str) -> Result<i64> {
     if let Ok(ms) = t.parse::<i64>() {
         return Ok(ms);
     }
-    let st = humantime::parse_rfc3339_weak(t).map_err(|e| {
+    let bad = |e: &dyn std::fmt::Display| {
         Error::Config(format!(
-            "--first-seen {t:?}: {e} (expected RFC 3339, e.g. 2026-12-01T00:00:00Z, or ms since the epoch)"
+            "--first-seen {t:?}: {e} (expected RFC 3339, e.g. 2026-12-01T00:00:00Z or 2026-12-01T01:00:00+01:00, or ms since the epoch)"
         ))
-    })?;
-    Ok(match st.duration_since(std::time::UNIX_EPOCH) {
+    };
+    // humantime takes UTC (`Z`) only: a numeric offset `+HH:MM` / `-HH:MM` is applied here.
+    let (utc, offset_ms) = match split_offset(t) {
+        Some((local, off)) => (format!("{local}Z"), off),
+        None => (t.to_string(), 0),
+    };
+    let st = humantime::parse_rfc3339_weak(&utc).map_err(|e| bad(&e))?;
+    let ms = match st.duration_since(std::time::UNIX_EPOCH) {
         Ok(d) => d.as_millis() as i64,
         Err(e) => -(e.duration().as_millis() as i64),
-    })
+    };
+    Ok(ms - offset_ms)
+}
+
+/// A time ending in a numeric UTC offset (`...T01:00:00+01:00`): the local part and the
+/// offset in ms. `None` for `Z` or no offset.
+fn split_offset(t: &str) -> Option<(&str, i64)> {
+    let cut = t.len().checked_sub(6)?;
+    let (local, off) = t.split_at_checked(cut)?;
+    let b = off.as_bytes();
+    let sign = match b[0] {
+        b'+' => 1,
+        b'-' => -1,
+        _ => return None,
+    };
+    if !local.contains('T') && !local.contains(' ') || b[3] != b':' {
+        return None;
+    }
+    let h: i64 = off[1..3].parse().ok()?;
+    let m: i64 = off[4..6].parse().ok()?;
+    if h > 23 || m > 59 {
+        return None;
+    }
+    Some((local, sign * (h * 60 + m) * 60_000))
 }
 
 /// The keys of a seed file, one per line (`\n` or `\r\n`), raw bytes (or base64); empty
@@ -460,6 +489,22 @@ mod tests {
         );
         let e = parse_time("yesterday").unwrap_err().to_string();
         assert!(e.contains("--first-seen"), "{e}");
+        // A numeric offset: the same instant.
+        for t in ["2025-12-01T01:00:00+01:00", "2025-11-30T19:30:00-04:30"] {
+            assert_eq!(parse_time(t).unwrap(), 1_764_547_200_000, "{t}");
+        }
+        assert_eq!(
+            parse_time("2025-12-01T00:00:00.250+00:00").unwrap(),
+            1_764_547_200_250
+        );
+        for bad in [
+            "2025-12-01T00:00:00+25:00",
+            "2025-12-01+01:00",
+            "é+01:00",
+            "+01:00",
+        ] {
+            assert!(parse_time(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -7,7 +7,8 @@ impl StateTools {
     /// Write `keys` as dedup entries (first seen at `first_seen_ms`, no source record) to
     /// the changelog of `store`, on every partition (or only `partitions`), so that every
     /// instance restores them before it processes its partitions. A key that has an entry on
-    /// a partition already is left alone there (its first-seen time and source stay). The
+    /// a partition already, live at `first_seen_ms` (not older than the TTL), is left alone
+    /// there (its first-seen time and source stay); an expired one is replaced. The
     /// changelog topic is created, as `run` would, when missing.
     ///
     /// Every partition by default, because the partition a later copy of a key arrives on is
@@ -82,7 +83,15 @@ impl StateTools {
                 end,
                 |k, v, _| {
                     if wanted.contains(k) {
-                        live.insert(k.to_vec(), v.is_some());
+                        // Kept only while live at the seed's time: an expired entry would
+                        // let the next copy pass, against what the seed says.
+                        let kept = match v {
+                            None => false,
+                            Some(v) => DedupEntry::decode(v).map_or(true, |e| {
+                                first_seen_ms.saturating_sub(e.first_seen_ms) <= store.ttl_ms
+                            }),
+                        };
+                        live.insert(k.to_vec(), kept);
                     }
                     Ok(())
                 },
