@@ -627,3 +627,42 @@ fn records_without_a_timestamp_do_not_sweep_the_live_entries_of_older_events() {
         "the copy of a passed: {out}"
     );
 }
+
+/// `reset --dry-run` lists the group's committed offsets on every topic it reads, the
+/// repartition topic of a dedup with `partitioning: repartition` too (they are deleted
+/// with the group).
+#[test]
+fn a_reset_plan_lists_the_offsets_committed_on_the_repartition_topic() {
+    const HOP: &str = r#"
+name: tools-hop
+source: { topic: "{input}", format: bytes }
+stages:
+  - dedup: { name: seen, key: kafka_key, ttl: 1h, partitioning: repartition }
+  - sink: { topic: "{output}" }
+"#;
+    let names = names_for(HOP, 2);
+    produce(&names.input, &[(0, b"x", T0), (1, b"x", T0), (1, b"y", T0)]);
+    let out = run_to_end(&names);
+    assert_eq!(summary_field(&out, "passed"), Some(2.0), "{out}");
+    wait_group_empty(&names);
+    let (code, stdout, stderr) = tool(&names, &names.state_dir(), &["reset"], &["--dry-run"]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let hop = format!("{}-seen-repartition", names.app);
+    assert!(stdout.contains(&format!("topic {hop}")), "{stdout}");
+    assert!(
+        stdout.contains(&format!("committed offsets on {}: 0=1 1=2", names.input)),
+        "{stdout}"
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.contains(&format!("committed offsets on {hop}: ")))
+        .unwrap_or_else(|| panic!("no offsets line for {hop}: {stdout}"));
+    let total: i64 = line
+        .rsplit(": ")
+        .next()
+        .unwrap()
+        .split(' ')
+        .map(|po| po.split('=').nth(1).unwrap().parse::<i64>().unwrap())
+        .sum();
+    assert_eq!(total, 3, "three records routed and committed: {line}");
+}

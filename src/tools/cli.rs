@@ -399,23 +399,24 @@ fn reset_cmd(args: ResetArgs) -> Result<()> {
             }
         ),
     )?;
-    let offsets = if plan.committed.is_empty() {
-        "none".to_string()
-    } else {
-        plan.committed
-            .iter()
-            .map(|(p, o)| format!("{p}={o}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    w(
-        &mut out,
-        format!(
-            "  consumer group {}: committed offsets on {}: {offsets}",
-            plan.group,
-            tools.source_topic()
-        ),
-    )?;
+    for (topic, committed) in &plan.committed {
+        let offsets = if committed.is_empty() {
+            "none".to_string()
+        } else {
+            committed
+                .iter()
+                .map(|(p, o)| format!("{p}={o}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        w(
+            &mut out,
+            format!(
+                "  consumer group {}: committed offsets on {topic}: {offsets}",
+                plan.group
+            ),
+        )?;
+    }
     for t in &plan.topics {
         w(&mut out, format!("  topic {t}"))?;
     }

@@ -163,8 +163,9 @@ pub(crate) struct Member {
 pub(crate) struct ResetPlan {
     /// The consumer group (`application.id`).
     pub(crate) group: String,
-    /// Its committed offsets on the source topic, (partition, offset); empty when none.
-    pub(crate) committed: Vec<(i32, i64)>,
+    /// Its committed offsets per topic it reads: the source topic first, then each
+    /// repartition topic that exists; (partition, offset) pairs, empty when none.
+    pub(crate) committed: Vec<(String, Vec<(i32, i64)>)>,
     /// Internal topics that exist: changelogs, repartition topics.
     pub(crate) topics: Vec<String>,
     /// The local state directory, when it exists on this machine.

@@ -71,7 +71,13 @@ impl StateTools {
                 }
             }
         }
-        let committed = self.committed_offsets(&admin)?;
+        let mut committed = vec![(
+            self.source_topic().to_string(),
+            self.committed_offsets(&admin, self.source_topic())?,
+        )];
+        for t in topics.iter().filter(|t| t.ends_with("-repartition")) {
+            committed.push((t.clone(), self.committed_offsets(&admin, t)?));
+        }
         let dir = self.local_dir();
         Ok(ResetPlan {
             group: self.config.application_id.clone(),
@@ -81,8 +87,8 @@ impl StateTools {
         })
     }
 
-    pub(super) fn committed_offsets(&self, admin: &Admin) -> Result<Vec<(i32, i64)>> {
-        let src = self.source_topic();
+    /// The group's committed offsets on `src`, (partition, offset).
+    pub(super) fn committed_offsets(&self, admin: &Admin, src: &str) -> Result<Vec<(i32, i64)>> {
         let Some(n) = admin.partition_count(src)? else {
             return Ok(Vec::new());
         };
