@@ -367,13 +367,7 @@ fn state_seed_is_refused_while_instances_run_and_every_later_run_sees_the_seeds(
         Some(2.0),
         "\\xff on partition 0 was not seeded there: {out}"
     );
-    let got =
-        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
-    let mut got: Vec<Vec<u8>> = got
-        .into_iter()
-        .map(|r| r.value.map(|b| b.to_vec()).unwrap_or_default())
-        .collect();
-    got.sort();
+    let got = output_values(&names);
     assert_eq!(got, vec![b"a".to_vec(), b"b".to_vec(), b"\xff".to_vec()]);
 }
 
@@ -468,6 +462,18 @@ fn reset_lists_in_a_dry_run_refuses_while_running_and_deletes_topics_offsets_and
     assert_eq!(summary_field(&out, "passed"), Some(2.0), "{out}");
 }
 
+/// The values of the output topic read_committed, sorted.
+fn output_values(names: &Names) -> Vec<Vec<u8>> {
+    let got =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let mut got: Vec<Vec<u8>> = got
+        .into_iter()
+        .map(|r| r.value.map(|b| b.to_vec()).unwrap_or_default())
+        .collect();
+    got.sort();
+    got
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -529,13 +535,7 @@ fn seeding_keys_does_not_sweep_the_live_entries_of_other_keys() {
         (Some(0.0), Some(1.0)),
         "the copy of a passed: {out}"
     );
-    let got =
-        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
-    let mut got: Vec<Vec<u8>> = got
-        .into_iter()
-        .map(|r| r.value.map(|b| b.to_vec()).unwrap_or_default())
-        .collect();
-    got.sort();
+    let got = output_values(&names);
     assert_eq!(got, vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
 }
 
