@@ -200,6 +200,9 @@ impl Config {
                 .or_else(|| k.strip_prefix("kafka.").map(|p| (p, &mut kafka)));
             if let Some((p, into)) = property {
                 check_kafka_property(p, v).map_err(|why| bad(k, why))?;
+                if let Some(why) = managed_property(p, v) {
+                    return Err(bad(k, why));
+                }
                 into.insert(p.to_string(), v.clone());
             } else if !KEYS.contains(&k.as_str()) {
                 return Err(Error::Config(format!(
@@ -362,6 +365,34 @@ fn check_kafka_property(property: &str, value: &str) -> std::result::Result<(), 
         }
         Err(e) => Err(format!("{value:?} was refused by librdkafka: {e}")),
     }
+}
+
+/// Why a librdkafka property onceflow's guarantees rest on cannot take `value`, or `None`
+/// when it may (any other property, or the value onceflow needs). These are set by
+/// onceflow itself; a `kafka.*` value would otherwise win over them.
+fn managed_property(property: &str, value: &str) -> Option<String> {
+    let v = value.trim().to_ascii_lowercase();
+    let why = match property {
+        "isolation.level" if v != "read_committed" => {
+            "onceflow reads read_committed: records of aborted or still open transactions must never be processed (KIP-98)"
+        }
+        "enable.auto.commit" if v != "false" => {
+            "onceflow commits offsets itself, only after the outputs and state they stand for (the commit protocol)"
+        }
+        "enable.partition.eof" => "set by onceflow (true with --stop-at-end, which needs it)",
+        "group.id" => "the consumer group is `application.id`: set that",
+        "transactional.id" => {
+            "set by onceflow under exactly_once_v2 from `application.id` and `instance.id`: set those"
+        }
+        "enable.idempotence" if v != "true" => {
+            "the producer must be idempotent: a retried send must not write an output twice"
+        }
+        "acks" | "request.required.acks" if v != "all" && v != "-1" => {
+            "an output counts as delivered only once every in-sync replica has it (acks=all)"
+        }
+        _ => return None,
+    };
+    Some(format!("{value:?}: not allowed: {why}"))
 }
 
 /// `; did you mean `x`?` for the known key nearest to `key` (a renamed key's new name, or
@@ -552,6 +583,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("its name is not UTF-8"), "{e}");
+    }
+
+    /// A `kafka.*` value that would undo what the guarantees rest on (read_committed, no
+    /// auto commit, onceflow's group and transactional.id, an idempotent producer with
+    /// acks=all, the end-of-partition events `--stop-at-end` needs) stops start-up; the value
+    /// onceflow sets itself passes.
+    #[test]
+    fn a_kafka_value_that_undoes_a_guarantee_is_refused() {
+        for (k, v) in [
+            ("kafka.consumer.isolation.level", "read_uncommitted"),
+            ("kafka.isolation.level", "READ_UNCOMMITTED"),
+            ("kafka.consumer.enable.auto.commit", "true"),
+            ("kafka.consumer.enable.partition.eof", "false"),
+            ("kafka.consumer.group.id", "other"),
+            ("kafka.producer.transactional.id", "mine"),
+            ("kafka.producer.enable.idempotence", "false"),
+            ("kafka.producer.acks", "1"),
+            ("kafka.request.required.acks", "0"),
+        ] {
+            let e = Config::load_with_env(&[], &[(k.into(), v.into())], env(&[]))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("`{k}`")) && e.contains("not allowed"),
+                "{k}: {e}"
+            );
+        }
+        for (k, v) in [
+            ("kafka.consumer.isolation.level", "read_committed"),
+            ("kafka.enable.auto.commit", "false"),
+            ("kafka.producer.acks", "all"),
+            ("kafka.producer.enable.idempotence", "true"),
+        ] {
+            Config::load_with_env(&[], &[(k.into(), v.into())], env(&[]))
+                .unwrap_or_else(|e| panic!("{k}={v}: {e}"));
+        }
     }
 
     /// A refused `kafka.*` value is a config error naming the key, the value and where it
