@@ -493,3 +493,51 @@ fn a_full_producer_queue_delays_sends_and_loses_no_output_or_mark() {
         "no repeat after the restore"
     );
 }
+
+/// The source topic grows while an instance runs: the new partition has no changelog
+/// partition, a fault no restart can fix. The instance stops at once with a config error
+/// (exit 2) saying to grow the changelog too (deleting it would lose the marks), instead
+/// of retrying that partition's changelog offsets in the run loop (which stalled every
+/// partition and then exited 1).
+#[test]
+fn a_source_topic_grown_at_run_time_stops_with_the_changelog_advice() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
+    use rdkafka::client::DefaultClientContext;
+    let names = names_for(BY_ID, 2);
+    let sets = [(
+        "kafka.topic.metadata.refresh.interval.ms",
+        "1000".to_string(),
+    )];
+    let mut run = start(&names, &sets, &[], &[]);
+    run.wait_for_log("partitions assigned", T);
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let grown = rt
+        .block_on(
+            admin.create_partitions(&[NewPartitions::new(&names.input, 3)], &AdminOptions::new()),
+        )
+        .unwrap();
+    assert!(grown.iter().all(|r| r.is_ok()), "{grown:?}");
+    let started = std::time::Instant::now();
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(T);
+    let log = log.lock().unwrap().clone();
+    assert_eq!(st.code(), Some(2), "{log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "took {:?}: {log}",
+        started.elapsed()
+    );
+    let changelog = format!("{}-dedup-changelog", names.app);
+    assert!(
+        log.contains(&format!("partition 2 of {} was assigned", names.input))
+            && log.contains(&format!("--alter --topic {changelog} --partitions 3")),
+        "{log}"
+    );
+}

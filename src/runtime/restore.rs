@@ -89,6 +89,23 @@ impl RunLoop {
         if ready.is_empty() {
             return Ok(());
         }
+        // A partition its changelog lacks (the source topic grew while running): a config
+        // fault a restart cannot fix, said at once (its offsets would be retried as a
+        // topic still being created, holding the run loop).
+        for (store, topic) in &self.changelogs {
+            let m = Self::partition_count(&self.restore_consumer, topic)?;
+            if let Some(&id) = ready
+                .iter()
+                .find(|id| usize::try_from(**id).unwrap_or(0) >= m)
+            {
+                let (src, p) = self.topics.tp(id);
+                let n = Self::partition_count(&self.restore_consumer, src)?;
+                return Err(Error::Config(format!(
+                    "partition {p} of {src} was assigned, but {}",
+                    super::topics::changelog_count_advice(store, topic, m, src, n)
+                )));
+            }
+        }
         // 2. Per changelog: log start, last stable offset (the restore consumer is
         //    read_committed) and high watermark (read_uncommitted) of every ready partition,
         //    one ListOffsets request each.
@@ -149,6 +166,23 @@ impl RunLoop {
             self.resume(consumer, p)?;
         }
         Ok(())
+    }
+
+    /// The partition count of `topic` from a metadata request; `usize::MAX` when the
+    /// answer has none (a topic not known yet, or an error for it): nothing to judge by.
+    fn partition_count(client: &BaseConsumer, topic: &str) -> Result<usize> {
+        crate::kafka::retry::retry(&format!("metadata of topic {topic}"), || {
+            let md = client
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+                .map_err(Error::kafka("metadata"))?;
+            Ok(md
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic && t.error().is_none())
+                .map(|t| t.partitions().len())
+                .filter(|n| *n > 0)
+                .unwrap_or(usize::MAX))
+        })
     }
 
     /// The offsets of `partitions` of `topic` at `at` (`Offset::Beginning`: log start;

@@ -101,7 +101,7 @@ impl Restorer {
         let start = match checkpoint {
             Some(c) if c > end => {
                 tracing::warn!(store, partition, checkpoint = c, end,
-                    "local state is ahead of its changelog (was the changelog recreated?): clearing it");
+                    "local state is ahead of its changelog (was the changelog deleted and recreated?): clearing it, as after `onceflow reset`; its marks are gone and copies of their records will pass");
                 engine.clear()?;
                 low
             }
