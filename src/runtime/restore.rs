@@ -229,6 +229,9 @@ impl RunLoop {
     fn resume(&mut self, consumer: &SourceConsumer, p: i32) -> Result<()> {
         let tpl = self.tpl_id(p, None)?;
         if let Some(off) = self.replay_from.remove(&p) {
+            // An end-of-partition event that came while it was paused is stale now: the
+            // records from `off` are read again first.
+            self.at_end.remove(&p);
             consumer
                 .seek_partitions(self.tpl_id(p, Some(off))?, Duration::from_secs(10))
                 .map_err(Error::kafka("seek"))?;
