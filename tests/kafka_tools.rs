@@ -19,6 +19,15 @@ stages:
   - sink: { topic: "{output}" }
 "#;
 
+/// The same behind a repartition hop.
+const HOP: &str = r#"
+name: tools-hop
+source: { topic: "{input}", format: bytes }
+stages:
+  - dedup: { name: seen, key: kafka_key, ttl: 1h, partitioning: repartition }
+  - sink: { topic: "{output}" }
+"#;
+
 const T0: i64 = 1_764_547_200_000; // 2025-12-01T00:00:00Z
 const HOUR: i64 = 3_600_000;
 
@@ -592,7 +601,18 @@ fn a_seeded_key_is_seen_even_when_its_old_entry_had_expired() {
 /// through the driver).
 #[test]
 fn records_without_a_timestamp_do_not_sweep_the_live_entries_of_older_events() {
-    let names = names_for(TOPOLOGY, 1);
+    untimed_records_among_older_events(TOPOLOGY);
+}
+
+/// The same behind a repartition hop: the repartition record's stamp (the time it was
+/// routed) is not taken for the source record's time.
+#[test]
+fn records_without_a_timestamp_keep_none_through_a_repartition_hop() {
+    untimed_records_among_older_events(HOP);
+}
+
+fn untimed_records_among_older_events(topology: &str) {
+    let names = names_for(topology, 1);
     let t = now_ms() - 48 * HOUR; // two days old events (a replay, a backlog)
     produce(
         &names.input,
@@ -633,13 +653,6 @@ fn records_without_a_timestamp_do_not_sweep_the_live_entries_of_older_events() {
 /// with the group).
 #[test]
 fn a_reset_plan_lists_the_offsets_committed_on_the_repartition_topic() {
-    const HOP: &str = r#"
-name: tools-hop
-source: { topic: "{input}", format: bytes }
-stages:
-  - dedup: { name: seen, key: kafka_key, ttl: 1h, partitioning: repartition }
-  - sink: { topic: "{output}" }
-"#;
     let names = names_for(HOP, 2);
     produce(&names.input, &[(0, b"x", T0), (1, b"x", T0), (1, b"y", T0)]);
     let out = run_to_end(&names);

@@ -33,6 +33,17 @@ pub const SOURCE: &str = "onceflow.source";
 /// with [`SOURCE`].
 pub(crate) const UNKEYED: &str = "onceflow.source.unkeyed";
 
+/// Header (null value) of a repartition record whose source record had no timestamp
+/// (Kafka's -1): the producer stamps the repartition record with the time it is sent, and
+/// the task reading it takes that stamp off again, so the dedup stage after the hop sees a
+/// record without a timestamp, as the source had it. Taken off with [`SOURCE`].
+pub(crate) const UNTIMED: &str = "onceflow.source.untimed";
+
+/// Whether `name` is a header the router adds (and the reading task takes off).
+fn is_router_mark(name: &str) -> bool {
+    name == SOURCE || name == UNKEYED || name == UNTIMED || LEGACY.contains(&name)
+}
+
 /// The three headers that named the source record before [`SOURCE`] (topic, partition,
 /// offset as text); still read, so records routed by an earlier version are processed
 /// alike.
@@ -126,8 +137,7 @@ pub(crate) fn source_text(topic: &str, partition: i32, offset: i64, out: &mut Ve
 /// legacy three): a record that already carries one is routed as a [`Record`], which keeps
 /// a source header as it is.
 pub(crate) fn is_hop_header(name: &str) -> bool {
-    name.starts_with("onceflow.source")
-        && (name == SOURCE || name == UNKEYED || LEGACY.contains(&name))
+    name.starts_with("onceflow.source") && is_router_mark(name)
 }
 
 /// Append `n` in decimal.
@@ -170,9 +180,10 @@ pub(crate) fn take_source(record: &mut Record, last: &mut Option<std::sync::Arc<
     // [`UNKEYED`] did).
     let current = record.headers.iter().any(|(n, _)| n == SOURCE);
     let unkeyed = record.headers.iter().any(|(n, _)| n == UNKEYED);
-    record
-        .headers
-        .retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
+    if record.headers.iter().any(|(n, _)| n == UNTIMED) {
+        record.timestamp = None;
+    }
+    record.headers.retain(|(n, _)| !is_router_mark(n));
     record.origin = Some(origin(&topic, partition, offset, last));
     record.keyed = current && !unkeyed;
 }
@@ -264,10 +275,13 @@ fn with_source(
     let s = record.origin();
     let mut text = Vec::new();
     source_text(&s.topic, s.partition, s.offset, &mut text);
-    headers.retain(|(n, _)| n != SOURCE && n != UNKEYED && !LEGACY.contains(&n.as_str()));
+    headers.retain(|(n, _)| !is_router_mark(n));
     headers.push((SOURCE.into(), Some(Bytes::from(text))));
     if !keyed {
         headers.push((UNKEYED.into(), None));
+    }
+    if record.timestamp.is_none() {
+        headers.push((UNTIMED.into(), None));
     }
     OutRecord {
         topic: topic.to_string(),
@@ -403,7 +417,7 @@ impl Router {
     /// A message that already carries a [hop header](is_hop_header) is routed as a record.
     pub(crate) fn route_parts<'a>(
         &self,
-        (kafka_key, value): (Option<&[u8]>, Option<&[u8]>),
+        (kafka_key, value, timestamp): (Option<&[u8]>, Option<&[u8]>, Option<i64>),
         headers: &mut Vec<(&'a str, Option<&'a [u8]>)>,
         (topic, partition, offset): (&str, i32, i64),
         key_out: &mut Vec<u8>,
@@ -426,6 +440,9 @@ impl Router {
         headers.push((SOURCE, Some(&text[..])));
         if !keyed {
             headers.push((UNKEYED, None));
+        }
+        if timestamp.is_none() {
+            headers.push((UNTIMED, None));
         }
         (to, keyed)
     }
@@ -641,7 +658,7 @@ mod tests {
                             hs.iter().map(|(k, v)| (*k, Some(*v))).collect();
                         let (mut key_out, mut text) = (Vec::new(), Vec::new());
                         let (partition, keyed) = router.route_parts(
-                            (kafka_key, rec.value.as_deref()),
+                            (kafka_key, rec.value.as_deref(), rec.timestamp),
                             &mut borrowed,
                             ("events", 5, 1234),
                             &mut key_out,

@@ -285,7 +285,7 @@ impl RunLoop {
             headers.extend(source.iter().map(|(k, v)| (k.as_ref(), *v)));
             if !headers.iter().any(|(k, _)| is_hop_header(k)) {
                 let (partition, keyed) = hop.router.route_parts(
-                    (m.key(), m.payload()),
+                    (m.key(), m.payload(), m.timestamp().to_millis()),
                     &mut headers,
                     // The source topic's name, shared: `m.topic()` measures the C
                     // string of every message.
@@ -457,9 +457,10 @@ fn to_record(
     mut origin: Option<&mut Option<Arc<str>>>,
     arena: &mut crate::state::Arena,
 ) -> Record {
-    use crate::processor::repartition::{origin_of, SOURCE, UNKEYED};
+    use crate::processor::repartition::{origin_of, SOURCE, UNKEYED, UNTIMED};
     let mut from = None;
     let mut unkeyed = false;
+    let mut untimed = false;
     let headers = header_pairs(m.headers())
         .filter(|(key, value)| {
             let Some(last) = origin.as_deref_mut() else {
@@ -467,6 +468,10 @@ fn to_record(
             };
             if key == UNKEYED {
                 unkeyed = true;
+                return false;
+            }
+            if key == UNTIMED {
+                untimed = true;
                 return false;
             }
             if from.is_some() || key != SOURCE {
@@ -484,7 +489,8 @@ fn to_record(
         key: m.key().map(|k| arena.copy(k)),
         value: m.payload().map(|v| arena.copy(v)),
         headers,
-        timestamp: m.timestamp().to_millis(),
+        // The repartition record's stamp when the source record had none (see UNTIMED).
+        timestamp: m.timestamp().to_millis().filter(|_| !untimed),
         json: None,
         fields: None,
         source: SourceMeta {
