@@ -24,7 +24,7 @@
 //! Exit codes: 0 done; 1 the run failed for a reason outside onceflow (broker, disk, sink:
 //! a restart resumes from the last commit); 2 bad arguments, config or topology.
 
-use crate::config::{parse_set, Config};
+use crate::config::{parse_set, Config, LogFormat};
 use crate::runtime::{App, RunOptions};
 use crate::topology::Topology;
 use clap::Parser;
@@ -120,19 +120,20 @@ pub(crate) fn run(topology: Topology, args: &RunArgs) -> ExitCode {
         }
     };
     crate::logging::init(config.log_format);
+    let format = config.log_format;
     let status = match crate::http::start(&config) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("{e}");
+            report(format, &e.to_string(), None);
             return ExitCode::from(2);
         }
     };
     if let Err(e) = crate::runtime::failpoint::init_from_env() {
-        eprintln!("{e}");
+        report(format, &e.to_string(), None);
         return ExitCode::from(2);
     }
     let shutdown = Arc::new(AtomicBool::new(false));
-    watch_signals(shutdown.clone());
+    watch_signals(shutdown.clone(), format);
     let opts = RunOptions {
         stop_at_end: args.stop_at_end,
         shutdown,
@@ -144,14 +145,40 @@ pub(crate) fn run(topology: Topology, args: &RunArgs) -> ExitCode {
         }
         Err(e) => {
             let fault = e.fault();
-            eprintln!("onceflow: {e}\nonceflow: {}", fault.hint());
+            report(format, &e.to_string(), Some(fault.hint()));
             ExitCode::from(fault.exit_code())
         }
     }
 }
 
+/// Print why the run stopped (and what to do) on stderr: `onceflow: ...` lines, or under
+/// `log.format = json` one JSON object shaped as the log lines are (level `ERROR`, the
+/// message and hint under `fields`), so a log shipper reading JSON lines keeps it. Printed
+/// whatever `ONCEFLOW_LOG` filters: it is the exit's reason.
+fn report(format: LogFormat, message: &str, hint: Option<&str>) {
+    match format {
+        LogFormat::Text => match hint {
+            Some(h) => eprintln!("onceflow: {message}\nonceflow: {h}"),
+            None => eprintln!("{message}"),
+        },
+        LogFormat::Json => {
+            let mut fields = serde_json::json!({ "message": message });
+            if let Some(h) = hint {
+                fields["hint"] = h.into();
+            }
+            let line = serde_json::json!({
+                "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+                "level": "ERROR",
+                "fields": fields,
+                "target": "onceflow",
+            });
+            eprintln!("{line}");
+        }
+    }
+}
+
 /// Set `flag` on SIGTERM or SIGINT; a second signal exits at once (code 130).
-fn watch_signals(flag: Arc<AtomicBool>) {
+fn watch_signals(flag: Arc<AtomicBool>, format: LogFormat) {
     std::thread::spawn(move || {
         let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -175,7 +202,7 @@ fn watch_signals(flag: Arc<AtomicBool>) {
             loop {
                 tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
                 if flag.swap(true, Ordering::SeqCst) {
-                    eprintln!("second signal: exiting without committing");
+                    report(format, "second signal: exiting without committing", None);
                     std::process::exit(130);
                 }
             }

@@ -71,6 +71,41 @@ fn a_locked_state_dir_is_a_config_fault() {
     assert_eq!(out.status.code(), Some(2), "{err}");
 }
 
+/// Under `log.format = json` the reason a run stops is a JSON line too (a log shipper
+/// reading JSON lines would drop a plain one, the very line that explains the exit).
+#[test]
+fn the_reason_a_run_stops_is_a_json_line_under_log_format_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = base(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let out = base(dir.path())
+        .args(["--set", "log.format=json"])
+        .output()
+        .unwrap();
+    let _ = first.kill();
+    let _ = first.wait();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let last = lines.last().expect("a reason");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert!(
+        last["fields"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("locked"),
+        "{last}"
+    );
+    assert!(last["fields"]["hint"].is_string(), "{last}");
+}
+
 /// One SIGTERM while start-up waits for the broker (metadata retried for up to 2 min)
 /// stops the run: exit 0, without a second signal (130).
 #[test]
