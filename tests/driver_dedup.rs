@@ -573,6 +573,13 @@ fn an_aborted_transaction_rewinds_and_repeats_nothing() {
     d.commit().unwrap();
     assert_eq!(out_ids(&d), ["a", "b", "c", "d"]);
     assert_eq!(d.committed_offset(0), Some(7));
+    // The counts (the `summary:` line) are what was committed, not what was rolled back.
+    let c = d.counts();
+    assert_eq!(
+        (c.records_in, c.passed, c.duplicates, c.records_out),
+        (7, 4, 3, 4),
+        "{c:?}"
+    );
 }
 
 /// exactly_once_v2: a transaction whose commit answer is lost, after it committed or

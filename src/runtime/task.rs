@@ -58,6 +58,11 @@ pub(crate) struct Task {
     dlq_topic: String,
     position: Option<i64>,
     counts: Counts,
+    /// The counts as of each sealed commit, until it commits (then they are `committed`).
+    sealed_counts: Vec<(u64, Counts)>,
+    /// The counts as of the last commit: what an abort rolls `counts` back to, as the
+    /// records after it are read and counted again.
+    committed_counts: Counts,
     cur: Vec<Record>,
     next: Vec<Record>,
     /// `onceflow_dead_letters_total` by stage: `[0]` for `source` (undecodable values),
@@ -137,6 +142,8 @@ impl Task {
             dlq_topic: dlq_topic.to_string(),
             position: None,
             counts: Counts::default(),
+            sealed_counts: Vec::new(),
+            committed_counts: Counts::default(),
             cur: Vec::with_capacity(4),
             next: Vec::with_capacity(4),
             dlq_counters,
@@ -206,6 +213,8 @@ impl Task {
             dlq_topic: dlq_topic.to_string(),
             position: None,
             counts: Counts::default(),
+            sealed_counts: Vec::new(),
+            committed_counts: Counts::default(),
             cur: Vec::new(),
             next: Vec::new(),
             dlq_counters,
@@ -249,7 +258,7 @@ impl Task {
         self.position
     }
 
-    /// Totals since the task started.
+    /// Totals since the task started, less those of records an abort rolled back.
     pub(crate) fn counts(&self) -> &Counts {
         &self.counts
     }
@@ -513,6 +522,7 @@ impl Task {
         for s in self.stores.values_mut() {
             s.seal(epoch);
         }
+        self.sealed_counts.push((epoch, self.counts));
         for (_, n) in self.nodes.iter_mut() {
             n.on_commit();
         }
@@ -545,6 +555,10 @@ impl Task {
     ) -> Result<()> {
         for (name, s) in self.stores.iter_mut() {
             s.commit_sealed(epoch, changelog_offset(name))?;
+        }
+        if let Some(i) = self.sealed_counts.iter().position(|(e, _)| *e == epoch) {
+            self.committed_counts = self.sealed_counts[i].1;
+            self.sealed_counts.drain(..=i);
         }
         Ok(())
     }
@@ -688,6 +702,10 @@ impl Task {
             n.on_abort();
         }
         self.position = committed;
+        // The records since the last commit are read again (or, lost, are another
+        // instance's): counted when they are processed again.
+        self.counts = self.committed_counts;
+        self.sealed_counts.clear();
     }
 
     /// Wait until every committed write of this task's stores is in the engine (sled), or
