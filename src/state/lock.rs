@@ -13,7 +13,8 @@ impl StateDirLock {
     ///
     /// # Errors
     /// [`crate::Error::Config`] naming the dir and the pid holding it, when another process
-    /// has it (exit code 2: give each instance its own state dir); [`crate::Error::Io`] when the dir or lock file cannot be created.
+    /// has it (exit code 2: give each instance its own state dir), or when `dir` is (or
+    /// lies under) a file; [`crate::Error::Io`] when the dir or lock file cannot be created.
     pub(crate) fn acquire(dir: &std::path::Path) -> Result<StateDirLock> {
         use std::io::{Read, Seek, Write};
         use std::os::unix::io::AsRawFd;
@@ -21,6 +22,15 @@ impl StateDirLock {
             path: dir.display().to_string(),
             source: e,
         };
+        // A path that is (or runs through) a file: the user's to fix, exit 2 (a restart
+        // would fail the same way).
+        if let Some(file) = dir.ancestors().find(|a| a.exists()).filter(|a| !a.is_dir()) {
+            return Err(crate::Error::Config(format!(
+                "state.dir {}: {} is a file, not a directory",
+                dir.display(),
+                file.display()
+            )));
+        }
         std::fs::create_dir_all(dir).map_err(io)?;
         let path = dir.join("onceflow.lock");
         let mut file = std::fs::OpenOptions::new()

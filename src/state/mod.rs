@@ -166,6 +166,20 @@ pub(crate) const UNPERSISTED_OPS: usize = 262_144;
 mod tests {
     use super::*;
 
+    /// A state.dir that is a file (or under one) is the user's to fix: exit 2, naming it.
+    #[test]
+    fn a_state_dir_that_is_a_file_is_a_config_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        for d in [file.clone(), file.join("below")] {
+            let err = StateDirLock::acquire(&d).err().expect("refused");
+            let msg = err.to_string();
+            assert_eq!(err.fault(), crate::error::Fault::User, "{msg}");
+            assert!(msg.contains("not-a-dir is a file"), "{msg}");
+        }
+    }
+
     #[test]
     fn a_locked_state_dir_fails_fast() {
         let dir = tempfile::tempdir().unwrap();
