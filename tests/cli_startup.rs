@@ -53,19 +53,25 @@ fn a_bad_kafka_property_is_a_config_fault_naming_the_key() {
     }
 }
 
-/// A second instance on a state.dir in use is told to fix it (as a port in use): exit 2.
-#[test]
-fn a_locked_state_dir_is_a_config_fault() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut first = base(dir.path())
+/// Run a second instance with `args` on `state` while a first one holds it.
+fn while_another_runs(state: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let mut first = base(state)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_secs(2));
-    let out = base(dir.path()).output().unwrap();
+    let out = base(state).args(args).output().unwrap();
     let _ = first.kill();
     let _ = first.wait();
+    out
+}
+
+/// A second instance on a state.dir in use is told to fix it (as a port in use): exit 2.
+#[test]
+fn a_locked_state_dir_is_a_config_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = while_another_runs(dir.path(), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("locked"), "{err}");
     assert_eq!(out.status.code(), Some(2), "{err}");
@@ -76,18 +82,7 @@ fn a_locked_state_dir_is_a_config_fault() {
 #[test]
 fn the_reason_a_run_stops_is_a_json_line_under_log_format_json() {
     let dir = tempfile::tempdir().unwrap();
-    let mut first = base(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_secs(2));
-    let out = base(dir.path())
-        .args(["--set", "log.format=json"])
-        .output()
-        .unwrap();
-    let _ = first.kill();
-    let _ = first.wait();
+    let out = while_another_runs(dir.path(), &["--set", "log.format=json"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     let lines: Vec<serde_json::Value> = err
