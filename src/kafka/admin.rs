@@ -126,50 +126,65 @@ impl Admin {
     /// [`Error::Kafka`] when metadata cannot be fetched (broker unreachable), after the
     /// retries of transient errors.
     pub(crate) fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
-        retry(&format!("metadata of topic {topic}"), || {
-            self.partition_count_once(topic)
-        })
+        partition_count_of(self.client.inner(), topic, self.timeout)
     }
+}
 
-    fn partition_count_once(&self, topic: &str) -> Result<Option<usize>> {
-        let md = self
-            .client
-            .inner()
-            .fetch_metadata(Some(topic), self.timeout.min(METADATA_ATTEMPT))
-            .map_err(|e| {
-                if matches!(
-                    e.rdkafka_error_code(),
-                    Some(
-                        RDKafkaErrorCode::BrokerTransportFailure | RDKafkaErrorCode::AllBrokersDown
-                    )
-                ) {
-                    crate::kafka::link::note_down();
-                }
-                Error::kafka("fetch metadata")(e)
-            })?;
-        crate::kafka::link::note_up();
-        let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
-            return Ok(None);
-        };
-        match t.error() {
-            None if !t.partitions().is_empty() => Ok(Some(t.partitions().len())),
-            None => Ok(None),
-            Some(e) => {
-                let code: RDKafkaErrorCode = e.into();
-                if code == RDKafkaErrorCode::UnknownTopicOrPartition
-                    || code == RDKafkaErrorCode::UnknownTopic
-                {
-                    Ok(None)
-                } else {
-                    Err(Error::BrokerCode {
-                        what: format!("metadata of topic {topic}"),
-                        code,
-                    })
-                }
+/// The number of partitions of `topic` as `client` gets it from a metadata request, `None`
+/// if it does not exist; each request waits at most `timeout` (and 10 s).
+///
+/// # Errors
+/// As [`Admin::partition_count`].
+pub(crate) fn partition_count_of<C: rdkafka::client::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Option<usize>> {
+    retry(&format!("metadata of topic {topic}"), || {
+        partition_count_once(client, topic, timeout)
+    })
+}
+
+fn partition_count_once<C: rdkafka::client::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Option<usize>> {
+    let md = client
+        .fetch_metadata(Some(topic), timeout.min(METADATA_ATTEMPT))
+        .map_err(|e| {
+            if matches!(
+                e.rdkafka_error_code(),
+                Some(RDKafkaErrorCode::BrokerTransportFailure | RDKafkaErrorCode::AllBrokersDown)
+            ) {
+                crate::kafka::link::note_down();
+            }
+            Error::kafka("fetch metadata")(e)
+        })?;
+    crate::kafka::link::note_up();
+    let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
+        return Ok(None);
+    };
+    match t.error() {
+        None if !t.partitions().is_empty() => Ok(Some(t.partitions().len())),
+        None => Ok(None),
+        Some(e) => {
+            let code: RDKafkaErrorCode = e.into();
+            if code == RDKafkaErrorCode::UnknownTopicOrPartition
+                || code == RDKafkaErrorCode::UnknownTopic
+            {
+                Ok(None)
+            } else {
+                Err(Error::BrokerCode {
+                    what: format!("metadata of topic {topic}"),
+                    code,
+                })
             }
         }
     }
+}
 
+impl Admin {
     /// Create `topic` with `partitions` partitions and topic `configs` unless it exists.
     /// Returns whether it was created.
     ///
@@ -207,15 +222,16 @@ impl Admin {
             Ok(())
         })?;
         for t in &created {
-            retry(&format!("metadata of new topic {t}"), || {
-                match self.partition_count_once(t)? {
+            retry(
+                &format!("metadata of new topic {t}"),
+                || match partition_count_once(self.client.inner(), t, self.timeout)? {
                     Some(_) => Ok(()),
                     None => Err(Error::BrokerCode {
                         what: format!("metadata of new topic {t}"),
                         code: RDKafkaErrorCode::LeaderNotAvailable,
                     }),
-                }
-            })?;
+                },
+            )?;
         }
         Ok(created)
     }

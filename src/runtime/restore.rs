@@ -169,20 +169,14 @@ impl RunLoop {
     }
 
     /// The partition count of `topic` from a metadata request; `usize::MAX` when the
-    /// answer has none (a topic not known yet, or an error for it): nothing to judge by.
+    /// broker does not know it (yet): nothing to judge by.
     fn partition_count(client: &BaseConsumer, topic: &str) -> Result<usize> {
-        crate::kafka::retry::retry(&format!("metadata of topic {topic}"), || {
-            let md = client
-                .fetch_metadata(Some(topic), Duration::from_secs(10))
-                .map_err(Error::kafka("metadata"))?;
-            Ok(md
-                .topics()
-                .iter()
-                .find(|t| t.name() == topic && t.error().is_none())
-                .map(|t| t.partitions().len())
-                .filter(|n| *n > 0)
-                .unwrap_or(usize::MAX))
-        })
+        let n = crate::kafka::admin::partition_count_of(
+            client.client(),
+            topic,
+            Duration::from_secs(10),
+        )?;
+        Ok(n.unwrap_or(usize::MAX))
     }
 
     /// The offsets of `partitions` of `topic` at `at` (`Offset::Beginning`: log start;
