@@ -481,14 +481,7 @@ fn redis_sink_runs_its_command_once_per_key() {
 fn file_sink_appends_one_json_line_per_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out.jsonl");
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::FileSpec {
-            path: path.clone(),
-            line: "{value}".into(),
-        }),
-        sled(&dir),
-    )
-    .with_key("{value./id}");
+    let spec = file_by_id(path.clone(), "{value}", &dir);
     let mut d = TestDriver::new(topology(spec, Format::Json));
     for id in [1, 2, 1, 3, 3] {
         d.pipe(TestRecord::json(format!(r#"{{"id":{id}}}"#)))
@@ -505,14 +498,7 @@ fn file_sink_appends_one_json_line_per_key() {
 fn a_file_sink_line_with_a_line_break_is_dead_lettered() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out.txt");
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::FileSpec {
-            path: path.clone(),
-            line: "{value./a}".into(),
-        }),
-        sled(&dir),
-    )
-    .with_key("{value./id}");
+    let spec = file_by_id(path.clone(), "{value./a}", &dir);
     let mut d = TestDriver::new(topology(spec, Format::Json));
     d.pipe(TestRecord::json(r#"{"id":1,"a":"x\ny"}"#)).unwrap();
     d.pipe(TestRecord::json(r#"{"id":2,"a":"ok"}"#)).unwrap();
@@ -578,15 +564,20 @@ fn a_template_naming_a_field_the_protobuf_message_lacks_fails_validation() {
     assert!(build("{value./orderId}").is_err());
 }
 
-fn file_sink_topology(topology: &str, dir: &tempfile::TempDir, out: &str) -> Topology {
-    let spec = ExternalSinkSpec::new(
+/// A file sink writing `line` to `path`, keyed by `/id`, with a sled store in `dir`.
+fn file_by_id(path: std::path::PathBuf, line: &str, dir: &tempfile::TempDir) -> ExternalSinkSpec {
+    ExternalSinkSpec::new(
         EffectSpec::File(onceflow::FileSpec {
-            path: dir.path().join(out),
-            line: "{value}".into(),
+            path,
+            line: line.into(),
         }),
         sled(dir),
     )
-    .with_key("{value./id}");
+    .with_key("{value./id}")
+}
+
+fn file_sink_topology(topology: &str, dir: &tempfile::TempDir, out: &str) -> Topology {
+    let spec = file_by_id(dir.path().join(out), "{value}", dir);
     TopologyBuilder::new(topology)
         .source("in", Format::Json)
         .external_sink("file", spec)
@@ -1110,14 +1101,7 @@ fn redis_incrby_transaction_delayed_past_the_timeout_runs_once() {
 fn a_pretty_printed_json_value_is_one_line_in_a_file_sink() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out.jsonl");
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::FileSpec {
-            path: path.clone(),
-            line: "{value}".into(),
-        }),
-        sled(&dir),
-    )
-    .with_key("{value./id}");
+    let spec = file_by_id(path.clone(), "{value}", &dir);
     let mut d = TestDriver::new(topology(spec, Format::Json));
     d.pipe(TestRecord::json(
         "{\n  \"id\": 1,\r\n  \"n\": 1.50,\n  \"s\": \"a\\nb\"\n}\n",
@@ -1136,16 +1120,7 @@ fn a_pretty_printed_json_value_is_one_line_in_a_file_sink() {
 #[test]
 fn value_placeholder_renders_an_unchanged_json_value_as_read() {
     let dir = tempfile::tempdir().unwrap();
-    let line = |name: &str| {
-        ExternalSinkSpec::new(
-            EffectSpec::File(onceflow::FileSpec {
-                path: dir.path().join(name),
-                line: "{value}".into(),
-            }),
-            sled(&dir),
-        )
-        .with_key("{value./id}")
-    };
+    let line = |name: &str| file_by_id(dir.path().join(name), "{value}", &dir);
     let t = TopologyBuilder::new("t")
         .source("in", Format::Json)
         .filter("whole", |r| {
@@ -1177,14 +1152,7 @@ fn value_placeholder_renders_an_unchanged_json_value_as_read() {
 #[test]
 fn the_driver_runs_the_start_up_check_of_external_sinks() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = ExternalSinkSpec::new(
-        EffectSpec::File(onceflow::FileSpec {
-            path: dir.path().join("missing/out.jsonl"),
-            line: "{value}".into(),
-        }),
-        sled(&dir),
-    )
-    .with_key("{value./id}");
+    let spec = file_by_id(dir.path().join("missing/out.jsonl"), "{value}", &dir);
     let mut d = TestDriver::new(topology(spec, Format::Json));
     let err = d.pipe(TestRecord::json(r#"{"id":1}"#)).unwrap_err();
     assert!(matches!(err, onceflow::Error::Config(_)), "{err}");

@@ -17,12 +17,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 fn topology(spec: ExternalSinkSpec) -> Topology {
+    built(spec).unwrap()
+}
+
+/// Source `in`, the sink `hook` with `spec`, sink to `out`; `Err` when the build refuses it.
+fn built(spec: ExternalSinkSpec) -> Result<Topology, Vec<onceflow::Error>> {
     TopologyBuilder::new("t")
         .source("in", Format::Json)
         .external_sink("hook", spec)
         .sink("out", "out")
         .build()
-        .unwrap()
 }
 
 fn reasons(d: &TestDriver) -> Vec<String> {
@@ -312,12 +316,7 @@ fn an_inbox_table_name_sql_cannot_use_is_refused_before_the_first_record() {
                 table: table.into(),
             },
         );
-        let Ok(top) = TopologyBuilder::new("t")
-            .source("in", Format::Json)
-            .external_sink("hook", spec)
-            .sink("out", "out")
-            .build()
-        else {
+        let Ok(top) = built(spec) else {
             continue;
         };
         if top.preflight().is_err() {
@@ -362,11 +361,7 @@ fn a_params_list_that_does_not_fill_the_statement_is_not_retried_as_an_outage() 
         },
     );
     spec.policy.store_retry_for = Duration::from_secs(6);
-    let built = TopologyBuilder::new("t")
-        .source("in", Format::Json)
-        .external_sink("hook", spec)
-        .sink("out", "out")
-        .build();
+    let built = built(spec);
     let Ok(top) = built else { return }; // refused at build: fixed
     let mut d = TestDriver::new(top);
     let t0 = std::time::Instant::now();
@@ -536,12 +531,7 @@ fn a_malformed_store_url_under_fail_open_is_not_an_outage_forever() {
     .with_key("{value./id}");
     spec.policy.on_store_error = onceflow::OnStoreError::FailOpen;
     spec.policy.store_retry_for = Duration::from_millis(200);
-    let Ok(top) = TopologyBuilder::new("t")
-        .source("in", Format::Json)
-        .external_sink("hook", spec)
-        .sink("out", "out")
-        .build()
-    else {
+    let Ok(top) = built(spec) else {
         return; // refused at build: fixed
     };
     if top.preflight().is_err() {
@@ -589,12 +579,7 @@ fn a_redis_sink_lease_shorter_than_its_command_lets_a_twin_run_it_again() {
     )
     .with_key("order-{value./id}");
     spec.policy.lease = Duration::from_secs(1);
-    let Ok(top) = TopologyBuilder::new("t")
-        .source("in", Format::Json)
-        .external_sink("hook", spec)
-        .sink("out", "out")
-        .build()
-    else {
+    let Ok(top) = built(spec) else {
         return; // refused at build: fixed
     };
     let mut d = TestDriver::new(top).auto_commit(false);
