@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `json` | the parsed JSON | compact JSON text, fields in their order |
 //! | `string` | a JSON string holding the UTF-8 text | the string's bytes (any other view is an error) |
-//! | `protobuf` | the message in the protobuf JSON mapping with the `.proto` field names, 64-bit integers as numbers, every field present (defaults included) | the binary message; a field the message type does not have is an error |
+//! | `protobuf` | the message in the protobuf JSON mapping with the `.proto` field names, 64-bit integers as numbers, `float`s as the shortest decimal of the `f32`, every field present (defaults included; a key field without presence at its default is no key, see [`UnsetDefaults`]) | the binary message; a field the message type does not have is an error, so is an integer field holding an integer beyond 64 bits (read as `f64`, its digits lost) |
 //! | `bytes` | none: the bytes pass through untouched | the bytes as they came (a changed view cannot be written as `bytes`) |
 //!
 //! A source value that does not decode (bad JSON, bad UTF-8, a protobuf message that does
@@ -28,9 +28,16 @@
 use crate::error::Error;
 use prost::Message as _;
 use prost_reflect::{
-    DescriptorPool, DeserializeOptions, DynamicMessage, MessageDescriptor, SerializeOptions,
+    DescriptorPool, DeserializeOptions, DynamicMessage, Kind, MessageDescriptor, SerializeOptions,
 };
 use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The JSON pointers of a protobuf message type's fields without presence (proto3 scalars
+/// not declared `optional`, through singular message fields) and the view value each holds
+/// when the field is not set: on the wire such a field at its default is the field absent.
+pub(crate) type UnsetDefaults = Arc<HashMap<String, Value>>;
 
 /// The codec of a topic's record values.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -119,6 +126,9 @@ impl Format {
 pub struct ProtoFormat {
     message: MessageDescriptor,
     origin: String,
+    unset: UnsetDefaults,
+    /// The type has `float` fields (at any depth): their view values are rewritten.
+    has_float: bool,
 }
 
 impl std::fmt::Debug for ProtoFormat {
@@ -168,9 +178,13 @@ impl ProtoFormat {
                 have.join(", ")
             ))
         })?;
+        let mut unset = HashMap::new();
+        unset_defaults(&desc, "", 0, &mut unset);
         Ok(ProtoFormat {
+            has_float: has_float(&desc, 0),
             message: desc,
             origin: origin.to_string(),
+            unset: Arc::new(unset),
         })
     }
 
@@ -199,6 +213,12 @@ impl ProtoFormat {
         &self.message
     }
 
+    /// The fields without presence and the view value each reads as when not set (see
+    /// [`UnsetDefaults`]).
+    pub(crate) fn unset_defaults(&self) -> &UnsetDefaults {
+        &self.unset
+    }
+
     /// Decode a binary message into its JSON view.
     ///
     /// # Errors
@@ -214,13 +234,18 @@ impl ProtoFormat {
             .use_proto_field_name(true)
             .stringify_64_bit_integers(false)
             .skip_default_fields(false);
-        msg.serialize_with_options(serde_json::value::Serializer, &opts)
+        let mut view = msg
+            .serialize_with_options(serde_json::value::Serializer, &opts)
             .map_err(|e| {
                 format!(
                     "protobuf {} has no JSON view: {e}",
                     self.message.full_name()
                 )
-            })
+            })?;
+        if self.has_float {
+            shortest_floats(&self.message, &mut view, 0);
+        }
+        Ok(view)
     }
 
     /// Encode a JSON view as a binary message of this type.
@@ -228,6 +253,12 @@ impl ProtoFormat {
     /// # Errors
     /// The view has a field the type lacks, or a value of the wrong type.
     pub(crate) fn encode(&self, view: &Value) -> Result<Vec<u8>, String> {
+        exact_integers(&self.message, view, "", 0).map_err(|e| {
+            format!(
+                "the record does not fit protobuf {}: {e}",
+                self.message.full_name()
+            )
+        })?;
         let opts = DeserializeOptions::new().deny_unknown_fields(true);
         let msg = DynamicMessage::deserialize_with_options(self.message.clone(), view, &opts)
             .map_err(|e| {
@@ -237,6 +268,173 @@ impl ProtoFormat {
                 )
             })?;
         Ok(msg.encode_to_vec())
+    }
+}
+
+/// Collect into `out` the fields of `desc` without presence, by JSON pointer under
+/// `prefix`, with the view value of each when not set; singular message fields are
+/// followed (up to 8 levels: a recursive type stops there), repeated and map fields not
+/// (an element is never absent).
+fn unset_defaults(
+    desc: &MessageDescriptor,
+    prefix: &str,
+    depth: usize,
+    out: &mut HashMap<String, Value>,
+) {
+    if depth >= 8 {
+        return;
+    }
+    let opts = SerializeOptions::new()
+        .use_proto_field_name(true)
+        .stringify_64_bit_integers(false)
+        .skip_default_fields(false);
+    let Ok(Value::Object(default_view)) = DynamicMessage::new(desc.clone())
+        .serialize_with_options(serde_json::value::Serializer, &opts)
+    else {
+        return;
+    };
+    for field in desc.fields() {
+        if field.is_list() || field.is_map() {
+            continue;
+        }
+        let pointer = format!("{prefix}/{}", field.name());
+        match field.kind() {
+            Kind::Message(m) => unset_defaults(&m, &pointer, depth + 1, out),
+            _ if !field.supports_presence() => {
+                if let Some(v) = default_view.get(field.name()) {
+                    out.insert(pointer, v.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Whether `desc` has a `float` field, at any depth (8 levels at most).
+fn has_float(desc: &MessageDescriptor, depth: usize) -> bool {
+    depth < 8
+        && desc.fields().any(|f| match f.kind() {
+            Kind::Float => true,
+            Kind::Message(m) => has_float(&m, depth + 1),
+            _ => false,
+        })
+}
+
+/// The values of `float` fields in `view` (of message type `desc`) rewritten as the
+/// shortest decimal that reads back as the same `f32` (`0.1`, as the protobuf JSON mapping
+/// writes it), where the serializer widened the `f32` (`0.10000000149011612`).
+fn shortest_floats(desc: &MessageDescriptor, view: &mut Value, depth: usize) {
+    let Value::Object(fields) = view else { return };
+    if depth >= 8 {
+        return;
+    }
+    for f in desc.fields() {
+        let Some(v) = fields.get_mut(f.name()) else {
+            continue;
+        };
+        match (v, f.kind()) {
+            (Value::Array(items), kind) if f.is_list() => {
+                items.iter_mut().for_each(|v| fix_value(&kind, v, depth));
+            }
+            (Value::Object(entries), Kind::Message(entry)) if f.is_map() => {
+                let kind = entry.map_entry_value_field().kind();
+                entries
+                    .values_mut()
+                    .for_each(|v| fix_value(&kind, v, depth));
+            }
+            (v, kind) => fix_value(&kind, v, depth),
+        }
+    }
+}
+
+/// [`shortest_floats`] for one value of kind `kind`.
+fn fix_value(kind: &Kind, v: &mut Value, depth: usize) {
+    match (kind, &mut *v) {
+        (Kind::Float, Value::Number(n)) => {
+            let short = n.as_f64().map(|x| (x as f32).to_string());
+            if let Some(n) = short
+                .and_then(|t| t.parse::<f64>().ok())
+                .and_then(serde_json::Number::from_f64)
+            {
+                *v = Value::Number(n);
+            }
+        }
+        (Kind::Message(m), v) => shortest_floats(m, v, depth + 1),
+        _ => {}
+    }
+}
+
+/// Check that every integer field of `view` (of message type `desc`) holds an exact
+/// integer: a JSON integer beyond 64 bits was read as `f64` and would be written as
+/// another number (2^64 as `u64::MAX`), so an integral number past 2^53 that is not a
+/// 64-bit integer is refused; ranges are then checked by the protobuf decoder.
+///
+/// # Errors
+/// The field (by JSON pointer) and the number.
+fn exact_integers(
+    desc: &MessageDescriptor,
+    view: &Value,
+    prefix: &str,
+    depth: usize,
+) -> Result<(), String> {
+    let Value::Object(fields) = view else {
+        return Ok(());
+    };
+    if depth >= 8 {
+        return Ok(());
+    }
+    for f in desc.fields() {
+        let Some(v) = fields.get(f.name()) else {
+            continue;
+        };
+        let pointer = format!("{prefix}/{}", f.name());
+        let kind = if f.is_map() {
+            match f.kind() {
+                Kind::Message(entry) => entry.map_entry_value_field().kind(),
+                _ => continue,
+            }
+        } else {
+            f.kind()
+        };
+        let values: Vec<&Value> = match v {
+            Value::Array(items) if f.is_list() => items.iter().collect(),
+            Value::Object(entries) if f.is_map() => entries.values().collect(),
+            v => vec![v],
+        };
+        for v in values {
+            exact_integer(&kind, v, &pointer, depth)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`exact_integers`] for one value of kind `kind` at `pointer`.
+fn exact_integer(kind: &Kind, v: &Value, pointer: &str, depth: usize) -> Result<(), String> {
+    match (kind, v) {
+        (Kind::Message(m), v) => exact_integers(m, v, pointer, depth + 1),
+        (
+            Kind::Int32
+            | Kind::Int64
+            | Kind::Uint32
+            | Kind::Uint64
+            | Kind::Sint32
+            | Kind::Sint64
+            | Kind::Fixed32
+            | Kind::Fixed64
+            | Kind::Sfixed32
+            | Kind::Sfixed64,
+            Value::Number(n),
+        ) if !(n.is_i64() || n.is_u64()) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if x.fract() == 0.0 && x.abs() >= 9_007_199_254_740_992.0 {
+                Err(format!(
+                    "field {pointer} is {n}, an integer beyond 64 bits or past 2^53 as a float, whose exact digits are lost"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Ok(()),
     }
 }
 

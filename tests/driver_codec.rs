@@ -410,3 +410,202 @@ fn a_value_only_read_is_written_as_read() {
         [r#"{"n":2,"big":1.8446744073709552e+19,"x":1.5}"#]
     );
 }
+
+/// proto3 `message t.Num { string id = 1; float f = 2; uint64 u = 3; int64 n = 4;
+/// optional string opt = 5; }`, written to a file in `dir`.
+fn num_format(dir: &tempfile::TempDir) -> ProtoFormat {
+    let opt = FieldDescriptorProto {
+        proto3_optional: Some(true),
+        oneof_index: Some(0),
+        ..field("opt", 5, Type::String, Label::Optional, None)
+    };
+    let set = FileDescriptorSet {
+        file: vec![FileDescriptorProto {
+            name: Some("num.proto".into()),
+            package: Some("t".into()),
+            syntax: Some("proto3".into()),
+            message_type: vec![DescriptorProto {
+                name: Some("Num".into()),
+                field: vec![
+                    field("id", 1, Type::String, Label::Optional, None),
+                    field("f", 2, Type::Float, Label::Optional, None),
+                    field("u", 3, Type::Uint64, Label::Optional, None),
+                    field("n", 4, Type::Int64, Label::Optional, None),
+                    opt,
+                ],
+                oneof_decl: vec![prost_types::OneofDescriptorProto {
+                    name: Some("_opt".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    };
+    let path = dir.path().join("num.desc");
+    std::fs::write(&path, set.encode_to_vec()).unwrap();
+    ProtoFormat::from_file(&path, "t.Num").unwrap()
+}
+
+/// README "Keys from JSON fields": a missing field is no key. A proto3 field without
+/// presence reads as its default when absent, so three orders without an `order_id` were
+/// one key `""` (two dropped as duplicates: review 11). Such a field at its default is
+/// absent; a field declared `optional` keys by its default when set to it.
+#[test]
+fn a_protobuf_key_field_not_set_is_no_key() {
+    let t = TopologyBuilder::new("t")
+        .source("orders", proto("shop.Order"))
+        .dedup(
+            "dedup",
+            onceflow::DedupSpec::new(KeySource::JsonPointer("/order_id".into())),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    for (i, customer) in ["c1", "c2", "c3"].iter().enumerate() {
+        d.pipe(
+            TestRecord::json(order_bytes("", customer, 100 + i as i64, &[])).timestamp(i as i64),
+        )
+        .unwrap();
+    }
+    d.pipe(TestRecord::json(order_bytes("o-1", "c1", 1, &[])))
+        .unwrap();
+    assert_eq!(d.counts().duplicates, 0, "{:?}", d.counts());
+    assert_eq!(d.output("out").len(), 1);
+    assert_eq!(d.dead_letters().len(), 3);
+    assert!(
+        dlq_reason(&d, 0).contains("/order_id is not set"),
+        "{}",
+        dlq_reason(&d, 0)
+    );
+
+    // Declared `optional`: set to "" it is a key (once), not set it is none.
+    let dir = tempfile::tempdir().unwrap();
+    let p = num_format(&dir);
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Protobuf(p.clone()))
+        .dedup(
+            "dedup",
+            onceflow::DedupSpec::new(KeySource::JsonPointer("/opt".into())),
+        )
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    for set in [true, true, false] {
+        let mut m = DynamicMessage::new(p.descriptor().clone());
+        if set {
+            m.set_field_by_name("opt", PValue::String(String::new()));
+        }
+        d.pipe(TestRecord::json(m.encode_to_vec())).unwrap();
+    }
+    let c = d.counts();
+    assert_eq!(
+        (c.passed, c.duplicates, c.dead_lettered),
+        (1, 1, 1),
+        "{c:?}"
+    );
+}
+
+/// JSON into a protobuf sink: an integer beyond 64 bits reads as `f64`, and was written as
+/// another number (2^64 as `u64::MAX`, -2^63 - 1 as `i64::MIN`); it is dead-lettered, as a
+/// value that does not fit the message. A float with no fraction below 2^53 still fits.
+#[test]
+fn integers_beyond_a_protobuf_fields_range_are_dead_lettered_not_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = num_format(&dir);
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .sink("out", "out.pb")
+        .topic_format("out.pb", Format::Protobuf(p.clone()))
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    d.pipe(TestRecord::json(r#"{"id":"a","u":18446744073709551616}"#))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"id":"b","n":-9223372036854775809}"#))
+        .unwrap();
+    d.pipe(TestRecord::json(r#"{"id":"c","n":1e3}"#)).unwrap();
+    assert_eq!(d.dead_letters().len(), 2);
+    assert!(
+        dlq_reason(&d, 0).contains("field /u"),
+        "{}",
+        dlq_reason(&d, 0)
+    );
+    let out = d.output("out.pb");
+    assert_eq!(out.len(), 1);
+    let m =
+        DynamicMessage::decode(p.descriptor().clone(), out[0].value.as_deref().unwrap()).unwrap();
+    assert_eq!(
+        serde_json::to_string(&m).unwrap(),
+        r#"{"id":"c","n":"1000"}"#
+    );
+}
+
+/// A CEL sink key or header from a JSON integer beyond 64 bits was the text of the `f64`
+/// it rounds to (ids 2^64 and 2^64 + 1 both keyed `18446744073709552000`); it is refused
+/// with a dead letter, and a double keeps its fraction (`1.0` is not the int `1`).
+#[test]
+fn a_cel_sink_key_never_rounds_an_integer_beyond_64_bits() {
+    let t = onceflow::dsl::parse(
+        "t.yaml",
+        "name: t\nsource: { topic: in }\nstages:\n  - sink: { topic: out, key: 'value.id', headers: { id: 'value.id' } }\n",
+    )
+    .unwrap();
+    let mut d = TestDriver::new(t);
+    for id in ["18446744073709551616", "18446744073709551617", "1.0", "7"] {
+        d.pipe(TestRecord::json(format!(r#"{{"id": {id}}}"#)))
+            .unwrap();
+    }
+    let keys: Vec<String> = d
+        .output("out")
+        .iter()
+        .map(|r| String::from_utf8(r.key.as_deref().unwrap().to_vec()).unwrap())
+        .collect();
+    assert_eq!(keys, ["1.0", "7"]);
+    assert_eq!(d.dead_letters().len(), 2);
+    assert!(
+        dlq_reason(&d, 0).contains("past 2^53"),
+        "{}",
+        dlq_reason(&d, 0)
+    );
+}
+
+/// A protobuf `float` read as the `f64` of its bits (`0.1` as `0.10000000149011612`): a
+/// JSON sink wrote that and `value.f == 0.1` was false, where the same data as JSON passes.
+/// The view holds the shortest decimal of the `f32`, as the protobuf JSON mapping writes.
+#[test]
+fn a_protobuf_float_reads_as_its_shortest_decimal() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = num_format(&dir);
+    let mut m = DynamicMessage::new(p.descriptor().clone());
+    m.set_field_by_name("id", PValue::String("a".into()));
+    m.set_field_by_name("f", PValue::F32(0.1));
+    let bytes = m.encode_to_vec();
+    let passes = |format: &str, value: Vec<u8>| {
+        let y = format!("name: t\nsource: {{ topic: in, format: {format} }}\nstages:\n  - filter: {{ name: f, when: 'value.f == 0.1' }}\n  - sink: {{ topic: out }}\n");
+        let mut d = TestDriver::new(onceflow::dsl::parse("t.yaml", &y).unwrap());
+        d.pipe(TestRecord::json(value)).unwrap();
+        d.output("out").len()
+    };
+    let proto_format = format!(
+        "{{ protobuf: {{ descriptor_set: {}, message: t.Num }} }}",
+        dir.path().join("num.desc").display()
+    );
+    assert_eq!(passes("json", br#"{"id":"a","f":0.1}"#.to_vec()), 1);
+    assert_eq!(passes(&proto_format, bytes.clone()), 1);
+
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Protobuf(p))
+        .sink("out", "out.json")
+        .topic_format("out.json", Format::Json)
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t);
+    d.pipe(TestRecord::json(bytes)).unwrap();
+    assert_eq!(
+        d.output_values("out.json"),
+        [r#"{"id":"a","f":0.1,"u":0,"n":0}"#]
+    );
+}

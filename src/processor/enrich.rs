@@ -394,6 +394,7 @@ mod tests {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         }
     }
 

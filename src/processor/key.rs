@@ -147,6 +147,9 @@ impl KeySource {
                 };
                 match json.pointer(ptr) {
                     None => Err(KeyError::Missing(format!("key field {ptr} is missing"))),
+                    Some(v) if record.unset(ptr, v) => Err(KeyError::Missing(format!(
+                        "key field {ptr} is not set (a protobuf field without presence reads as its default {v} when absent; declare it `optional` to key by that value)"
+                    ))),
                     Some(serde_json::Value::Null) => {
                         Err(KeyError::Missing(format!("key field {ptr} is null")))
                     }
@@ -213,6 +216,12 @@ pub(crate) trait KeyInput {
     fn kafka_key(&self) -> Option<&[u8]>;
     /// The value bytes.
     fn value(&self) -> Option<&[u8]>;
+    /// Whether the view's `v` at `ptr` is a protobuf field without presence that was not
+    /// set (it reads as its default, which on the wire is the field absent): no key, as a
+    /// missing JSON field is none. Only while the view is the value as read.
+    fn unset(&self, _ptr: &str, _v: &serde_json::Value) -> bool {
+        false
+    }
 }
 
 impl KeyInput for Record {
@@ -230,6 +239,9 @@ impl KeyInput for Record {
     }
     fn value(&self) -> Option<&[u8]> {
         self.value.as_deref()
+    }
+    fn unset(&self, ptr: &str, v: &serde_json::Value) -> bool {
+        !self.view_edited && self.unset.as_ref().is_some_and(|u| u.get(ptr) == Some(v))
     }
 }
 
@@ -283,6 +295,7 @@ mod tests {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         }
     }
 

@@ -56,6 +56,10 @@ pub struct Record {
     /// value bytes say, and a sink of the source's format writes those bytes as read, so
     /// reading a value never changes it (number forms, spacing, protobuf unknown fields).
     pub(crate) view_edited: bool,
+    /// Read from a protobuf source: its fields without presence and the value each reads
+    /// as when not set; while the view is as read, a key field holding that value is absent
+    /// (see [`crate::processor::key::KeyInput::unset`]).
+    pub(crate) unset: Option<crate::codec::UnsetDefaults>,
 }
 
 /// Key, value, headers and timestamp of a record as its task read it (clones of the
@@ -116,6 +120,7 @@ impl Record {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         }
     }
 }

@@ -302,6 +302,8 @@ struct PartsView<'p> {
     pointers: &'p [String],
     fields: Option<Vec<super::json_scan::Scalar>>,
     json: Option<serde_json::Value>,
+    /// The source's fields without presence, for a protobuf source.
+    unset: Option<&'p crate::codec::UnsetDefaults>,
 }
 
 impl super::key::KeyInput for PartsView<'_> {
@@ -322,6 +324,9 @@ impl super::key::KeyInput for PartsView<'_> {
     }
     fn value(&self) -> Option<&[u8]> {
         self.value
+    }
+    fn unset(&self, ptr: &str, v: &serde_json::Value) -> bool {
+        self.unset.is_some_and(|u| u.get(ptr) == Some(v))
     }
 }
 
@@ -431,6 +436,10 @@ impl Router {
             pointers: &self.pointers,
             fields,
             json,
+            unset: match &self.format {
+                crate::codec::Format::Protobuf(p) => Some(p.unset_defaults()),
+                _ => None,
+            },
         };
         let (to, keyed) = match self.key.extract_into(&view, key_out) {
             Ok(()) => (partition_for(key_out, self.partitions), true),
@@ -456,6 +465,9 @@ impl Router {
         let (fields, json) = self.read_value(record.value.as_deref());
         record.fields = fields.map(|vals| (self.pointers.clone(), vals));
         record.json = json;
+        if let crate::codec::Format::Protobuf(p) = &self.format {
+            record.unset = Some(p.unset_defaults().clone());
+        }
         route(&record, &self.key, &self.topic, self.partitions).unwrap_or_else(|_| {
             let p = self.unkeyed_partition(record.key.as_deref(), record.source.partition);
             unrouted(&record, &self.topic, p, record.key.clone())
@@ -531,6 +543,7 @@ mod tests {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         };
         let key = KeySource::JsonPointer("/id".into());
         let out = route(&rec, &key, "app-d-repartition", 4).unwrap();

@@ -503,6 +503,7 @@ fn to_record(
         dedup_key: None,
         as_read: None,
         view_edited: false,
+        unset: None,
     }
 }
 

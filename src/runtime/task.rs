@@ -357,7 +357,12 @@ impl Task {
             (Format::Bytes, _) => Ok(()),
             // String and protobuf values are decoded into the record view when read.
             (other, _) => match record.value.as_deref() {
-                Some(v) => other.decode(v).map(|view| record.json = Some(view)),
+                Some(v) => other.decode(v).map(|view| {
+                    record.json = Some(view);
+                    if let Format::Protobuf(p) = other {
+                        record.unset = Some(p.unset_defaults().clone());
+                    }
+                }),
                 None => Err(format!("value is null, expected {}", other.describe())),
             },
         };

@@ -95,6 +95,7 @@ impl TestRecord {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         }
     }
 
@@ -398,6 +399,7 @@ impl TestDriver {
             dedup_key: None,
             as_read: None,
             view_edited: false,
+            unset: None,
         };
         log.push(routed.clone());
         routed

@@ -124,7 +124,7 @@ impl FromCel for Option<Bytes> {
             Value::Bytes(b) => b.to_vec(),
             Value::Int(i) => i.to_string().into_bytes(),
             Value::UInt(u) => u.to_string().into_bytes(),
-            Value::Float(f) => f.to_string().into_bytes(),
+            Value::Float(f) => double_text(*f)?.into_bytes(),
             Value::Bool(b) => b.to_string().into_bytes(),
             other => {
                 return Err(format!(
@@ -134,6 +134,23 @@ impl FromCel for Option<Bytes> {
             }
         })))
     }
+}
+
+/// The text of a double for a key or header, as a dedup key writes a number a stage held
+/// as `f64` (`1.0` stays `1.0`, so it is not the int `1`).
+///
+/// # Errors
+/// NaN or an infinity (no number text), or an integral double past 2^53: an integer beyond
+/// 64 bits read from JSON, whose digits are gone, so two ids would give one key.
+fn double_text(f: f64) -> Result<String, String> {
+    if f.fract() == 0.0 && f.abs() >= 9_007_199_254_740_992.0 {
+        return Err(format!(
+            "gave the double {f:e}, an integer past 2^53 (an integer beyond 64 bits read from JSON is one): its digits are lost; send the id as a string"
+        ));
+    }
+    serde_json::Number::from_f64(f)
+        .map(|n| n.to_string())
+        .ok_or_else(|| format!("gave the double {f}, which has no number text"))
 }
 
 /// A predicate: keeps or routes a record.

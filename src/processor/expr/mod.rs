@@ -510,7 +510,7 @@ mod tests {
             r#"{"a":[true,null],"b":1}"#
         );
         let k = BytesFn::expr("value.n * 2.0").unwrap();
-        assert_eq!(k.eval(&b).unwrap(), Some(Bytes::from_static(b"3")));
+        assert_eq!(k.eval(&b).unwrap(), Some(Bytes::from_static(b"3.0")));
         let k = BytesFn::expr("value.m").unwrap();
         assert_eq!(
             k.eval(&b).unwrap_err(),
