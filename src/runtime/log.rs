@@ -124,7 +124,7 @@ pub(crate) fn fenced_or(transactional_id: &str, e: Error, outage_in_transaction:
         ))
     } else if taken {
         Error::Fenced(format!(
-            "transactional.id {transactional_id} was taken over by another instance ({e}); this instance stops"
+            "transactional.id {transactional_id} was fenced ({e}): another instance took it, or the transaction coordinator aborted this instance's transaction on its timeout (this process or the broker stalled past transaction.timeout.ms); this instance stops, a restart resumes from the last commit"
         ))
     } else {
         Error::TransactionOutcomeUnknown(format!("the producer failed for good: {e}"))
