@@ -157,3 +157,66 @@ fn a_header_name_that_is_not_utf8_neither_stops_the_run_nor_loses_the_record() {
     assert_eq!(dl[0].value.as_deref(), Some(&b"not json"[..]));
     assert_eq!(dl[0].header_str("n\u{fffd}ame").as_deref(), Some("v3"));
 }
+
+/// An output topic whose own `max.message.bytes` is below what the producer accepts (a
+/// topic-level limit, as operators set them): a record over it is refused by the broker,
+/// the run stops with exit 1 ("a restart resumes from the last commit") and every restart
+/// stops at the same record, so the partition never moves again (found by review 10). As
+/// for the producer's own limit (README: "refused by that stage ... instead of a send
+/// failure that would stop the instance at every restart"), the record over the topic's
+/// limit is dead-lettered and processing goes on.
+#[test]
+fn a_record_over_the_output_topics_own_size_limit_is_dead_lettered_not_a_stop_at_every_restart() {
+    let names = names_without_topics(
+        r#"
+name: topic-limit
+source: { topic: "{input}", format: json }
+stages:
+  - dedup: { name: seen, key: kafka_key }
+  - sink: { topic: "{output}" }
+"#,
+    );
+    create_topics(&[&names.input, &names.dlq], 1);
+    admin()
+        .ensure_topic(
+            &names.output,
+            1,
+            &[
+                ("retention.ms", "-1"),
+                ("retention.bytes", "-1"),
+                ("max.message.bytes", "1000"),
+            ],
+        )
+        .unwrap();
+    let p = kafka::TestProducer::new(&bootstrap()).unwrap();
+    let big = format!(r#"{{"id":1,"pad":"{}"}}"#, "x".repeat(3000));
+    for (k, v) in [("a", big.as_str()), ("b", r#"{"id":2}"#)] {
+        p.send(
+            &names.input,
+            Some(0),
+            Some(k.as_bytes()),
+            Some(v.as_bytes()),
+            &[],
+            None,
+        )
+        .unwrap();
+    }
+    p.flush().unwrap();
+    for attempt in 0..2 {
+        let run = start(&names, &[], &[], &["--stop-at-end"]);
+        let stderr = run.stderr.clone();
+        let (st, out) = run.wait(Duration::from_secs(120));
+        let err = stderr.lock().unwrap().clone();
+        assert!(
+            st.success(),
+            "run {attempt} stopped at the record over the topic's limit: {out}\n{err}"
+        );
+    }
+    let good =
+        kafka::read_topic(&bootstrap(), &names.output, true, Duration::from_secs(60)).unwrap();
+    let good: Vec<String> = good.iter().map(|r| json_id(r.value.as_deref())).collect();
+    assert_eq!(good, vec!["2"], "processing went on past the big record");
+    let dl = kafka::read_topic(&bootstrap(), &names.dlq, true, Duration::from_secs(60)).unwrap();
+    assert_eq!(dl.len(), 1, "the big record is dead-lettered");
+    assert_eq!(dl[0].key.as_deref(), Some(&b"a"[..]));
+}
