@@ -192,3 +192,49 @@ fn ready_says_the_broker_is_unreachable_during_start_up() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["broker_reachable"], serde_json::json!(false), "{body}");
 }
+
+/// `kafka.bootstrap.servers` passes librdkafka's own `bootstrap.servers` to the consumer and
+/// producer while start-up's admin client and the tools use onceflow's `bootstrap.servers`:
+/// a user who writes it under `[kafka]` in a config file gets clients on one cluster and
+/// topic checks on another (here: start-up waits for an unreachable broker, `--stop-at-end`
+/// never ends). Like `group.id` and `transactional.id`, it is onceflow's to set: a config
+/// fault naming the key and pointing at `bootstrap.servers` (found by review 10).
+#[test]
+fn kafka_bootstrap_servers_is_a_config_fault_pointing_at_bootstrap_servers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = base(dir.path())
+        .args([
+            "--set",
+            "kafka.bootstrap.servers=127.0.0.1:2",
+            "--stop-at-end",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if t0.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kafka.bootstrap.servers was taken: still starting after 15 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("kafka.bootstrap.servers"),
+        "names the key: {err}"
+    );
+}
