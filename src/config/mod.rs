@@ -381,6 +381,9 @@ fn managed_property(property: &str, value: &str) -> Option<String> {
         }
         "enable.partition.eof" => "set by onceflow (true with --stop-at-end, which needs it)",
         "group.id" => "the consumer group is `application.id`: set that",
+        "bootstrap.servers" | "metadata.broker.list" => {
+            "the brokers are `bootstrap.servers` (start-up's topic checks and the state tools use it too, so every client talks to one cluster): set that"
+        }
         "transactional.id" => {
             "set by onceflow under exactly_once_v2 from `application.id` and `instance.id`: set those"
         }
@@ -597,6 +600,8 @@ mod tests {
             ("kafka.consumer.enable.auto.commit", "true"),
             ("kafka.consumer.enable.partition.eof", "false"),
             ("kafka.consumer.group.id", "other"),
+            ("kafka.bootstrap.servers", "127.0.0.1:1"),
+            ("kafka.producer.metadata.broker.list", "127.0.0.1:1"),
             ("kafka.producer.transactional.id", "mine"),
             ("kafka.producer.enable.idempotence", "false"),
             ("kafka.producer.acks", "1"),

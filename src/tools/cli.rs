@@ -57,7 +57,7 @@ pub(crate) enum StateCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Print every live entry as a JSON line (keys as UTF-8 when valid, else base64, with
+    /// Print every entry the store holds (expired ones until the sweep deletes them) as a JSON line (keys as UTF-8 when valid, else base64, with
     /// `key_encoding` saying which).
     Dump {
         #[command(flatten)]
