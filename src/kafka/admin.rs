@@ -128,6 +128,25 @@ impl Admin {
     pub(crate) fn partition_count(&self, topic: &str) -> Result<Option<usize>> {
         partition_count_of(self.client.inner(), topic, self.timeout)
     }
+
+    /// Whether any of the `partitions` partitions of `topic` holds a record (its high
+    /// watermark above its low one).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when a partition's watermarks cannot be read.
+    pub(crate) fn has_records(&self, topic: &str, partitions: usize) -> Result<bool> {
+        for p in 0..i32::try_from(partitions).unwrap_or(i32::MAX) {
+            let (low, high) = self
+                .client
+                .inner()
+                .fetch_watermarks(topic, p, self.timeout)
+                .map_err(Error::kafka("fetch changelog watermarks"))?;
+            if high > low {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
 }
 
 /// The number of partitions of `topic` as `client` gets it from a metadata request, `None`

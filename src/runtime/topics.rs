@@ -62,6 +62,48 @@ impl App {
         }))
     }
 
+    /// Never let seen ids pass again after a dedup stage's `partitioning` changed: its marks
+    /// sit where the old partitioning put each key (a source partition, or the partition
+    /// the key routes to), and the new one looks for them elsewhere. A stage whose changelog
+    /// holds records tells its past partitioning by its repartition topic: there is one
+    /// exactly when the stage repartitioned (`onceflow reset` deletes both).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the stage, both partitionings and the two ways on;
+    /// [`Error::Kafka`] when metadata or watermarks cannot be read.
+    fn check_partitioning_unchanged(&self, admin: &Admin, partitions: usize) -> Result<()> {
+        let hop = self.topology.hop().ok().flatten().map(|(_, name, _)| name);
+        for s in self.topology.stages() {
+            let StageKind::Dedup(_) = &s.kind else {
+                continue;
+            };
+            let changelog = changelog_topic(&self.config.application_id, &s.name);
+            let repartition =
+                crate::processor::stages::repartition_topic(&self.config.application_id, &s.name);
+            let now_repartitions = hop == Some(s.name.as_str());
+            let repartitioned = admin.partition_count(&repartition)?.is_some();
+            if now_repartitions == repartitioned
+                || admin
+                    .partition_count(&changelog)?
+                    .is_none_or(|m| m != partitions)
+                || !admin.has_records(&changelog, partitions)?
+            {
+                continue;
+            }
+            let (was, is) = if now_repartitions {
+                ("source", "repartition")
+            } else {
+                ("repartition", "source")
+            };
+            return Err(Error::Config(format!(
+                "dedup stage {:?} now has `partitioning: {is}`, but its changelog {changelog} holds marks written under `partitioning: {was}` (the repartition topic {repartition} {}): they sit on the partitions the old partitioning chose, the new one looks for each key elsewhere, and ids seen before would pass again; go back to `partitioning: {was}`, or reset the application (`onceflow reset FILE`: every mark is dropped, so ids seen before pass once more)",
+                s.name,
+                if now_repartitions { "does not exist" } else { "exists" },
+            )));
+        }
+        Ok(())
+    }
+
     /// Never let copies on different partitions pass silently: a repartitioning dedup
     /// whose hop cannot run is refused before anything is created.
     ///
@@ -194,6 +236,7 @@ impl App {
                 )),
             }
         }
+        self.check_partitioning_unchanged(&admin, n)?;
         if let Some(topic) = self.repartition_topic() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
