@@ -285,6 +285,7 @@ pub fn drive_dedup(
         }
         backend.flush()
     };
+    let no_limits = std::collections::HashMap::new();
     let started = Instant::now();
     for (i, r) in records.into_iter().enumerate() {
         let (stage, stores) = &mut tasks[r.source.partition as usize];
@@ -296,6 +297,7 @@ pub fn drive_dedup(
             tables: &tables,
             wall_clock_ms: 0,
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+            topic_limits: &no_limits,
         };
         stage
             .process(r, &mut ctx)

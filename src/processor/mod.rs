@@ -104,6 +104,9 @@ pub(crate) struct Context<'a> {
     /// The largest record the producer accepts, in bytes (librdkafka's
     /// `message.max.bytes`, default [`DEFAULT_MAX_RECORD_BYTES`]); see [`Context::emit`].
     pub(crate) max_record_bytes: usize,
+    /// Sink topics whose own `max.message.bytes` admits less than `max_record_bytes`: the
+    /// largest record each takes (read at start-up; usually empty).
+    pub(crate) topic_limits: &'a std::collections::HashMap<String, usize>,
 }
 
 pub(crate) use crate::config::DEFAULT_MAX_RECORD_BYTES;
@@ -141,6 +144,14 @@ impl Context<'_> {
                 "the record for topic {:?} is {size} bytes, over the producer's message.max.bytes ({}); raise kafka.producer.message.max.bytes (and the topic's max.message.bytes) to let it through",
                 record.topic, self.max_record_bytes
             ));
+        }
+        if let Some(limit) = self.topic_limits.get(&*record.topic) {
+            if size > *limit {
+                return Err(format!(
+                    "the record for topic {:?} is {size} bytes, over what the topic's max.message.bytes admits ({limit} bytes of key, value and headers); raise the topic's max.message.bytes to let it through",
+                    record.topic
+                ));
+            }
         }
         self.counts.records_out += 1;
         self.emitted.push(record);

@@ -111,6 +111,9 @@ const MAX_UNCOMMITTED: usize = 200_000;
 struct RunLoop {
     /// The commit protocol (guarantee, open transaction, records since the last commit).
     protocol: Protocol,
+    /// Sink topics whose own `max.message.bytes` admits less than the producer's limit,
+    /// with the largest record each takes (see `App::topic_record_limits`).
+    topic_limits: Arc<std::collections::HashMap<String, usize>>,
     topology: Topology,
     config: Config,
     /// The topics the tasks read, and the task id of each partition (`runtime::hop`).
@@ -572,7 +575,22 @@ impl App {
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self.changelog_topics();
-        let producer = OutputProducer::new(&self.config)?;
+        let topic_limits = Arc::new(self.topic_record_limits()?);
+        // A batch of small records must fit the smallest of those topics too.
+        let mut config = self.config.clone();
+        if let Some(min) = topic_limits.values().min() {
+            let batch = config
+                .kafka_producer
+                .get("batch.size")
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(crate::config::DEFAULT_MAX_RECORD_BYTES);
+            if *min < batch {
+                config
+                    .kafka_producer
+                    .insert("batch.size".into(), min.max(&1).to_string());
+            }
+        }
+        let producer = OutputProducer::new(&config)?;
         let restore_consumer = consumer::create_restore_consumer(&self.config)?;
         let watermarks = consumer::create_watermark_client(&self.config)?;
         if self.config.exactly_once() {
@@ -582,8 +600,9 @@ impl App {
         let hop = self.hop(partitions)?;
         let mut e = RunLoop {
             protocol: Protocol::new(self.config.processing_guarantee, self.topology.name()),
+            topic_limits,
             topology,
-            config: self.config.clone(),
+            config,
             topics: super::hop::Topics::new(
                 &self.topology.source().topic,
                 hop.as_ref().map(|h| h.name.to_string()),

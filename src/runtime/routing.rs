@@ -71,12 +71,14 @@ impl RunLoop {
                 hop.router.clone(),
                 &self.config.dlq_topic,
             )
-            .with_max_record_bytes(self.config.max_record_bytes()));
+            .with_max_record_bytes(self.config.max_record_bytes())
+            .with_topic_limits(self.topic_limits.clone()));
         }
         Ok(
             Task::new(&self.topology, id, &self.backend, &self.config.dlq_topic)?
                 .with_tables(self.tables.clone())
-                .with_max_record_bytes(self.config.max_record_bytes()),
+                .with_max_record_bytes(self.config.max_record_bytes())
+                .with_topic_limits(self.topic_limits.clone()),
         )
     }
 

@@ -25,6 +25,7 @@ macro_rules! task_context {
             tables: &$task.tables,
             wall_clock_ms: $wall_ms,
             max_record_bytes: $task.max_record_bytes,
+            topic_limits: &$task.topic_limits,
         }
     };
 }
@@ -90,6 +91,8 @@ pub(crate) struct Task {
     hop_stage: String,
     /// The largest record the producer accepts (see [`Task::with_max_record_bytes`]).
     max_record_bytes: usize,
+    /// Sink topics with a lower limit of their own (see [`Task::with_topic_limits`]).
+    topic_limits: std::sync::Arc<std::collections::HashMap<String, usize>>,
     /// The task reads a repartition topic: each record's source header is taken off into
     /// its origin ([`crate::processor::repartition::take_source`]).
     reads_hop: bool,
@@ -163,6 +166,7 @@ impl Task {
             reencode: false,
             hop_stage: String::new(),
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+            topic_limits: std::sync::Arc::default(),
             reads_hop: topology.hop().ok().flatten().is_some(),
             key_check: Vec::new(),
             origin_topic: None,
@@ -231,6 +235,7 @@ impl Task {
             reencode,
             hop_stage: topology.stages()[topology.hop_stage()].name.clone(),
             max_record_bytes: crate::processor::DEFAULT_MAX_RECORD_BYTES,
+            topic_limits: std::sync::Arc::default(),
             reads_hop: false,
             key_check: Vec::new(),
             origin_topic: None,
@@ -243,6 +248,18 @@ impl Task {
     /// larger one refuses its source record, which goes to the dead-letter topic.
     pub(crate) fn with_max_record_bytes(mut self, bytes: usize) -> Self {
         self.max_record_bytes = bytes;
+        self
+    }
+
+    /// The largest record (value, key and headers, in bytes) each sink topic whose own
+    /// `max.message.bytes` is the lower bound takes: a stage that would write a larger one
+    /// refuses its source record, which goes to the dead-letter topic, rather than the
+    /// broker refusing the send at every restart.
+    pub(crate) fn with_topic_limits(
+        mut self,
+        limits: std::sync::Arc<std::collections::HashMap<String, usize>>,
+    ) -> Self {
+        self.topic_limits = limits;
         self
     }
 

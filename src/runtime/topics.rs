@@ -62,6 +62,36 @@ impl App {
         }))
     }
 
+    /// The sink topics whose own `max.message.bytes` admits less than the producer's
+    /// `message.max.bytes`, each with the largest record it takes: its limit less 128 bytes
+    /// for the record batch's framing (61 bytes of batch header, a record's varints and
+    /// header lengths). A topic the broker will not describe keeps the producer's limit.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the admin client cannot be created.
+    pub(crate) fn topic_record_limits(&self) -> Result<std::collections::HashMap<String, usize>> {
+        const FRAMING: usize = 128;
+        let admin = Admin::new(&self.config)?;
+        let producer_limit = self.config.max_record_bytes();
+        let mut limits = std::collections::HashMap::new();
+        for t in self.topology.sink_topics() {
+            let Ok(configs) = admin.topic_configs(&t) else {
+                continue;
+            };
+            let Some(topic_max) = configs
+                .get("max.message.bytes")
+                .and_then(|(v, _)| v.trim().parse::<usize>().ok())
+            else {
+                continue;
+            };
+            let limit = topic_max.saturating_sub(FRAMING);
+            if limit < producer_limit {
+                limits.insert(t, limit);
+            }
+        }
+        Ok(limits)
+    }
+
     /// Never let seen ids pass again after a dedup stage's `partitioning` changed: its marks
     /// sit where the old partitioning put each key (a source partition, or the partition
     /// the key routes to), and the new one looks for them elsewhere. A stage whose changelog
