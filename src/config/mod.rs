@@ -263,12 +263,19 @@ impl Config {
         };
         let http_address = match get("http.address") {
             a if a.is_empty() || a == "off" => None,
-            a => Some(a.parse().map_err(|e| {
-                bad(
-                    "http.address",
-                    format!("{a:?} is not host:port (or off): {e}"),
-                )
-            })?),
+            // An IP address and port, or a host name resolved now (`localhost:9464`).
+            a => Some(match a.parse::<SocketAddr>() {
+                Ok(addr) => addr,
+                Err(e) => std::net::ToSocketAddrs::to_socket_addrs(a.as_str())
+                    .ok()
+                    .and_then(|mut it| it.next())
+                    .ok_or_else(|| {
+                        bad(
+                            "http.address",
+                            format!("{a:?} is not host:port (or off): {e}"),
+                        )
+                    })?,
+            }),
         };
         let log_format = match get("log.format").as_str() {
             "" | "text" => LogFormat::Text,
@@ -779,6 +786,16 @@ mod tests {
         let d = Config::load_with_env(&[], &[], env(&[])).unwrap();
         assert_eq!(d.http_address, Some("127.0.0.1:9464".parse().unwrap()));
         assert_eq!(d.log_format, LogFormat::Text);
+        // A host name is a host (review 10: `localhost:9464` was refused).
+        let h = Config::load_with_env(
+            &[],
+            &[("http.address".into(), "localhost:9464".into())],
+            env(&[]),
+        )
+        .unwrap();
+        assert!(h
+            .http_address
+            .is_some_and(|a| a.ip().is_loopback() && a.port() == 9464));
     }
 
     #[test]
