@@ -101,6 +101,23 @@ fn the_reason_a_run_stops_is_a_json_line_under_log_format_json() {
     assert!(last["fields"]["hint"].is_string(), "{last}");
 }
 
+/// The exit code of `child` once it exits; killed and a panic with `why` if it still runs
+/// 15 s from now.
+fn exit_within_15_s(child: &mut std::process::Child, why: &str) -> Option<i32> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s.code();
+        }
+        if t0.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{why}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// One SIGTERM while start-up waits for the broker (metadata retried for up to 2 min)
 /// stops the run: exit 0, without a second signal (130).
 #[test]
@@ -113,18 +130,7 @@ fn sigterm_during_start_up_stops_the_run() {
         .unwrap();
     std::thread::sleep(Duration::from_secs(2));
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let t0 = Instant::now();
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        if t0.elapsed() > Duration::from_secs(15) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("still running 15 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let code = exit_within_15_s(&mut child, "still running 15 s after SIGTERM");
     assert_eq!(
         code,
         Some(0),
@@ -212,18 +218,10 @@ fn kafka_bootstrap_servers_is_a_config_fault_pointing_at_bootstrap_servers() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        if t0.elapsed() > Duration::from_secs(15) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kafka.bootstrap.servers was taken: still starting after 15 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let code = exit_within_15_s(
+        &mut child,
+        "kafka.bootstrap.servers was taken: still starting after 15 s",
+    );
     let mut err = String::new();
     use std::io::Read;
     child

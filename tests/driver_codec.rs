@@ -453,16 +453,20 @@ fn num_format(dir: &tempfile::TempDir) -> ProtoFormat {
 /// absent; a field declared `optional` keys by its default when set to it.
 #[test]
 fn a_protobuf_key_field_not_set_is_no_key() {
-    let t = TopologyBuilder::new("t")
-        .source("orders", proto("shop.Order"))
-        .dedup(
-            "dedup",
-            onceflow::DedupSpec::new(KeySource::JsonPointer("/order_id".into())),
+    let dedup_by = |format: Format, pointer: &str| {
+        TestDriver::new(
+            TopologyBuilder::new("t")
+                .source("in", format)
+                .dedup(
+                    "dedup",
+                    onceflow::DedupSpec::new(KeySource::JsonPointer(pointer.into())),
+                )
+                .sink("out", "out")
+                .build()
+                .unwrap(),
         )
-        .sink("out", "out")
-        .build()
-        .unwrap();
-    let mut d = TestDriver::new(t);
+    };
+    let mut d = dedup_by(proto("shop.Order"), "/order_id");
     for (i, customer) in ["c1", "c2", "c3"].iter().enumerate() {
         d.pipe(
             TestRecord::json(order_bytes("", customer, 100 + i as i64, &[])).timestamp(i as i64),
@@ -483,16 +487,7 @@ fn a_protobuf_key_field_not_set_is_no_key() {
     // Declared `optional`: set to "" it is a key (once), not set it is none.
     let dir = tempfile::tempdir().unwrap();
     let p = num_format(&dir);
-    let t = TopologyBuilder::new("t")
-        .source("in", Format::Protobuf(p.clone()))
-        .dedup(
-            "dedup",
-            onceflow::DedupSpec::new(KeySource::JsonPointer("/opt".into())),
-        )
-        .sink("out", "out")
-        .build()
-        .unwrap();
-    let mut d = TestDriver::new(t);
+    let mut d = dedup_by(Format::Protobuf(p.clone()), "/opt");
     for set in [true, true, false] {
         let mut m = DynamicMessage::new(p.descriptor().clone());
         if set {
