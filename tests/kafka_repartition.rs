@@ -403,6 +403,19 @@ fn keyed_outputs_land_where_the_java_partitioner_puts_their_key() {
 /// the change (exit 2, naming the partitioning): never a quiet second pass.
 #[test]
 fn switching_an_application_from_source_to_repartition_lets_no_seen_id_pass_again() {
+    switch_partitioning("source", "repartition");
+}
+
+/// The way back: marks written where the hop routed each key, looked up on the source
+/// partitions after the switch.
+#[test]
+fn switching_an_application_from_repartition_to_source_lets_no_seen_id_pass_again() {
+    switch_partitioning("repartition", "source");
+}
+
+/// Run an application with its dedup under `partitioning: {from}`, then again under `{to}`
+/// on the same ids: start-up refuses (exit 2 naming the partitioning), or no id passes twice.
+fn switch_partitioning(from: &str, to: &str) {
     const SOURCE: &str = r#"
 name: switch
 source: { topic: "{input}", format: json }
@@ -410,7 +423,10 @@ stages:
   - dedup: { name: seen, key: { json_pointer: /id }, ttl: 24h, partitioning: source }
   - sink: { topic: "{output}" }
 "#;
-    let names = names_for(SOURCE, 3);
+    let names = names_for(
+        &SOURCE.replace("partitioning: source", &format!("partitioning: {from}")),
+        3,
+    );
     let p = kafka::TestProducer::new(&bootstrap()).unwrap();
     let publish = || {
         // Copies of an id share a source partition (the `source` promise holds): each id
@@ -436,9 +452,10 @@ stages:
     assert_eq!(summary_field(&out, "passed"), Some(20.0), "{out}");
 
     // The same application, its dedup now repartitioned; the same 20 ids again.
-    let yaml = std::fs::read_to_string(&names.topology)
-        .unwrap()
-        .replace("partitioning: source", "partitioning: repartition");
+    let yaml = std::fs::read_to_string(&names.topology).unwrap().replace(
+        &format!("partitioning: {from}"),
+        &format!("partitioning: {to}"),
+    );
     std::fs::write(&names.topology, yaml).unwrap();
     publish();
     let run = start(&names, &[], &[], &["--stop-at-end"]);
@@ -457,7 +474,7 @@ stages:
     let again: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
     assert!(
         again.is_empty(),
-        "ids seen under `source` passed again under `repartition`: {again:?}; {out}"
+        "ids seen under `{from}` passed again under `{to}`: {again:?}; {out}"
     );
     assert_eq!(summary_field(&out, "duplicates"), Some(20.0), "{out}");
 }
