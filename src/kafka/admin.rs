@@ -130,17 +130,19 @@ impl Admin {
     }
 
     /// Whether any of the `partitions` partitions of `topic` holds a record (its high
-    /// watermark above its low one).
+    /// watermark above its low one). Transient errors (a partition without a leader yet,
+    /// a topic this client does not know yet) are retried.
     ///
     /// # Errors
     /// [`Error::Kafka`] when a partition's watermarks cannot be read.
     pub(crate) fn has_records(&self, topic: &str, partitions: usize) -> Result<bool> {
         for p in 0..i32::try_from(partitions).unwrap_or(i32::MAX) {
-            let (low, high) = self
-                .client
-                .inner()
-                .fetch_watermarks(topic, p, self.timeout)
-                .map_err(Error::kafka("fetch changelog watermarks"))?;
+            let (low, high) = crate::kafka::retry::retry_known_topic("fetch watermarks", || {
+                self.client
+                    .inner()
+                    .fetch_watermarks(topic, p, self.timeout)
+                    .map_err(Error::kafka("fetch changelog watermarks"))
+            })?;
             if high > low {
                 return Ok(true);
             }

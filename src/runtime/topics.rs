@@ -111,13 +111,16 @@ impl App {
             let repartition =
                 crate::processor::stages::repartition_topic(&self.config.application_id, &s.name);
             let now_repartitions = hop == Some(s.name.as_str());
-            let repartitioned = admin.partition_count(&repartition)?.is_some();
-            if now_repartitions == repartitioned
-                || admin
-                    .partition_count(&changelog)?
-                    .is_none_or(|m| m != partitions)
-                || !admin.has_records(&changelog, partitions)?
+            // The changelog first: an instance starting next to this one creates both
+            // topics in one request, so once the changelog shows, so does the other.
+            if admin
+                .partition_count(&changelog)?
+                .is_none_or(|m| m != partitions)
             {
+                continue;
+            }
+            let repartitioned = admin.partition_count(&repartition)?.is_some();
+            if now_repartitions == repartitioned || !admin.has_records(&changelog, partitions)? {
                 continue;
             }
             let (was, is) = if now_repartitions {
