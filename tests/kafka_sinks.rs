@@ -297,7 +297,12 @@ stages:
         if !oa.is_empty() && !ob.is_empty() {
             break (oa, ob);
         }
-        assert!(Instant::now() < deadline, "twins did not finish");
+        assert!(
+            Instant::now() < deadline,
+            "twins did not finish\n--- instance a:\n{}\n--- instance b:\n{}",
+            ra.stderr.lock().unwrap(),
+            rb.stderr.lock().unwrap()
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
     if in_flight == "raise" {

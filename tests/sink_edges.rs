@@ -256,11 +256,11 @@ fn record_data_cannot_choose_the_redis_command() {
 
 fn pg_spec(url: &str, sql: &str, params: &[&str], store: StoreSpec) -> ExternalSinkSpec {
     ExternalSinkSpec::new(
-        EffectSpec::Postgres(PostgresSpec {
-            url: Secret::Inline(url.to_string()),
-            sql: sql.into(),
-            params: params.iter().map(|s| s.to_string()).collect(),
-        }),
+        EffectSpec::Postgres(PostgresSpec::new(
+            Secret::Inline(url.to_string()),
+            sql,
+            params.iter().map(|s| s.to_string()).collect(),
+        )),
         store,
     )
     .with_key("{value./id}")
@@ -470,11 +470,11 @@ fn an_unusable_redis_or_postgres_url_stops_start_up() {
         (
             "postgres sink url",
             ExternalSinkSpec::new(
-                EffectSpec::Postgres(PostgresSpec {
-                    url: Secret::Inline(bad_pg.into()),
-                    sql: "SELECT $1::text".into(),
-                    params: vec!["{value./id}".into()],
-                }),
+                EffectSpec::Postgres(PostgresSpec::new(
+                    Secret::Inline(bad_pg.into()),
+                    "SELECT $1::text",
+                    vec!["{value./id}".into()],
+                )),
                 StoreSpec::Postgres {
                     table: "onceflow_inbox".into(),
                 },
@@ -685,4 +685,92 @@ fn an_inbox_table_without_the_attempt_column_gets_it() {
         1,
         "the new row carries its try's token"
     );
+}
+
+/// Expected: a statement that cannot finish (its table locked by another session) is
+/// cancelled at the sink's `timeout` (README: "one try may wait ... past it the statement
+/// is cancelled"), retried within `idempotency.store_retry_for`, and then the record is
+/// dead-lettered and the run goes on. The cancelled tries leave no row, and once the lock
+/// is gone a redelivery writes exactly one (failed effects leave no mark).
+///
+/// Actual (before the postgres `timeout`): the effect waited on the lock with no limit,
+/// and so did its task and every commit behind it.
+#[test]
+fn a_statement_blocked_past_the_sinks_timeout_is_dead_lettered_not_a_hang() {
+    use std::sync::mpsc;
+    let Some(url) = postgres_url() else { return };
+    let table = format!("blocked_{}", tag());
+    pg_exec(&url, &format!("CREATE TABLE {table} (id text)"));
+    // Another session holds the table locked in an open transaction until told to stop.
+    let (locked_tx, locked_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let holder = std::thread::spawn({
+        let (url, table) = (url.clone(), table.clone());
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                let lock = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
+                c.batch_execute(&lock).await.unwrap();
+                locked_tx.send(()).unwrap();
+                let _ = tokio::task::spawn_blocking(move || release_rx.recv()).await;
+                c.batch_execute("ROLLBACK").await.unwrap();
+            })
+        }
+    });
+    locked_rx.recv().unwrap();
+    // The driver runs on a thread of its own, so that a hang fails the test, not hangs it.
+    let (step_tx, step_rx) = mpsc::channel::<()>();
+    let (seen_tx, seen_rx) = mpsc::channel();
+    std::thread::spawn({
+        let (url, table) = (url.clone(), table.clone());
+        move || {
+            let mut spec = pg_spec(
+                &url,
+                &format!("INSERT INTO {table} (id) VALUES ($1)"),
+                &["{value./id}"],
+                StoreSpec::Postgres {
+                    table: format!("{table}_inbox"),
+                },
+            );
+            if let EffectSpec::Postgres(p) = &mut spec.effect {
+                p.timeout = Duration::from_millis(500);
+            }
+            spec.policy.store_retry_for = Duration::from_secs(1);
+            let mut d = TestDriver::new(topology(spec));
+            for _ in 0..2 {
+                d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
+                let _ = seen_tx.send((reasons(&d), outcomes(&d)));
+                if step_rx.recv().is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let first = seen_rx.recv_timeout(Duration::from_secs(60));
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+    let (reasons, outcomes) = first.expect("the run hung on a statement past its timeout");
+    assert_eq!(reasons.len(), 1, "dead letters: {reasons:?}");
+    assert!(
+        reasons[0].contains("timeout (500ms)"),
+        "the reason names the timeout: {reasons:?}"
+    );
+    assert!(outcomes.is_empty(), "{outcomes:?}");
+    assert_eq!(pg_count(&url, &table), 0, "a cancelled try left a row");
+    // The lock is gone: a redelivery runs the statement once.
+    step_tx.send(()).unwrap();
+    let (reasons, outcomes) = seen_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the redelivery hung");
+    assert_eq!(reasons.len(), 1, "no new dead letter: {reasons:?}");
+    assert_eq!(outcomes, ["done"], "the redelivery runs the effect");
+    assert_eq!(pg_count(&url, &table), 1);
+    drop(step_tx);
 }

@@ -113,11 +113,7 @@ fn colliding_pairs_stay_apart_in_redis() {
 fn colliding_pairs_stay_apart_in_the_postgres_inbox() {
     let Some(url) = postgres_url() else { return };
     let table = "onceflow_inbox_scopes".to_string();
-    let spec = EffectSpec::Postgres(PostgresSpec {
-        url: Secret::Inline(url),
-        sql: "SELECT 1".into(),
-        params: vec![],
-    });
+    let spec = EffectSpec::Postgres(PostgresSpec::new(Secret::Inline(url), "SELECT 1", vec![]));
     // Each first effect runs (an error otherwise); a second one skipped as a duplicate of
     // it would be a key seen across scopes.
     assert_apart(

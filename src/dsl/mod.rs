@@ -511,6 +511,31 @@ stages:
     }
 
     #[test]
+    fn a_postgres_sink_reads_its_timeout_and_refuses_zero() {
+        let sink = |t: &str| {
+            format!(
+                "name: t\nsource: {{topic: a}}\nstages:\n  - postgres: {{url: \"postgres://x@h/d\", sql: \"SELECT 1\"{t}}}\n"
+            )
+        };
+        let d = parse("t.yaml", &sink(", timeout: 2s")).unwrap().describe();
+        assert!(d.contains("timeout=2s"), "{d}");
+        let d = parse("t.yaml", &sink("")).unwrap().describe();
+        assert!(d.contains("timeout=30s"), "the default: {d}");
+        let e = parse("t.yaml", &sink(", timeout: 0s"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("field `timeout`: must be positive"), "{e}");
+        // A sled store's lease must outlast store_retry_for (30 s) + 2 x timeout.
+        let lease = ", idempotency: {key: \"{value./id}\", store: sled, lease: 1m}";
+        let e = parse("t.yaml", &sink(lease)).unwrap_err().to_string();
+        assert!(
+            e.contains("field `idempotency.lease`: 60s is not longer"),
+            "{e}"
+        );
+        assert!(parse("t.yaml", &sink(&format!("{lease}, timeout: 10s"))).is_ok());
+    }
+
+    #[test]
     fn an_external_sink_field_out_of_range_is_an_error() {
         let text = "name: t\nsource: {topic: a}\nstages:\n  - http: {url: \"http://x\", retries: 99999999999}\n";
         let e = parse("t.yaml", text).unwrap_err().to_string();

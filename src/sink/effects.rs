@@ -44,6 +44,8 @@ enum Kind {
         pool: tokio::sync::Mutex<Vec<tokio_postgres::Client>>,
         /// The inbox table is there; `true` when it has the `attempt` column.
         ready: tokio::sync::OnceCell<bool>,
+        /// The limit of one try's connect, and of its statement (see `PostgresSpec::timeout`).
+        timeout: Duration,
     },
     Redis {
         link: RedisLink,
@@ -117,6 +119,7 @@ impl Effector {
                 params: p.params.iter().map(|s| t(s)).collect::<Result<_, _>>()?,
                 pool: tokio::sync::Mutex::new(Vec::new()),
                 ready: tokio::sync::OnceCell::new(),
+                timeout: p.timeout,
             },
             EffectSpec::Redis(r) => Kind::Redis {
                 link: RedisLink::new(secret(&r.url, "url")?),
@@ -458,6 +461,7 @@ impl Effector {
             sql,
             pool,
             ready,
+            timeout,
             ..
         } = &self.kind
         else {
@@ -475,41 +479,71 @@ impl Effector {
             };
             let client = match client {
                 Some(c) if !c.is_closed() => Ok(c),
-                _ => connect(url).await,
+                _ => match tokio::time::timeout(*timeout, connect(url)).await {
+                    Ok(r) => r.map_err(PgTry::Failed),
+                    Err(_) => Err(PgTry::TimedOut(format!(
+                        "connecting took longer than the sink's timeout ({timeout:?})"
+                    ))),
+                },
             };
             let unsent = client.is_err();
             let r = match client {
                 Ok(mut c) => {
                     let mut token = None;
                     if let Some((table, _, _)) = inbox {
-                        match ready.get_or_try_init(|| create_inbox(&c, table)).await {
-                            Err(e) => {
+                        let init = tokio::time::timeout(
+                            *timeout,
+                            ready.get_or_try_init(|| create_inbox(&c, table)),
+                        );
+                        match init.await {
+                            Err(_) => {
+                                return Err(format!(
+                                    "postgres inbox table {table}: creating it took longer than the sink's timeout ({timeout:?})"
+                                )
+                                .into())
+                            }
+                            Ok(Err(e)) => {
                                 return Err(format!("postgres inbox table {table}: {e}").into())
                             }
-                            Ok(true) => token = Some(attempt),
-                            Ok(false) => {}
+                            Ok(Ok(true)) => token = Some(attempt),
+                            Ok(Ok(false)) => {}
                         }
                     }
-                    let r = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params).await;
-                    if !c.is_closed() {
-                        pool.lock().await.push(c);
+                    let once = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params);
+                    match tokio::time::timeout(*timeout, once).await {
+                        Ok(r) => {
+                            if !c.is_closed() {
+                                pool.lock().await.push(c);
+                            }
+                            r.map_err(PgTry::Failed)
+                        }
+                        Err(_) => {
+                            // Ask the server to end the statement (its transaction rolls
+                            // back unless its COMMIT already ran), then drop the connection:
+                            // the same as a connection lost after sending.
+                            let _ = c.cancel_token().cancel_query(tokio_postgres::NoTls).await;
+                            Err(PgTry::TimedOut(format!(
+                                "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled"
+                            )))
+                        }
                     }
-                    r
                 }
                 Err(e) => Err(e),
             };
             match r {
                 Ok(o) => return Ok(o),
                 Err(e) => {
-                    let lost = unsent || connection_lost(&e);
-                    let text = pg_error(&e);
+                    let (lost, text, code) = match &e {
+                        PgTry::Failed(e) => (unsent || connection_lost(e), pg_error(e), e.code()),
+                        PgTry::TimedOut(t) => (true, t.clone(), None),
+                    };
                     if lost && !unsent && inbox.is_none() {
                         tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown; not retried: dead-lettering the record");
                         return Err(EffectError::unknown(format!(
-                            "postgres: the outcome of the statement is unknown: the connection failed after it was sent ({text}); it is not sent again (it may have committed). The postgres idempotency store (an inbox row in the statement's transaction) makes this case safe"
+                            "postgres: the outcome of the statement is unknown: the connection failed or timed out after it was sent ({text}); it is not sent again (it may have committed). The postgres idempotency store (an inbox row in the statement's transaction) makes this case safe"
                         )));
                     }
-                    let retriable = match e.code() {
+                    let retriable = match code {
                         None => lost,
                         Some(c) => {
                             *c == tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE
@@ -526,6 +560,20 @@ impl Effector {
             }
         }
     }
+}
+
+/// Why one try of a `postgres` effect failed.
+enum PgTry {
+    /// The client's error.
+    Failed(tokio_postgres::Error),
+    /// It passed the sink's timeout (connecting, or the statement and commit).
+    TimedOut(String),
+}
+
+/// The longest a `postgres` sink's statement can take, retrying for `retry_for`: the last
+/// try may start just before it ends and take `timeout` to connect and again to run.
+pub(crate) fn postgres_worst_case(retry_for: Duration, timeout: Duration) -> Duration {
+    retry_for.saturating_add(timeout.saturating_mul(2))
 }
 
 /// Whether `e` is the connection failing (closed, an I/O error, a timeout), as against

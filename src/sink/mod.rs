@@ -130,6 +130,24 @@ pub struct PostgresSpec {
     pub sql: String,
     /// One template per placeholder.
     pub params: Vec<String>,
+    /// How long one try may wait to connect, and again to run the statement (with its
+    /// inbox row) and commit (default 30 s). Past it the statement is cancelled and the
+    /// connection dropped, as after a lost connection: with the `postgres` store the try is
+    /// retried within `idempotency.store_retry_for` (its inbox row tells whether it
+    /// committed); without, its outcome is unknown and the record is dead-lettered.
+    pub timeout: Duration,
+}
+
+impl PostgresSpec {
+    /// Run `sql` with `params` on the database at `url`, with the default timeout (30 s).
+    pub fn new(url: Secret, sql: impl Into<String>, params: Vec<String>) -> Self {
+        PostgresSpec {
+            url,
+            sql: sql.into(),
+            params,
+            timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 /// `redis` sink settings.
@@ -305,9 +323,13 @@ impl ExternalSinkSpec {
                 h.timeout,
                 h.retries
             ),
-            EffectSpec::Postgres(p) => {
-                format!("{} sql={:?} params={:?}", p.url.describe(), p.sql, p.params)
-            }
+            EffectSpec::Postgres(p) => format!(
+                "{} sql={:?} params={:?} timeout={:?}",
+                p.url.describe(),
+                p.sql,
+                p.params,
+                p.timeout
+            ),
             EffectSpec::Redis(r) => format!("{} command={:?}", r.url.describe(), r.command),
             EffectSpec::File(f) => format!("{} line={:?}", f.path.display(), f.line),
         };
@@ -381,6 +403,9 @@ impl ExternalSinkSpec {
         if spec.concurrency == 0 {
             errs.push(FieldError::at("concurrency", "must be positive"));
         }
+        if matches!(&spec.effect, EffectSpec::Postgres(p) if p.timeout.is_zero()) {
+            errs.push(FieldError::at("timeout", "must be positive"));
+        }
         if spec.policy.lease.is_zero() {
             errs.push(FieldError::at("idempotency.lease", "must be positive"));
         }
@@ -398,9 +423,13 @@ impl ExternalSinkSpec {
         if let crate::sink::InFlight::Wait(d) = spec.policy.in_flight {
             durations.push(("idempotency.in_flight", d));
         }
-        if let EffectSpec::Http(h) = &spec.effect {
-            durations.push(("timeout", h.timeout));
-            durations.push(("backoff", h.backoff));
+        match &spec.effect {
+            EffectSpec::Http(h) => {
+                durations.push(("timeout", h.timeout));
+                durations.push(("backoff", h.backoff));
+            }
+            EffectSpec::Postgres(p) => durations.push(("timeout", p.timeout)),
+            _ => {}
         }
         for (field, d) in durations {
             if d > max {
@@ -431,6 +460,12 @@ impl ExternalSinkSpec {
                 "the command can take with its retries",
                 "store_retry_for + connecting + the 10 s reply timeout",
                 "store_retry_for",
+            )),
+            (EffectSpec::Postgres(p), _) => Some((
+                effects::postgres_worst_case(spec.policy.store_retry_for, p.timeout),
+                "the statement can take with its retries",
+                "store_retry_for + 2 x timeout (connecting, then the statement)",
+                "store_retry_for/timeout",
             )),
             _ => None,
         };

@@ -106,15 +106,15 @@ fn main() {
     };
     let pgs = |store: StoreSpec| {
         let mut s = ExternalSinkSpec::new(
-            EffectSpec::Postgres(PostgresSpec {
-                url: Secret::Env("ONCEFLOW_POSTGRES_URL".into()),
-                sql: format!("INSERT INTO {table} (id, type, actor) VALUES ($1, $2, $3::bigint)"),
-                params: vec![
+            EffectSpec::Postgres(PostgresSpec::new(
+                Secret::Env("ONCEFLOW_POSTGRES_URL".into()),
+                format!("INSERT INTO {table} (id, type, actor) VALUES ($1, $2, $3::bigint)"),
+                vec![
                     "{value./id}".into(),
                     "{value./type}".into(),
                     "{value./actor/id}".into(),
                 ],
-            }),
+            )),
             store,
         )
         .with_key("{value./id}");

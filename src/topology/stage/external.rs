@@ -26,7 +26,7 @@
 //!       on_store_error: fail_closed     # fail_closed | fail_open
 //!       store_retry_for: 30s
 //!       max_key_bytes: 1024
-//! - postgres: { url: {env: ONCEFLOW_POSTGRES_URL}, sql: "INSERT INTO t (id, body) VALUES ($1, $2::jsonb)", params: ["{value./id}", "{value}"] }
+//! - postgres: { url: {env: ONCEFLOW_POSTGRES_URL}, sql: "INSERT INTO t (id, body) VALUES ($1, $2::jsonb)", params: ["{value./id}", "{value}"], timeout: 30s }
 //! - redis: { url: {env: ONCEFLOW_REDIS_URL}, command: [SET, "order:{value./id}", "{value}"] }
 //! - file: { path: out.jsonl, line: "{value}" }
 //! ```
@@ -122,7 +122,15 @@ pub(super) const FILE_KINDS: &[FileKind] = &[
     },
     FileKind {
         key: "postgres",
-        fields: &["name", "concurrency", "idempotency", "url", "sql", "params"],
+        fields: &[
+            "name",
+            "concurrency",
+            "idempotency",
+            "url",
+            "sql",
+            "params",
+            "timeout",
+        ],
         default_name: |_, _| "postgres".into(),
         read: postgres,
     },
@@ -191,13 +199,19 @@ fn postgres(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         None => Some(Vec::new()),
         Some(n) => strings(c, n, place, "params"),
     };
-    let ok = url.is_some() && sql.is_some() && params.is_some();
-    let effect = EffectSpec::Postgres(PostgresSpec {
-        url: url.unwrap_or(Secret::Inline(String::new())),
-        sql: sql.unwrap_or_default(),
-        params: params.unwrap_or_default(),
-    });
-    finish(c, f, place, effect, ok)
+    let mut p = PostgresSpec::new(
+        url.clone().unwrap_or(Secret::Inline(String::new())),
+        sql.clone().unwrap_or_default(),
+        params.clone().unwrap_or_default(),
+    );
+    let mut ok = url.is_some() && sql.is_some() && params.is_some();
+    ok &= c.opt(
+        f,
+        "timeout",
+        |c, n| c.duration(n, place, "timeout"),
+        |t| p.timeout = t,
+    );
+    finish(c, f, place, EffectSpec::Postgres(p), ok)
 }
 
 fn redis(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
