@@ -64,6 +64,15 @@ impl Format {
         }
     }
 
+    /// The protobuf fields without presence and their defaults (see [`UnsetDefaults`]);
+    /// `None` for the other formats, where an absent field is simply missing.
+    pub(crate) fn unset_defaults(&self) -> Option<&UnsetDefaults> {
+        match self {
+            Format::Protobuf(p) => Some(p.unset_defaults()),
+            _ => None,
+        }
+    }
+
     /// The name plus the message type for protobuf, e.g. `protobuf shop.Order`.
     pub(crate) fn describe(&self) -> String {
         match self {
@@ -425,8 +434,7 @@ fn exact_integer(kind: &Kind, v: &Value, pointer: &str, depth: usize) -> Result<
             | Kind::Sfixed64,
             Value::Number(n),
         ) if !(n.is_i64() || n.is_u64()) => {
-            let x = n.as_f64().unwrap_or(f64::NAN);
-            if x.fract() == 0.0 && x.abs() >= 9_007_199_254_740_992.0 {
+            if crate::processor::key::digits_lost(n.as_f64().unwrap_or(f64::NAN)) {
                 Err(format!(
                     "field {pointer} is {n}, an integer beyond 64 bits or past 2^53 as a float, whose exact digits are lost"
                 ))

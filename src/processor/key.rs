@@ -255,15 +255,18 @@ impl KeyInput for Record {
 ///
 /// # Errors
 /// [`KeyError::WrongType`] for an integer beyond 64 bits.
+/// Whether the double `f` is integral and at or past 2^53, where f64 no longer tells
+/// neighbouring integers apart: an integer beyond 64 bits read from JSON (or a float such
+/// as 1e20) whose exact digits are lost. Keys, CEL key text and protobuf integer fields
+/// refuse such a number rather than merge ids.
+pub(crate) fn digits_lost(f: f64) -> bool {
+    f.fract() == 0.0 && f.abs() >= 9_007_199_254_740_992.0
+}
+
 fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), KeyError> {
     use std::io::Write;
-    let v = n.as_f64().unwrap_or(0.0);
-    if !(n.is_i64() || n.is_u64())
-        && v.fract() == 0.0
-        // Not a 64-bit integer, yet integral past 2^53: written as an integer beyond 64
-        // bits (or a float such as 1e20); f64 no longer tells its digits apart.
-        && v.abs() >= 9_007_199_254_740_992.0
-    {
+    // Not a 64-bit integer, yet integral past 2^53.
+    if !(n.is_i64() || n.is_u64()) && digits_lost(n.as_f64().unwrap_or(0.0)) {
         return Err(KeyError::WrongType(format!(
             "key field {ptr} is an integer beyond 64 bits, whose exact digits an earlier stage lost when it rewrote the value; dedup before that stage, or send the id as a string"
         )));

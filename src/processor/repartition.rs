@@ -436,10 +436,7 @@ impl Router {
             pointers: &self.pointers,
             fields,
             json,
-            unset: match &self.format {
-                crate::codec::Format::Protobuf(p) => Some(p.unset_defaults()),
-                _ => None,
-            },
+            unset: self.format.unset_defaults(),
         };
         let (to, keyed) = match self.key.extract_into(&view, key_out) {
             Ok(()) => (partition_for(key_out, self.partitions), true),
@@ -465,9 +462,7 @@ impl Router {
         let (fields, json) = self.read_value(record.value.as_deref());
         record.fields = fields.map(|vals| (self.pointers.clone(), vals));
         record.json = json;
-        if let crate::codec::Format::Protobuf(p) = &self.format {
-            record.unset = Some(p.unset_defaults().clone());
-        }
+        record.unset = self.format.unset_defaults().cloned();
         route(&record, &self.key, &self.topic, self.partitions).unwrap_or_else(|_| {
             let p = self.unkeyed_partition(record.key.as_deref(), record.source.partition);
             unrouted(&record, &self.topic, p, record.key.clone())

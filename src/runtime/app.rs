@@ -560,7 +560,7 @@ impl App {
             .with_state_dir(&self.config.state_dir, &self.config.application_id);
         self.topology.preflight()?;
         // A stop asked for while the broker is still out of reach ends the run here.
-        let partitions = match crate::kafka::retry::cancellable(&opts.shutdown, || {
+        let prepared = match crate::kafka::retry::cancellable(&opts.shutdown, || {
             self.prepare_topics()
         }) {
             Err(e) if opts.shutdown.load(Ordering::SeqCst) => {
@@ -575,7 +575,8 @@ impl App {
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self.changelog_topics();
-        let topic_limits = Arc::new(self.topic_record_limits()?);
+        let partitions = prepared.partitions;
+        let topic_limits = Arc::new(prepared.record_limits);
         // A batch of small records must fit the smallest of those topics too.
         let mut config = self.config.clone();
         if let Some(min) = topic_limits.values().min() {

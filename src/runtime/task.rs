@@ -376,9 +376,7 @@ impl Task {
             (other, _) => match record.value.as_deref() {
                 Some(v) => other.decode(v).map(|view| {
                     record.json = Some(view);
-                    if let Format::Protobuf(p) = other {
-                        record.unset = Some(p.unset_defaults().clone());
-                    }
+                    record.unset = other.unset_defaults().cloned();
                 }),
                 None => Err(format!("value is null, expected {}", other.describe())),
             },

@@ -67,11 +67,9 @@ impl App {
     /// for the record batch's framing (61 bytes of batch header, a record's varints and
     /// header lengths). A topic the broker will not describe keeps the producer's limit.
     ///
-    /// # Errors
-    /// [`Error::Kafka`] when the admin client cannot be created.
-    pub(crate) fn topic_record_limits(&self) -> Result<std::collections::HashMap<String, usize>> {
+    /// Read with `prepare_topics`' admin client, after it created the missing topics.
+    fn topic_record_limits(&self, admin: &Admin) -> std::collections::HashMap<String, usize> {
         const FRAMING: usize = 128;
-        let admin = Admin::new(&self.config)?;
         let producer_limit = self.config.max_record_bytes();
         let mut limits = std::collections::HashMap::new();
         for t in self.topology.sink_topics() {
@@ -89,7 +87,7 @@ impl App {
                 limits.insert(t, limit);
             }
         }
-        Ok(limits)
+        limits
     }
 
     /// Never let seen ids pass again after a dedup stage's `partitioning` changed: its marks
@@ -101,7 +99,13 @@ impl App {
     /// # Errors
     /// [`Error::Config`] naming the stage, both partitionings and the two ways on;
     /// [`Error::Kafka`] when metadata or watermarks cannot be read.
-    fn check_partitioning_unchanged(&self, admin: &Admin, partitions: usize) -> Result<()> {
+    /// `changelogs` holds the changelogs found with `partitions` partitions.
+    fn check_partitioning_unchanged(
+        &self,
+        admin: &Admin,
+        partitions: usize,
+        changelogs: &std::collections::HashSet<String>,
+    ) -> Result<()> {
         let hop = self.topology.hop().ok().flatten().map(|(_, name, _)| name);
         for s in self.topology.stages() {
             let StageKind::Dedup(_) = &s.kind else {
@@ -111,12 +115,9 @@ impl App {
             let repartition =
                 crate::processor::stages::repartition_topic(&self.config.application_id, &s.name);
             let now_repartitions = hop == Some(s.name.as_str());
-            // The changelog first: an instance starting next to this one creates both
-            // topics in one request, so once the changelog shows, so does the other.
-            if admin
-                .partition_count(&changelog)?
-                .is_none_or(|m| m != partitions)
-            {
+            // The changelog was read first: an instance starting next to this one creates
+            // both topics in one request, so once the changelog shows, so does the other.
+            if !changelogs.contains(&changelog) {
                 continue;
             }
             let repartitioned = admin.partition_count(&repartition)?.is_some();
@@ -229,7 +230,7 @@ impl App {
     /// repartition topic has another partition count than the source (a setup a restart
     /// cannot fix: exit 2); [`Error::Broker`] when the source topic is missing, a changelog
     /// has a configuration that cannot be corrected, or topics cannot be created.
-    pub(crate) fn prepare_topics(&self) -> Result<usize> {
+    pub(crate) fn prepare_topics(&self) -> Result<PreparedTopics> {
         self.check_hop()?;
         self.check_topic_roles()?;
         let admin = Admin::new(&self.config)?;
@@ -249,6 +250,7 @@ impl App {
                 missing.push((t, n, Vec::new()));
             }
         }
+        let mut changelogs = std::collections::HashSet::new();
         for (store, topic) in self.changelog_topics() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
@@ -258,6 +260,7 @@ impl App {
                 }
                 Some(_) => {
                     admin.ensure_changelog_config(&store, &topic)?;
+                    changelogs.insert(topic);
                 }
                 None => missing.push((
                     topic,
@@ -269,7 +272,7 @@ impl App {
                 )),
             }
         }
-        self.check_partitioning_unchanged(&admin, n)?;
+        self.check_partitioning_unchanged(&admin, n, &changelogs)?;
         if let Some(topic) = self.repartition_topic() {
             match admin.partition_count(&topic)? {
                 Some(m) if m != n => {
@@ -306,8 +309,21 @@ impl App {
                 _ => tracing::info!(topic = %t, partitions = n, "created topic"),
             }
         }
-        Ok(n)
+        Ok(PreparedTopics {
+            partitions: n,
+            record_limits: self.topic_record_limits(&admin),
+        })
     }
+}
+
+/// What [`App::prepare_topics`] found.
+#[derive(Debug)]
+pub(crate) struct PreparedTopics {
+    /// The source topic's partition count (every internal topic has as many).
+    pub(crate) partitions: usize,
+    /// The sink topics whose own `max.message.bytes` admits less than the producer's, with
+    /// the largest record each takes (see `App::topic_record_limits`).
+    pub(crate) record_limits: std::collections::HashMap<String, usize>,
 }
 
 #[cfg(test)]

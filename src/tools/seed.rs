@@ -26,7 +26,8 @@ impl StateTools {
     ) -> Result<SeedReport> {
         self.refuse_if_active("seed the state")?;
         let n = crate::runtime::App::new(self.config.clone(), self.topology.clone())
-            .prepare_topics()? as i32;
+            .prepare_topics()?
+            .partitions as i32;
         let parts: Vec<i32> = match partitions {
             Some(ps) => {
                 if let Some(bad) = ps.iter().find(|p| **p < 0 || **p >= n) {

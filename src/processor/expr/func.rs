@@ -143,7 +143,7 @@ impl FromCel for Option<Bytes> {
 /// NaN or an infinity (no number text), or an integral double past 2^53: an integer beyond
 /// 64 bits read from JSON, whose digits are gone, so two ids would give one key.
 fn double_text(f: f64) -> Result<String, String> {
-    if f.fract() == 0.0 && f.abs() >= 9_007_199_254_740_992.0 {
+    if crate::processor::key::digits_lost(f) {
         return Err(format!(
             "gave the double {f:e}, an integer past 2^53 (an integer beyond 64 bits read from JSON is one): its digits are lost; send the id as a string"
         ));
