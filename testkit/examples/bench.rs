@@ -659,9 +659,16 @@ fn run_tasks(s: &Settings) -> Res<()> {
 
 /// Part (3), `s.rounds` times: the dedup stage alone and the dedup tasks over the
 /// pre-built records, with sled and in memory.
+///
+/// `ONCEFLOW_BENCH_ONLY=stage_memory` (or `stage_sled`) runs that part alone, for a
+/// profiler.
 fn dedup_alone_rounds(s: &Settings, ds: &Dataset, res: &mut Results) -> Res<()> {
+    let only = std::env::var("ONCEFLOW_BENCH_ONLY").ok();
     for round in 1..=s.rounds {
         for (name, sled) in [("sled", true), ("memory", false)] {
+            if only.as_ref().is_some_and(|o| *o != format!("stage_{name}")) {
+                continue;
+            }
             let dir = tempfile::tempdir()?;
             let (c, secs) = stage_alone(ds, sled.then(|| dir.path()))?;
             let dps = c.records_in as f64 / secs;
@@ -674,6 +681,9 @@ fn dedup_alone_rounds(s: &Settings, ds: &Dataset, res: &mut Results) -> Res<()> 
             } else {
                 res.stage_memory.push(dps);
             }
+        }
+        if only.is_some() {
+            continue;
         }
         let dir = tempfile::tempdir()?;
         let (c, secs) = dedup_alone(ds, Some(dir.path()))?;
