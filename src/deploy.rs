@@ -22,7 +22,8 @@
 //! work done is committed); a second signal exits at once with code 130.
 //!
 //! Exit codes: 0 done; 1 the run failed for a reason outside onceflow (broker, disk, sink:
-//! a restart resumes from the last commit); 2 bad arguments, config or topology.
+//! a restart resumes from the last commit); 2 bad arguments, config or topology, or a topic
+//! the topology reads (source, table) missing.
 
 use crate::config::{parse_set, Config, LogFormat};
 use crate::runtime::{App, RunOptions};

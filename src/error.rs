@@ -74,9 +74,16 @@ pub enum Error {
     /// over: this instance is a zombie and must stop, not retry.
     #[error("fenced: {0}")]
     Fenced(String),
-    /// Kafka-side condition that is not a client error (wrong partition count, missing topic).
+    /// Kafka-side condition that is not a client error (a configuration the broker refused,
+    /// a topic count onceflow cannot run with).
     #[error("{0}")]
     Broker(String),
+    /// A topic the topology reads does not exist (the source topic, a table's topic):
+    /// onceflow creates only the topics it writes, so this is the user's to create or to
+    /// name right; the message names the topic and the cluster. Exit 2, as a config fault:
+    /// a restart alone would find it missing again.
+    #[error("{0}")]
+    MissingTopic(String),
     /// A transaction's commit or abort ended without a known outcome (its answer was lost or
     /// came too late): it may have committed or not. Never retried blindly (librdkafka does
     /// not implement KIP-890); the producer is re-created instead.
@@ -110,7 +117,7 @@ impl Error {
     /// Who is at fault for this error.
     pub(crate) fn fault(&self) -> Fault {
         match self {
-            Error::Config(_) | Error::Topology { .. } => Fault::User,
+            Error::Config(_) | Error::Topology { .. } | Error::MissingTopic(_) => Fault::User,
             Error::State { .. }
             | Error::Kafka { .. }
             | Error::Broker(_)

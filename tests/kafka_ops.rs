@@ -435,3 +435,30 @@ fn a_panic_in_the_run_loop_ends_the_process_with_a_failure() {
         "the panic is the one planted: {log}"
     );
 }
+
+/// A source topic that does not exist stops start-up at once with exit 2 (the user's to
+/// create or to name right), a message naming the topic, and the hint to fix it, not "a
+/// restart resumes from the last commit": a restart alone finds it missing again (exit 1
+/// and that hint before; review 10).
+#[test]
+fn a_missing_source_topic_is_exit_2_naming_the_topic() {
+    let names = names_without_topics(
+        "name: missing-source\nsource: { topic: \"{input}\", format: json }\nstages:\n  - dedup: { key: { json_pointer: /id } }\n  - sink: { topic: \"{output}\" }\n",
+    );
+    let run = start(&names, &[], &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(Duration::from_secs(60));
+    // The reader of stderr may lag the exit by a moment: wait for the last line (the hint).
+    let t0 = Instant::now();
+    while !log.lock().unwrap().contains("start again") && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = log.lock().unwrap();
+    assert_eq!(st.code(), Some(2), "{log}");
+    assert!(
+        log.contains(&format!("source topic {} does not exist", names.input)),
+        "{log}"
+    );
+    assert!(log.contains("create it first"), "{log}");
+    assert!(!log.contains("a restart resumes"), "{log}");
+}

@@ -91,7 +91,7 @@ impl TableSet {
         let mut ends: BTreeMap<(String, i32), (i64, i64)> = BTreeMap::new();
         for spec in topology.tables() {
             let n = admin.partition_count(&spec.topic)?.ok_or_else(|| {
-                Error::Broker(format!(
+                Error::MissingTopic(format!(
                     "table topic {} of table {} does not exist on {}; create it (cleanup.policy=compact) and write the table to it",
                     spec.topic, spec.name, config.bootstrap_servers
                 ))

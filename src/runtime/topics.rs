@@ -228,15 +228,16 @@ impl App {
     /// stage other than a filter or a map before it (its state or effects would run on
     /// the source partitions, before the hop), naming both, and when a changelog or the
     /// repartition topic has another partition count than the source (a setup a restart
-    /// cannot fix: exit 2); [`Error::Broker`] when the source topic is missing, a changelog
-    /// has a configuration that cannot be corrected, or topics cannot be created.
+    /// cannot fix: exit 2); [`Error::MissingTopic`] when the source topic is missing;
+    /// [`Error::Broker`] when a changelog has a configuration that cannot be corrected, or
+    /// topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<PreparedTopics> {
         self.check_hop()?;
         self.check_topic_roles()?;
         let admin = Admin::new(&self.config)?;
         let src = &self.topology.source().topic;
         let n = admin.partition_count(src)?.ok_or_else(|| {
-            Error::Broker(format!(
+            Error::MissingTopic(format!(
                 "source topic {src} does not exist on {}; create it first",
                 self.config.bootstrap_servers
             ))
