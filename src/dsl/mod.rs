@@ -525,14 +525,14 @@ stages:
             .unwrap_err()
             .to_string();
         assert!(e.contains("field `timeout`: must be positive"), "{e}");
-        // A sled store's lease must outlast store_retry_for (30 s) + 2 x timeout.
+        // A sled store's lease must outlast store_retry_for (30 s) + 4 x timeout.
         let lease = ", idempotency: {key: \"{value./id}\", store: sled, lease: 1m}";
         let e = parse("t.yaml", &sink(lease)).unwrap_err().to_string();
         assert!(
             e.contains("field `idempotency.lease`: 60s is not longer"),
             "{e}"
         );
-        assert!(parse("t.yaml", &sink(&format!("{lease}, timeout: 10s"))).is_ok());
+        assert!(parse("t.yaml", &sink(&format!("{lease}, timeout: 5s"))).is_ok());
     }
 
     #[test]

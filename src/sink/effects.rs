@@ -521,7 +521,9 @@ impl Effector {
                             // Ask the server to end the statement (its transaction rolls
                             // back unless its COMMIT already ran), then drop the connection:
                             // the same as a connection lost after sending.
-                            let _ = c.cancel_token().cancel_query(tokio_postgres::NoTls).await;
+                            let cancel = c.cancel_token();
+                            let cancel = cancel.cancel_query(tokio_postgres::NoTls);
+                            let _ = tokio::time::timeout(*timeout, cancel).await;
                             Err(PgTry::TimedOut(format!(
                                 "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled"
                             )))
@@ -571,9 +573,10 @@ enum PgTry {
 }
 
 /// The longest a `postgres` sink's statement can take, retrying for `retry_for`: the last
-/// try may start just before it ends and take `timeout` to connect and again to run.
+/// try may start just before it ends and take `timeout` for each of its steps: connecting,
+/// creating the inbox table (first use), running, and cancelling the statement.
 pub(crate) fn postgres_worst_case(retry_for: Duration, timeout: Duration) -> Duration {
-    retry_for.saturating_add(timeout.saturating_mul(2))
+    retry_for.saturating_add(timeout.saturating_mul(4))
 }
 
 /// Whether `e` is the connection failing (closed, an I/O error, a timeout), as against

@@ -131,7 +131,8 @@ pub struct PostgresSpec {
     /// One template per placeholder.
     pub params: Vec<String>,
     /// How long one try may wait to connect, and again to run the statement (with its
-    /// inbox row) and commit (default 30 s). Past it the statement is cancelled and the
+    /// inbox row) and commit (default 30 s; the same bound again for creating the inbox
+    /// table on first use, and for the cancel). Past it the statement is cancelled and the
     /// connection dropped, as after a lost connection: with the `postgres` store the try is
     /// retried within `idempotency.store_retry_for` (its inbox row tells whether it
     /// committed); without, its outcome is unknown and the record is dead-lettered.
@@ -464,7 +465,7 @@ impl ExternalSinkSpec {
             (EffectSpec::Postgres(p), _) => Some((
                 effects::postgres_worst_case(spec.policy.store_retry_for, p.timeout),
                 "the statement can take with its retries",
-                "store_retry_for + 2 x timeout (connecting, then the statement)",
+                "store_retry_for + 4 x timeout (connecting, the inbox table, the statement, its cancel)",
                 "store_retry_for/timeout",
             )),
             _ => None,
