@@ -199,12 +199,12 @@ fn postgres(c: &mut Reader, f: &Fields<'_>, place: &str) -> Option<ReadStage> {
         None => Some(Vec::new()),
         Some(n) => strings(c, n, place, "params"),
     };
-    let mut p = PostgresSpec::new(
-        url.clone().unwrap_or(Secret::Inline(String::new())),
-        sql.clone().unwrap_or_default(),
-        params.clone().unwrap_or_default(),
-    );
     let mut ok = url.is_some() && sql.is_some() && params.is_some();
+    let mut p = PostgresSpec::new(
+        url.unwrap_or(Secret::Inline(String::new())),
+        sql.unwrap_or_default(),
+        params.unwrap_or_default(),
+    );
     ok &= c.opt(
         f,
         "timeout",
