@@ -774,3 +774,183 @@ fn a_statement_blocked_past_the_sinks_timeout_is_dead_lettered_not_a_hang() {
     assert_eq!(pg_count(&url, &table), 1);
     drop(step_tx);
 }
+
+/// `onceflow_sink_effects_total` summed per `result` label.
+fn effects_counted(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> std::collections::BTreeMap<String, u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counted = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
+            let result = key
+                .key()
+                .labels()
+                .find(|l| l.key() == "result")
+                .map(|l| l.value().to_string())
+                .unwrap_or_default();
+            *counted.entry(result).or_insert(0) += n;
+        }
+    }
+    counted
+}
+
+/// Expected: with the `postgres` inbox store, a try that passes the sink's `timeout` while
+/// its COMMIT is running has an unknown outcome (it may have committed: the code's own
+/// comment, "its transaction rolls back unless its COMMIT already ran"). When
+/// `store_retry_for` runs out before a retry can read the inbox row, the record must be
+/// dead-lettered as `unknown` (counted `unknown`, a reason saying it may have committed),
+/// as `EffectError::unknown` documents, or counted `done` if the sink checked its inbox
+/// row; never as `failed`, which `EffectError` documents as "A failed effect: it did not
+/// take place" (and the existing test's doc: "failed effects leave no mark").
+///
+/// Actual: `Effector::pg` returns a plain `format!("postgres: {text}").into()` once the
+/// retry window closes, whatever the last try's error was: the record is counted `failed`
+/// with the reason "the statement took longer than the sink's timeout (500ms) and was
+/// cancelled", while its row (and its inbox row) did commit. An operator reading the dead
+/// letter is told the effect did not happen; it did.
+///
+/// The COMMIT is made slow by a deferred constraint trigger that sleeps 2 s and ignores the
+/// cancel (PL/pgSQL catching `query_canceled`; the same as a COMMIT waiting on a
+/// synchronous standby, which a cancel does not undo either).
+#[test]
+fn a_timeout_during_commit_with_the_inbox_is_not_counted_failed_when_it_committed() {
+    let Some(url) = postgres_url() else { return };
+    let table = format!("latecommit_{}", tag());
+    pg_exec(
+        &url,
+        &format!(
+            "CREATE TABLE {table} (id text);
+             CREATE FUNCTION {table}_f() RETURNS trigger LANGUAGE plpgsql AS $f$
+             DECLARE t0 timestamptz := clock_timestamp();
+             BEGIN
+               WHILE clock_timestamp() < t0 + interval '2 seconds' LOOP
+                 BEGIN PERFORM pg_sleep(0.05); EXCEPTION WHEN query_canceled THEN NULL; END;
+               END LOOP;
+               RETURN NULL;
+             END $f$;
+             CREATE CONSTRAINT TRIGGER {table}_t AFTER INSERT ON {table}
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {table}_f();"
+        ),
+    );
+    let mut spec = pg_spec(
+        &url,
+        &format!("INSERT INTO {table} (id) VALUES ($1)"),
+        &["{value./id}"],
+        StoreSpec::Postgres {
+            table: format!("{table}_inbox"),
+        },
+    );
+    if let EffectSpec::Postgres(p) = &mut spec.effect {
+        p.timeout = Duration::from_millis(500);
+    }
+    spec.policy.store_retry_for = Duration::from_secs(1);
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let d = metrics::with_local_recorder(&recorder, || {
+        let mut d = TestDriver::new(topology(spec));
+        d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
+        d
+    });
+    // Let the first try's COMMIT finish on the server.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(pg_count(&url, &table), 1, "the first try's COMMIT went through");
+    assert_eq!(pg_count(&url, &format!("{table}_inbox")), 1);
+    let counted = effects_counted(&snapshotter);
+    let (reasons, outcomes) = (reasons(&d), outcomes(&d));
+    assert_eq!(
+        counted.get("failed"),
+        None,
+        "an effect that committed is counted failed (\"it did not take place\"): \
+         counted {counted:?}, dead-letter reasons {reasons:?}, outcomes {outcomes:?}"
+    );
+    assert!(
+        outcomes == ["done"]
+            || (counted.get("unknown") == Some(&1)
+                && reasons.len() == 1
+                && reasons[0].contains("unknown")),
+        "counted {counted:?}, reasons {reasons:?}, outcomes {outcomes:?}"
+    );
+}
+
+/// Expected: a try whose inbox table is locked elsewhere past the sink's `timeout` is
+/// retried within `idempotency.store_retry_for`, whether or not it is the sink's first
+/// record. README: "A try that passes the sink's `timeout` ... is cancelled on the server
+/// and its connection dropped, as after a lost reply: retried within `store_retry_for`
+/// with the inbox"; `PostgresSpec::timeout`: "with the `postgres` store the try is retried
+/// within `idempotency.store_retry_for`". Here the lock (a migration, a VACUUM FULL on the
+/// inbox table) lasts 1.5 s, the timeout is 500 ms and store_retry_for 10 s: the record
+/// should be `done` once the lock is gone, its row written once.
+///
+/// Actual: on the sink's first record the try stops at the inbox check
+/// (`ready.get_or_try_init` under the timeout) and `Effector::pg` returns at once, without
+/// retrying, a plain error "postgres inbox table ...: creating it took longer than the
+/// sink's timeout (500ms)": the record is dead-lettered (counted failed) 0.5 s into a 10 s
+/// retry window. The same lock met by any later record (at its inbox INSERT) is retried.
+#[test]
+fn a_locked_inbox_table_on_the_first_record_is_retried_within_store_retry_for() {
+    use std::sync::mpsc;
+    let Some(url) = postgres_url() else { return };
+    let table = format!("inboxlock_{}", tag());
+    let inbox = format!("{table}_inbox");
+    pg_exec(
+        &url,
+        &format!(
+            "CREATE TABLE {table} (id text);
+             CREATE TABLE {inbox} (sink text NOT NULL, key bytea NOT NULL,
+               created_at timestamptz NOT NULL DEFAULT now(), attempt bigint,
+               PRIMARY KEY (sink, key));"
+        ),
+    );
+    // Another session holds the inbox table locked for 1.5 s.
+    let (locked_tx, locked_rx) = mpsc::channel();
+    let holder = std::thread::spawn({
+        let (url, inbox) = (url.clone(), inbox.clone());
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                let lock = format!("BEGIN; LOCK TABLE {inbox} IN ACCESS EXCLUSIVE MODE");
+                c.batch_execute(&lock).await.unwrap();
+                locked_tx.send(()).unwrap();
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                c.batch_execute("ROLLBACK").await.unwrap();
+            })
+        }
+    });
+    locked_rx.recv().unwrap();
+    let (seen_tx, seen_rx) = mpsc::channel();
+    std::thread::spawn({
+        let (url, table, inbox) = (url.clone(), table.clone(), inbox.clone());
+        move || {
+            let mut spec = pg_spec(
+                &url,
+                &format!("INSERT INTO {table} (id) VALUES ($1)"),
+                &["{value./id}"],
+                StoreSpec::Postgres { table: inbox },
+            );
+            if let EffectSpec::Postgres(p) = &mut spec.effect {
+                p.timeout = Duration::from_millis(500);
+            }
+            spec.policy.store_retry_for = Duration::from_secs(10);
+            let mut d = TestDriver::new(topology(spec));
+            d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
+            let _ = seen_tx.send((reasons(&d), outcomes(&d)));
+        }
+    });
+    let seen = seen_rx.recv_timeout(Duration::from_secs(60));
+    holder.join().unwrap();
+    let (reasons, outcomes) = seen.expect("the run hung");
+    assert!(
+        reasons.is_empty(),
+        "dead-lettered within the 10 s retry window although the lock lasted 1.5 s: {reasons:?}"
+    );
+    assert_eq!(outcomes, ["done"]);
+    assert_eq!(pg_count(&url, &table), 1);
+}
