@@ -482,11 +482,15 @@ pub async fn key_seen_across_scopes(
             .timestamp(0)
             .into_record("in".into(), 0);
         let prep = eff.prepare(&record)?;
-        let first = eff.run_with_inbox(table, &scope(a), a.2, &prep).await?;
+        let first = eff
+            .run_with_inbox(table, &scope(a), a.2, &prep)
+            .await
+            .map_err(|e| e.reason)?;
         if first.label() != "done" {
             return Err(format!("the first effect was {}", first.label()));
         }
-        return match eff.run_with_inbox(table, &scope(b), b.2, &prep).await? {
+        let second = eff.run_with_inbox(table, &scope(b), b.2, &prep).await;
+        return match second.map_err(|e| e.reason)? {
             EffectOutcome::Done(_) => Ok(false),
             EffectOutcome::SkippedDuplicate(_) => Ok(true),
             other => Err(format!("the second effect was {}", other.label())),

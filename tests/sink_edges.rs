@@ -854,7 +854,11 @@ fn a_timeout_during_commit_with_the_inbox_is_not_counted_failed_when_it_committe
     });
     // Let the first try's COMMIT finish on the server.
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(pg_count(&url, &table), 1, "the first try's COMMIT went through");
+    assert_eq!(
+        pg_count(&url, &table),
+        1,
+        "the first try's COMMIT went through"
+    );
     assert_eq!(pg_count(&url, &format!("{table}_inbox")), 1);
     let counted = effects_counted(&snapshotter);
     let (reasons, outcomes) = (reasons(&d), outcomes(&d));

@@ -525,7 +525,7 @@ stages:
             .unwrap_err()
             .to_string();
         assert!(e.contains("field `timeout`: must be positive"), "{e}");
-        // A sled store's lease must outlast store_retry_for (30 s) + 4 x timeout.
+        // A sled store's lease must outlast store_retry_for (30 s) + 3 x timeout.
         let lease = ", idempotency: {key: \"{value./id}\", store: sled, lease: 1m}";
         let e = parse("t.yaml", &sink(lease)).unwrap_err().to_string();
         assert!(

@@ -52,7 +52,7 @@ impl TableSet {
     /// start following. Returns at once when the topology has no tables.
     ///
     /// # Errors
-    /// [`Error::Broker`] when a table topic does not exist; [`Error::Kafka`] when the
+    /// [`Error::MissingTopic`] when a table topic does not exist; [`Error::Kafka`] when the
     /// consumer cannot be created or assigned, or watermarks cannot be read;
     /// [`Error::State`] when a table write fails. Returns `Ok` early, partly loaded, when
     /// `shutdown` is set during the load.

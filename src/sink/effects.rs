@@ -434,12 +434,9 @@ impl Effector {
         scope: &str,
         key: &[u8],
         prep: &Prepared,
-    ) -> Result<EffectOutcome, String> {
+    ) -> Result<EffectOutcome, EffectError> {
         match prep {
-            Prepared::Sql(params) => self
-                .pg(Some((table, scope, key)), params)
-                .await
-                .map_err(|e| e.reason),
+            Prepared::Sql(params) => self.pg(Some((table, scope, key)), params).await,
             _ => Err("internal error: inbox for a non-SQL effect".into()),
         }
     }
@@ -486,9 +483,11 @@ impl Effector {
                     ))),
                 },
             };
-            let unsent = client.is_err();
+            // Whether this try sent the statement (its outcome is then unknown when the
+            // connection fails or the try times out).
+            let mut sent = false;
             let r = match client {
-                Ok(mut c) => {
+                Ok(c) => {
                     let mut token = None;
                     if let Some((table, _, _)) = inbox {
                         let init = tokio::time::timeout(
@@ -496,19 +495,30 @@ impl Effector {
                             ready.get_or_try_init(|| create_inbox(&c, table)),
                         );
                         match init.await {
-                            Err(_) => {
-                                return Err(format!(
+                            // Nothing of the effect was sent: another try may create it
+                            // (a lock held elsewhere, a slow server). The connection goes.
+                            Err(_) => Err(PgTry::TimedOut(format!(
                                     "postgres inbox table {table}: creating it took longer than the sink's timeout ({timeout:?})"
-                                )
-                                .into())
-                            }
+                                ))),
                             Ok(Err(e)) => {
                                 return Err(format!("postgres inbox table {table}: {e}").into())
                             }
-                            Ok(Ok(true)) => token = Some(attempt),
-                            Ok(Ok(false)) => {}
+                            Ok(Ok(true)) => {
+                                token = Some(attempt);
+                                Ok(())
+                            }
+                            Ok(Ok(false)) => Ok(()),
                         }
+                    } else {
+                        Ok(())
                     }
+                    .map(|()| (c, token))
+                }
+                Err(e) => Err(e),
+            };
+            let r = match r {
+                Ok((mut c, token)) => {
+                    sent = true;
                     let once = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params);
                     match tokio::time::timeout(*timeout, once).await {
                         Ok(r) => {
@@ -525,8 +535,8 @@ impl Effector {
                             let cancel = cancel.cancel_query(tokio_postgres::NoTls);
                             let _ = tokio::time::timeout(*timeout, cancel).await;
                             Err(PgTry::TimedOut(format!(
-                                "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled"
-                            )))
+                                    "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled"
+                                )))
                         }
                     }
                 }
@@ -536,10 +546,13 @@ impl Effector {
                 Ok(o) => return Ok(o),
                 Err(e) => {
                     let (lost, text, code) = match &e {
-                        PgTry::Failed(e) => (unsent || connection_lost(e), pg_error(e), e.code()),
-                        PgTry::TimedOut(t) => (true, t.clone(), None),
+                        PgTry::Failed(e) => (!sent || connection_lost(e), pg_error(e), e.code()),
+                        PgTry::TimedOut(what) => (true, what.clone(), None),
                     };
-                    if lost && !unsent && inbox.is_none() {
+                    // Sent, and then the connection failed or the try timed out: it may
+                    // have committed.
+                    let unknown = lost && sent;
+                    if unknown && inbox.is_none() {
                         tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown; not retried: dead-lettering the record");
                         return Err(EffectError::unknown(format!(
                             "postgres: the outcome of the statement is unknown: the connection failed or timed out after it was sent ({text}); it is not sent again (it may have committed). The postgres idempotency store (an inbox row in the statement's transaction) makes this case safe"
@@ -553,6 +566,14 @@ impl Effector {
                         }
                     };
                     if !retriable || Instant::now() + pause >= deadline {
+                        if unknown {
+                            // The last try may have committed (its inbox row would tell a
+                            // redelivery): not "failed", which says it did not take place.
+                            tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown after the retries; dead-lettering the record");
+                            return Err(EffectError::unknown(format!(
+                                "postgres: the outcome of the statement is unknown: its last try timed out or lost its connection after it was sent ({text}), and store_retry_for ran out before another try could read its inbox row; a redelivery finds the row if it committed"
+                            )));
+                        }
                         return Err(format!("postgres: {text}").into());
                     }
                     tracing::warn!(sink = %self.sink, error = %text, "postgres sink: retrying");
@@ -568,15 +589,15 @@ impl Effector {
 enum PgTry {
     /// The client's error.
     Failed(tokio_postgres::Error),
-    /// It passed the sink's timeout (connecting, or the statement and commit).
+    /// It passed the sink's timeout (connecting, the inbox table, or the statement).
     TimedOut(String),
 }
 
-/// The longest a `postgres` sink's statement can take, retrying for `retry_for`: the last
-/// try may start just before it ends and take `timeout` for each of its steps: connecting,
-/// creating the inbox table (first use), running, and cancelling the statement.
+/// The longest a `postgres` sink's statement can take under a redis or sled store (no
+/// inbox table), retrying for `retry_for`: the last try may start just before it ends and
+/// take `timeout` for each of its steps: connecting, running, and cancelling the statement.
 pub(crate) fn postgres_worst_case(retry_for: Duration, timeout: Duration) -> Duration {
-    retry_for.saturating_add(timeout.saturating_mul(4))
+    retry_for.saturating_add(timeout.saturating_mul(3))
 }
 
 /// Whether `e` is the connection failing (closed, an I/O error, a timeout), as against

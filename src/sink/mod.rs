@@ -135,7 +135,9 @@ pub struct PostgresSpec {
     /// table on first use, and for the cancel). Past it the statement is cancelled and the
     /// connection dropped, as after a lost connection: with the `postgres` store the try is
     /// retried within `idempotency.store_retry_for` (its inbox row tells whether it
-    /// committed); without, its outcome is unknown and the record is dead-lettered.
+    /// committed; when the time runs out first, the record is dead-lettered as `unknown`);
+    /// without, its outcome is unknown and the record is dead-lettered. A try that timed
+    /// out before sending the statement (connecting, the inbox table) is retried.
     pub timeout: Duration,
 }
 
@@ -465,7 +467,7 @@ impl ExternalSinkSpec {
             (EffectSpec::Postgres(p), _) => Some((
                 effects::postgres_worst_case(spec.policy.store_retry_for, p.timeout),
                 "the statement can take with its retries",
-                "store_retry_for + 4 x timeout (connecting, the inbox table, the statement, its cancel)",
+                "store_retry_for + 3 x timeout (connecting, the statement, its cancel)",
                 "store_retry_for/timeout",
             )),
             _ => None,

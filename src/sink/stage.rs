@@ -106,7 +106,7 @@ impl Shared {
         let eff = self.effector.as_ref().map_err(|e| e.clone())?;
         let policy = &self.spec.policy;
         if let StoreSpec::Postgres { table } = &self.spec.store {
-            return Ok(eff.run_with_inbox(table, &self.scope, &key, &prep).await?);
+            return eff.run_with_inbox(table, &self.scope, &key, &prep).await;
         }
         if matches!(self.spec.store, StoreSpec::None) {
             // No store, no protection: reported as such, never as `done`.
