@@ -891,27 +891,6 @@ fn redis_get(redis: &OwnRedis, key: &str) -> Option<String> {
         .unwrap()
 }
 
-/// `onceflow_sink_effects_total` summed per `result` label.
-fn effects_counted(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> std::collections::BTreeMap<String, u64> {
-    use metrics_util::debugging::DebugValue;
-    let mut counted = std::collections::BTreeMap::new();
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
-            let result = key
-                .key()
-                .labels()
-                .find(|l| l.key() == "result")
-                .unwrap()
-                .value()
-                .to_string();
-            *counted.entry(result).or_insert(0) += n;
-        }
-    }
-    counted
-}
-
 /// INCRBY whose reply is lost after Redis ran it, with the idempotency store on the same
 /// Redis (same URL): the command and the completed record run in one MULTI/EXEC, so after
 /// the lost reply the sink reads the record, finds its own mark and counts the effect done

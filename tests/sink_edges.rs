@@ -687,6 +687,54 @@ fn an_inbox_table_without_the_attempt_column_gets_it() {
     );
 }
 
+/// A sink inserting `{value./id}` into `table` with the inbox `<table>_inbox`, a `timeout`
+/// of 500 ms and `store_retry_for`.
+fn insert_with_a_500ms_timeout(url: &str, table: &str, retry_for: Duration) -> ExternalSinkSpec {
+    let mut spec = pg_spec(
+        url,
+        &format!("INSERT INTO {table} (id) VALUES ($1)"),
+        &["{value./id}"],
+        StoreSpec::Postgres {
+            table: format!("{table}_inbox"),
+        },
+    );
+    if let EffectSpec::Postgres(p) = &mut spec.effect {
+        p.timeout = Duration::from_millis(500);
+    }
+    spec.policy.store_retry_for = retry_for;
+    spec
+}
+
+/// Lock `table` with `ACCESS EXCLUSIVE` in an open transaction on a session of its own, on a
+/// thread that rolls back once `hold` returns; returns once the lock is held.
+fn lock_table(
+    url: &str,
+    table: &str,
+    hold: impl FnOnce() + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let (url, table) = (url.to_string(), table.to_string());
+    let holder = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            let lock = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
+            c.batch_execute(&lock).await.unwrap();
+            locked_tx.send(()).unwrap();
+            let _ = tokio::task::spawn_blocking(hold).await;
+            c.batch_execute("ROLLBACK").await.unwrap();
+        })
+    });
+    locked_rx.recv().unwrap();
+    holder
+}
+
 /// Expected: a statement that cannot finish (its table locked by another session) is
 /// cancelled at the sink's `timeout` (README: "one try may wait ... past it the statement
 /// is cancelled"), retried within `idempotency.store_retry_for`, and then the record is
@@ -702,47 +750,17 @@ fn a_statement_blocked_past_the_sinks_timeout_is_dead_lettered_not_a_hang() {
     let table = format!("blocked_{}", tag());
     pg_exec(&url, &format!("CREATE TABLE {table} (id text)"));
     // Another session holds the table locked in an open transaction until told to stop.
-    let (locked_tx, locked_rx) = mpsc::channel();
     let (release_tx, release_rx) = mpsc::channel::<()>();
-    let holder = std::thread::spawn({
-        let (url, table) = (url.clone(), table.clone());
-        move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                let lock = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
-                c.batch_execute(&lock).await.unwrap();
-                locked_tx.send(()).unwrap();
-                let _ = tokio::task::spawn_blocking(move || release_rx.recv()).await;
-                c.batch_execute("ROLLBACK").await.unwrap();
-            })
-        }
+    let holder = lock_table(&url, &table, move || {
+        let _ = release_rx.recv();
     });
-    locked_rx.recv().unwrap();
     // The driver runs on a thread of its own, so that a hang fails the test, not hangs it.
     let (step_tx, step_rx) = mpsc::channel::<()>();
     let (seen_tx, seen_rx) = mpsc::channel();
     std::thread::spawn({
         let (url, table) = (url.clone(), table.clone());
         move || {
-            let mut spec = pg_spec(
-                &url,
-                &format!("INSERT INTO {table} (id) VALUES ($1)"),
-                &["{value./id}"],
-                StoreSpec::Postgres {
-                    table: format!("{table}_inbox"),
-                },
-            );
-            if let EffectSpec::Postgres(p) = &mut spec.effect {
-                p.timeout = Duration::from_millis(500);
-            }
-            spec.policy.store_retry_for = Duration::from_secs(1);
+            let spec = insert_with_a_500ms_timeout(&url, &table, Duration::from_secs(1));
             let mut d = TestDriver::new(topology(spec));
             for _ in 0..2 {
                 d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
@@ -773,26 +791,6 @@ fn a_statement_blocked_past_the_sinks_timeout_is_dead_lettered_not_a_hang() {
     assert_eq!(outcomes, ["done"], "the redelivery runs the effect");
     assert_eq!(pg_count(&url, &table), 1);
     drop(step_tx);
-}
-
-/// `onceflow_sink_effects_total` summed per `result` label.
-fn effects_counted(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> std::collections::BTreeMap<String, u64> {
-    use metrics_util::debugging::DebugValue;
-    let mut counted = std::collections::BTreeMap::new();
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
-            let result = key
-                .key()
-                .labels()
-                .find(|l| l.key() == "result")
-                .map(|l| l.value().to_string())
-                .unwrap_or_default();
-            *counted.entry(result).or_insert(0) += n;
-        }
-    }
-    counted
 }
 
 /// Expected: with the `postgres` inbox store, a try that passes the sink's `timeout` while
@@ -833,18 +831,7 @@ fn a_timeout_during_commit_with_the_inbox_is_not_counted_failed_when_it_committe
                DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {table}_f();"
         ),
     );
-    let mut spec = pg_spec(
-        &url,
-        &format!("INSERT INTO {table} (id) VALUES ($1)"),
-        &["{value./id}"],
-        StoreSpec::Postgres {
-            table: format!("{table}_inbox"),
-        },
-    );
-    if let EffectSpec::Postgres(p) = &mut spec.effect {
-        p.timeout = Duration::from_millis(500);
-    }
-    spec.policy.store_retry_for = Duration::from_secs(1);
+    let spec = insert_with_a_500ms_timeout(&url, &table, Duration::from_secs(1));
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let d = metrics::with_local_recorder(&recorder, || {
@@ -907,28 +894,9 @@ fn a_locked_inbox_table_on_the_first_record_is_retried_within_store_retry_for() 
         ),
     );
     // Another session holds the inbox table locked for 1.5 s.
-    let (locked_tx, locked_rx) = mpsc::channel();
-    let holder = std::thread::spawn({
-        let (url, inbox) = (url.clone(), inbox.clone());
-        move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                let lock = format!("BEGIN; LOCK TABLE {inbox} IN ACCESS EXCLUSIVE MODE");
-                c.batch_execute(&lock).await.unwrap();
-                locked_tx.send(()).unwrap();
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                c.batch_execute("ROLLBACK").await.unwrap();
-            })
-        }
+    let holder = lock_table(&url, &inbox, || {
+        std::thread::sleep(Duration::from_millis(1500))
     });
-    locked_rx.recv().unwrap();
     let (seen_tx, seen_rx) = mpsc::channel();
     std::thread::spawn({
         let (url, table, inbox) = (url.clone(), table.clone(), inbox.clone());
