@@ -462,3 +462,40 @@ fn a_missing_source_topic_is_exit_2_naming_the_topic() {
     assert!(log.contains("create it first"), "{log}");
     assert!(!log.contains("a restart resumes"), "{log}");
 }
+
+/// A table topic that does not exist stops start-up with exit 2, like a missing source
+/// topic, and before anything is created: no sink, dead-letter or changelog topic is left
+/// behind by a start that could not run.
+#[test]
+fn a_missing_table_topic_is_exit_2_before_any_topic_is_created() {
+    let names = names_without_topics(
+        "name: missing-table\nsource: { topic: \"{input}\", format: json }\ntables:\n  - { name: customers, topic: \"{input}-customers\", format: json }\nstages:\n  - dedup: { key: { json_pointer: /id } }\n  - enrich: { table: customers, key: { json_pointer: /customer } }\n  - sink: { topic: \"{output}\" }\n",
+    );
+    create_topics(&[&names.input], 2);
+    let run = start(&names, &[], &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(Duration::from_secs(60));
+    let t0 = Instant::now();
+    while !log.lock().unwrap().contains("start again") && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = log.lock().unwrap();
+    assert_eq!(st.code(), Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "table topic {}-customers of table customers does not exist",
+            names.input
+        )),
+        "{log}"
+    );
+    let admin = admin();
+    let changelog = onceflow::__testkit::changelog_topic(&names.app, "dedup");
+    for t in [&names.output, &names.dlq, &changelog] {
+        assert_eq!(
+            admin.partition_count(t).unwrap(),
+            None,
+            "{t} was created by a start that stopped on a missing table topic"
+        );
+    }
+    admin.delete_topics(&[&names.input]).unwrap();
+}

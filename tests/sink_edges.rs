@@ -927,6 +927,57 @@ fn a_locked_inbox_table_on_the_first_record_is_retried_within_store_retry_for() 
     assert_eq!(pg_count(&url, &table), 1);
 }
 
+/// Expected: without an inbox, a statement blocked past the sink's `timeout` whose cancel
+/// the server confirms (`query_canceled`) did not take place, so it is retried within
+/// `store_retry_for` like a lost connection before sending, not dead-lettered as
+/// `unknown`. Here the lock lasts 1.5 s, the timeout is 500 ms and the retry window 10 s:
+/// the statement runs once the lock is gone, one row.
+///
+/// Actual (before the sink read the cancel's reply): every timeout after sending was
+/// taken for "it may have committed", and without an inbox the record was dead-lettered
+/// at once as `unknown`, although the server had said the statement was cancelled.
+#[test]
+fn a_cancelled_statement_without_an_inbox_is_retried_not_unknown() {
+    let Some(url) = postgres_url() else { return };
+    let table = format!("cancelled_{}", tag());
+    pg_exec(&url, &format!("CREATE TABLE {table} (id text)"));
+    let holder = lock_table(&url, &table, || {
+        std::thread::sleep(Duration::from_millis(1500))
+    });
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn({
+        let (url, table) = (url.clone(), table.clone());
+        move || {
+            let mut spec = pg_spec(
+                &url,
+                &format!("INSERT INTO {table} (id) VALUES ($1)"),
+                &["{value./id}"],
+                StoreSpec::None,
+            );
+            if let EffectSpec::Postgres(p) = &mut spec.effect {
+                p.timeout = Duration::from_millis(500);
+            }
+            spec.policy.store_retry_for = Duration::from_secs(10);
+            let mut d = TestDriver::new(topology(spec));
+            d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
+            let _ = seen_tx.send((reasons(&d), outcomes(&d)));
+        }
+    });
+    let seen = seen_rx.recv_timeout(Duration::from_secs(60));
+    holder.join().unwrap();
+    let (reasons, outcomes) = seen.expect("the run hung");
+    assert!(
+        reasons.is_empty(),
+        "dead-lettered although the server confirmed the cancel: {reasons:?}"
+    );
+    assert_eq!(
+        outcomes,
+        ["unprotected"],
+        "no store: the effect ran, unprotected"
+    );
+    assert_eq!(pg_count(&url, &table), 1);
+}
+
 /// `onceflow_sink_effects_total` summed per `result` label.
 fn effects_counted(
     snapshotter: &metrics_util::debugging::Snapshotter,

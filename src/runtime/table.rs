@@ -39,6 +39,15 @@ struct Loaded {
     engine: Arc<dyn TableEngine>,
 }
 
+/// The error of a table whose topic does not exist (checked before start-up creates any
+/// topic, and again when the table is loaded).
+pub(crate) fn missing_table_topic(spec: &crate::topology::TableSpec, config: &Config) -> Error {
+    Error::MissingTopic(format!(
+        "table topic {} of table {} does not exist on {}; create it (cleanup.policy=compact) and write the table to it",
+        spec.topic, spec.name, config.bootstrap_servers
+    ))
+}
+
 /// The loaded tables of an instance and the thread that keeps them following their topics.
 /// Dropping it stops the thread.
 pub(crate) struct TableSet {
@@ -90,12 +99,9 @@ impl TableSet {
         let mut tpl = TopicPartitionList::new();
         let mut ends: BTreeMap<(String, i32), (i64, i64)> = BTreeMap::new();
         for spec in topology.tables() {
-            let n = admin.partition_count(&spec.topic)?.ok_or_else(|| {
-                Error::MissingTopic(format!(
-                    "table topic {} of table {} does not exist on {}; create it (cleanup.policy=compact) and write the table to it",
-                    spec.topic, spec.name, config.bootstrap_servers
-                ))
-            })?;
+            let n = admin
+                .partition_count(&spec.topic)?
+                .ok_or_else(|| missing_table_topic(spec, config))?;
             warn_unless_compacted(&admin, &spec.name, &spec.topic);
             let engine: Arc<dyn TableEngine> = backend.open_table(&spec.name)?;
             let mut marks = Vec::with_capacity(n);

@@ -228,7 +228,7 @@ impl App {
     /// stage other than a filter or a map before it (its state or effects would run on
     /// the source partitions, before the hop), naming both, and when a changelog or the
     /// repartition topic has another partition count than the source (a setup a restart
-    /// cannot fix: exit 2); [`Error::MissingTopic`] when the source topic is missing;
+    /// cannot fix: exit 2); [`Error::MissingTopic`] when the source topic or a table topic is missing;
     /// [`Error::Broker`] when a changelog has a configuration that cannot be corrected, or
     /// topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<PreparedTopics> {
@@ -242,6 +242,15 @@ impl App {
                 self.config.bootstrap_servers
             ))
         })?;
+        // Tables are read, never created: a missing one stops start-up before anything is.
+        for spec in self.topology.tables() {
+            if admin.partition_count(&spec.topic)?.is_none() {
+                return Err(crate::runtime::table::missing_table_topic(
+                    spec,
+                    &self.config,
+                ));
+            }
+        }
         // Metadata per topic (cheap), then one CreateTopics request for the missing ones.
         let mut missing: Vec<crate::kafka::admin::TopicSpec<'_>> = Vec::new();
         let mut topics = self.topology.sink_topics();

@@ -469,6 +469,8 @@ impl Effector {
         // an earlier try whose COMMIT reply was lost (done), not by another record.
         let attempt: i64 = rand::random();
         let mut pause = Duration::from_millis(100);
+        // Whether an earlier try may have committed (no later try has told).
+        let mut unresolved = false;
         loop {
             let client = {
                 let mut p = pool.lock().await;
@@ -519,39 +521,42 @@ impl Effector {
             let r = match r {
                 Ok((mut c, token)) => {
                     sent = true;
-                    let once = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params);
-                    match tokio::time::timeout(*timeout, once).await {
-                        Ok(r) => {
-                            if !c.is_closed() {
-                                pool.lock().await.push(c);
-                            }
-                            r.map_err(PgTry::Failed)
+                    let cancel = c.cancel_token();
+                    let (r, reusable) = {
+                        let once = pg_once(&mut c, inbox.map(|i| (i, token)), sql, params);
+                        tokio::pin!(once);
+                        match tokio::time::timeout(*timeout, &mut once).await {
+                            Ok(r) => (r.map_err(PgTry::Failed), true),
+                            Err(_) => (settle_cancelled(cancel, once, *timeout).await, false),
                         }
-                        Err(_) => {
-                            // Ask the server to end the statement (its transaction rolls
-                            // back unless its COMMIT already ran), then drop the connection:
-                            // the same as a connection lost after sending.
-                            let cancel = c.cancel_token();
-                            let cancel = cancel.cancel_query(tokio_postgres::NoTls);
-                            let _ = tokio::time::timeout(*timeout, cancel).await;
-                            Err(PgTry::TimedOut(format!(
-                                    "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled"
-                                )))
-                        }
+                    };
+                    // After a cancel the connection goes: a cancel that arrives late would
+                    // end whatever statement it ran next.
+                    if reusable && !c.is_closed() {
+                        pool.lock().await.push(c);
                     }
+                    r
                 }
                 Err(e) => Err(e),
             };
             match r {
                 Ok(o) => return Ok(o),
                 Err(e) => {
-                    let (lost, text, code) = match &e {
-                        PgTry::Failed(e) => (!sent || connection_lost(e), pg_error(e), e.code()),
-                        PgTry::TimedOut(what) => (true, what.clone(), None),
+                    // `lost`: no reply to go by (retriable); `maybe_ran`: it may have
+                    // committed (sent, and then the connection failed or the try timed
+                    // out with no reply to its cancel).
+                    let (lost, maybe_ran, text, code) = match &e {
+                        PgTry::Failed(e) => {
+                            let lost = !sent || connection_lost(e);
+                            (lost, lost && sent, pg_error(e), e.code())
+                        }
+                        PgTry::TimedOut(what) => (true, sent, what.clone(), None),
+                        PgTry::Cancelled(what) => (true, false, what.clone(), None),
                     };
-                    // Sent, and then the connection failed or the try timed out: it may
-                    // have committed.
-                    let unknown = lost && sent;
+                    // A try that may have committed stays unknown until a later one
+                    // reads its inbox row (an `Ok` return).
+                    unresolved |= maybe_ran;
+                    let unknown = unresolved;
                     if unknown && inbox.is_none() {
                         tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown; not retried: dead-lettering the record");
                         return Err(EffectError::unknown(format!(
@@ -567,11 +572,11 @@ impl Effector {
                     };
                     if !retriable || Instant::now() + pause >= deadline {
                         if unknown {
-                            // The last try may have committed (its inbox row would tell a
+                            // A try may have committed (its inbox row would tell a
                             // redelivery): not "failed", which says it did not take place.
                             tracing::error!(sink = %self.sink, error = %text, "postgres sink: outcome unknown after the retries; dead-lettering the record");
                             return Err(EffectError::unknown(format!(
-                                "postgres: the outcome of the statement is unknown: its last try timed out or lost its connection after it was sent ({text}), and store_retry_for ran out before another try could read its inbox row; a redelivery finds the row if it committed"
+                                "postgres: the outcome of the statement is unknown: a try timed out or lost its connection after it was sent, and store_retry_for ran out before a later try could read its inbox row (last try: {text}); a redelivery finds the row if it committed"
                             )));
                         }
                         return Err(format!("postgres: {text}").into());
@@ -589,13 +594,48 @@ impl Effector {
 enum PgTry {
     /// The client's error.
     Failed(tokio_postgres::Error),
-    /// It passed the sink's timeout (connecting, the inbox table, or the statement).
+    /// It passed the sink's timeout (connecting, the inbox table, or the statement with
+    /// no reply to its cancel either).
     TimedOut(String),
+    /// It passed the sink's timeout and the server answered the cancel with
+    /// `query_canceled` (57014): the statement (and its transaction) did not take place.
+    Cancelled(String),
+}
+
+/// A statement past the sink's `timeout`: ask the server to end it (its transaction rolls
+/// back unless its COMMIT already ran), then read its reply, both within `timeout` again.
+/// The reply tells what happened: done (it finished before the cancel took effect),
+/// [`PgTry::Cancelled`] (it did not take place), another error; no reply leaves the
+/// outcome unknown ([`PgTry::TimedOut`]).
+async fn settle_cancelled(
+    cancel: tokio_postgres::CancelToken,
+    once: std::pin::Pin<
+        &mut impl std::future::Future<Output = Result<EffectOutcome, tokio_postgres::Error>>,
+    >,
+    timeout: Duration,
+) -> Result<EffectOutcome, PgTry> {
+    let reply = async {
+        let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+        once.await
+    };
+    match tokio::time::timeout(timeout, reply).await {
+        Ok(Ok(o)) => Ok(o),
+        Ok(Err(e)) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => {
+            Err(PgTry::Cancelled(format!(
+                "the statement took longer than the sink's timeout ({timeout:?}): it was cancelled and did not take place"
+            )))
+        }
+        Ok(Err(e)) => Err(PgTry::Failed(e)),
+        Err(_) => Err(PgTry::TimedOut(format!(
+            "the statement took longer than the sink's timeout ({timeout:?}) and its cancel got no reply"
+        ))),
+    }
 }
 
 /// The longest a `postgres` sink's statement can take under a redis or sled store (no
 /// inbox table), retrying for `retry_for`: the last try may start just before it ends and
-/// take `timeout` for each of its steps: connecting, running, and cancelling the statement.
+/// take `timeout` for each of its steps: connecting, running, and cancelling the statement
+/// (the cancel and its reply).
 pub(crate) fn postgres_worst_case(retry_for: Duration, timeout: Duration) -> Duration {
     retry_for.saturating_add(timeout.saturating_mul(3))
 }

@@ -132,9 +132,11 @@ pub struct PostgresSpec {
     pub params: Vec<String>,
     /// How long one try may wait to connect, and again to run the statement (with its
     /// inbox row) and commit (default 30 s; the same bound again for creating the inbox
-    /// table on first use, and for the cancel). Past it the statement is cancelled and the
-    /// connection dropped, as after a lost connection: with the `postgres` store the try is
-    /// retried within `idempotency.store_retry_for` (its inbox row tells whether it
+    /// table on first use, and for the cancel and its reply). Past it the statement is
+    /// cancelled and the connection dropped. A reply `query_canceled` (57014) means it did
+    /// not take place: retried within `idempotency.store_retry_for`, then dead-lettered as
+    /// failed. With no reply it is as after a lost connection: with the `postgres` store
+    /// the try is retried within `store_retry_for` (its inbox row tells whether it
     /// committed; when the time runs out first, the record is dead-lettered as `unknown`);
     /// without, its outcome is unknown and the record is dead-lettered. A try that timed
     /// out before sending the statement (connecting, the inbox table) is retried.
