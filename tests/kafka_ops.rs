@@ -445,7 +445,20 @@ fn a_missing_source_topic_is_exit_2_naming_the_topic() {
     let names = names_without_topics(
         "name: missing-source\nsource: { topic: \"{input}\", format: json }\nstages:\n  - dedup: { key: { json_pointer: /id } }\n  - sink: { topic: \"{output}\" }\n",
     );
-    let run = start(&names, &[], &[], &["--stop-at-end"]);
+    let (code, log) = run_to_a_refused_start(&names);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!("source topic {} does not exist", names.input)),
+        "{log}"
+    );
+    assert!(log.contains("create it first"), "{log}");
+    assert!(!log.contains("a restart resumes"), "{log}");
+}
+
+/// Run `names`' topology to the end of a start that is refused: its exit code and its
+/// stderr, read to the last line (the hint to start again).
+fn run_to_a_refused_start(names: &Names) -> (Option<i32>, String) {
+    let run = start(names, &[], &[], &["--stop-at-end"]);
     let log = run.stderr.clone();
     let (st, _) = run.wait(Duration::from_secs(60));
     // The reader of stderr may lag the exit by a moment: wait for the last line (the hint).
@@ -453,14 +466,8 @@ fn a_missing_source_topic_is_exit_2_naming_the_topic() {
     while !log.lock().unwrap().contains("start again") && t0.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let log = log.lock().unwrap();
-    assert_eq!(st.code(), Some(2), "{log}");
-    assert!(
-        log.contains(&format!("source topic {} does not exist", names.input)),
-        "{log}"
-    );
-    assert!(log.contains("create it first"), "{log}");
-    assert!(!log.contains("a restart resumes"), "{log}");
+    let log = log.lock().unwrap().clone();
+    (st.code(), log)
 }
 
 /// A table topic that does not exist stops start-up with exit 2, like a missing source
@@ -472,15 +479,8 @@ fn a_missing_table_topic_is_exit_2_before_any_topic_is_created() {
         "name: missing-table\nsource: { topic: \"{input}\", format: json }\ntables:\n  - { name: customers, topic: \"{input}-customers\", format: json }\nstages:\n  - dedup: { key: { json_pointer: /id } }\n  - enrich: { table: customers, key: { json_pointer: /customer } }\n  - sink: { topic: \"{output}\" }\n",
     );
     create_topics(&[&names.input], 2);
-    let run = start(&names, &[], &[], &["--stop-at-end"]);
-    let log = run.stderr.clone();
-    let (st, _) = run.wait(Duration::from_secs(60));
-    let t0 = Instant::now();
-    while !log.lock().unwrap().contains("start again") && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let log = log.lock().unwrap();
-    assert_eq!(st.code(), Some(2), "{log}");
+    let (code, log) = run_to_a_refused_start(&names);
+    assert_eq!(code, Some(2), "{log}");
     assert!(
         log.contains(&format!(
             "table topic {}-customers of table customers does not exist",

@@ -690,13 +690,24 @@ fn an_inbox_table_without_the_attempt_column_gets_it() {
 /// A sink inserting `{value./id}` into `table` with the inbox `<table>_inbox`, a `timeout`
 /// of 500 ms and `store_retry_for`.
 fn insert_with_a_500ms_timeout(url: &str, table: &str, retry_for: Duration) -> ExternalSinkSpec {
+    let inbox = StoreSpec::Postgres {
+        table: format!("{table}_inbox"),
+    };
+    insert_with_a_500ms_timeout_in(url, table, inbox, retry_for)
+}
+
+/// As [`insert_with_a_500ms_timeout`], with the idempotency store `store`.
+fn insert_with_a_500ms_timeout_in(
+    url: &str,
+    table: &str,
+    store: StoreSpec,
+    retry_for: Duration,
+) -> ExternalSinkSpec {
     let mut spec = pg_spec(
         url,
         &format!("INSERT INTO {table} (id) VALUES ($1)"),
         &["{value./id}"],
-        StoreSpec::Postgres {
-            table: format!("{table}_inbox"),
-        },
+        store,
     );
     if let EffectSpec::Postgres(p) = &mut spec.effect {
         p.timeout = Duration::from_millis(500);
@@ -880,7 +891,6 @@ fn a_timeout_during_commit_with_the_inbox_is_not_counted_failed_when_it_committe
 /// retry window. The same lock met by any later record (at its inbox INSERT) is retried.
 #[test]
 fn a_locked_inbox_table_on_the_first_record_is_retried_within_store_retry_for() {
-    use std::sync::mpsc;
     let Some(url) = postgres_url() else { return };
     let table = format!("inboxlock_{}", tag());
     let inbox = format!("{table}_inbox");
@@ -897,26 +907,9 @@ fn a_locked_inbox_table_on_the_first_record_is_retried_within_store_retry_for() 
     let holder = lock_table(&url, &inbox, || {
         std::thread::sleep(Duration::from_millis(1500))
     });
-    let (seen_tx, seen_rx) = mpsc::channel();
-    std::thread::spawn({
-        let (url, table, inbox) = (url.clone(), table.clone(), inbox.clone());
-        move || {
-            let mut spec = pg_spec(
-                &url,
-                &format!("INSERT INTO {table} (id) VALUES ($1)"),
-                &["{value./id}"],
-                StoreSpec::Postgres { table: inbox },
-            );
-            if let EffectSpec::Postgres(p) = &mut spec.effect {
-                p.timeout = Duration::from_millis(500);
-            }
-            spec.policy.store_retry_for = Duration::from_secs(10);
-            let mut d = TestDriver::new(topology(spec));
-            d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
-            let _ = seen_tx.send((reasons(&d), outcomes(&d)));
-        }
-    });
-    let seen = seen_rx.recv_timeout(Duration::from_secs(60));
+    let store = StoreSpec::Postgres { table: inbox };
+    let spec = insert_with_a_500ms_timeout_in(&url, &table, store, Duration::from_secs(10));
+    let seen = pipe_one_on_a_thread(spec).recv_timeout(Duration::from_secs(60));
     holder.join().unwrap();
     let (reasons, outcomes) = seen.expect("the run hung");
     assert!(
@@ -944,26 +937,9 @@ fn a_cancelled_statement_without_an_inbox_is_retried_not_unknown() {
     let holder = lock_table(&url, &table, || {
         std::thread::sleep(Duration::from_millis(1500))
     });
-    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
-    std::thread::spawn({
-        let (url, table) = (url.clone(), table.clone());
-        move || {
-            let mut spec = pg_spec(
-                &url,
-                &format!("INSERT INTO {table} (id) VALUES ($1)"),
-                &["{value./id}"],
-                StoreSpec::None,
-            );
-            if let EffectSpec::Postgres(p) = &mut spec.effect {
-                p.timeout = Duration::from_millis(500);
-            }
-            spec.policy.store_retry_for = Duration::from_secs(10);
-            let mut d = TestDriver::new(topology(spec));
-            d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
-            let _ = seen_tx.send((reasons(&d), outcomes(&d)));
-        }
-    });
-    let seen = seen_rx.recv_timeout(Duration::from_secs(60));
+    let spec =
+        insert_with_a_500ms_timeout_in(&url, &table, StoreSpec::None, Duration::from_secs(10));
+    let seen = pipe_one_on_a_thread(spec).recv_timeout(Duration::from_secs(60));
     holder.join().unwrap();
     let (reasons, outcomes) = seen.expect("the run hung");
     assert!(
@@ -976,6 +952,21 @@ fn a_cancelled_statement_without_an_inbox_is_retried_not_unknown() {
         "no store: the effect ran, unprotected"
     );
     assert_eq!(pg_count(&url, &table), 1);
+}
+
+/// Pipe one record `{"id":"a"}` through the sink `spec` on a thread of its own (so that a
+/// hang fails the test, not hangs it); the receiver gets the dead-letter reasons and the
+/// outcomes once it is through.
+fn pipe_one_on_a_thread(
+    spec: ExternalSinkSpec,
+) -> std::sync::mpsc::Receiver<(Vec<String>, Vec<String>)> {
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut d = TestDriver::new(topology(spec));
+        d.pipe(TestRecord::json(r#"{"id":"a"}"#)).unwrap();
+        let _ = seen_tx.send((reasons(&d), outcomes(&d)));
+    });
+    seen_rx
 }
 
 /// `onceflow_sink_effects_total` summed per `result` label.
