@@ -17,7 +17,9 @@
 //!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported. Each side
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
-//!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record.
+//!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record. With
+//!    `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process; `scripts/bench` sets it) also
+//!    the broker's CPU µs per record over each side's run: both share the machine.
 //! 3. Without a broker, over the same N pre-built records, with the sled backend (written
 //!    behind, as `App::run` does) and with the memory backend, committing state every
 //!    10,000 records (plus an fsync for sled), decisions/s:
@@ -230,12 +232,24 @@ struct ChildRun {
     peak_rss: u64,
     /// User + system CPU time, seconds.
     cpu_seconds: f64,
+    /// The broker's user + system CPU time over the child's run, seconds, when
+    /// `ONCEFLOW_BENCH_BROKER_PID` names a local broker process.
+    broker_cpu_seconds: Option<f64>,
 }
 
 impl ChildRun {
     fn usage(&self) -> String {
+        let broker = self
+            .broker_cpu_seconds
+            .map(|b| {
+                format!(
+                    " broker_cpu_seconds={b:.2} broker_cpu_us_per_record={:.2}",
+                    b * 1e6 / self.records.max(1) as f64
+                )
+            })
+            .unwrap_or_default();
         format!(
-            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}",
+            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}{broker}",
             self.peak_rss as f64 / (1024.0 * 1024.0),
             self.cpu_seconds,
             self.cpu_seconds * 1e6 / self.records.max(1) as f64
@@ -243,11 +257,28 @@ impl ChildRun {
     }
 }
 
+/// The CPU time (user + system, seconds) the local broker process has used so far, when
+/// `ONCEFLOW_BENCH_BROKER_PID` names it (`scripts/bench` sets it): on a machine shared with
+/// the broker, its cost per record is part of each side's.
+fn broker_cpu_seconds() -> Option<f64> {
+    let pid = std::env::var("ONCEFLOW_BENCH_BROKER_PID").ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).ok()?;
+    // Fields after the command name (which may hold spaces, closed by the last ')'):
+    // utime and stime are the 14th and 15th fields of the line, in clock ticks.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
+}
+
 /// Run one side of a round in a child process (this program with [`CHILD_ENV`] set), so
 /// that its peak RSS and CPU time are its own. `args`: `passthrough INPUT OUTPUT GROUP N` or
 /// `onceflow INPUT OUTPUT APP_ID`.
 fn run_child(args: &[&str]) -> Res<ChildRun> {
     use std::io::Read;
+    let broker_before = broker_cpu_seconds();
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .env(CHILD_ENV, args.join(" "))
         .stdout(std::process::Stdio::piped())
@@ -301,6 +332,7 @@ fn run_child(args: &[&str]) -> Res<ChildRun> {
             Err(_) => usage.ru_maxrss as u64 * 1024,
         },
         cpu_seconds: tv(usage.ru_utime) + tv(usage.ru_stime),
+        broker_cpu_seconds: broker_before.zip(broker_cpu_seconds()).map(|(a, b)| b - a),
     })
 }
 
@@ -516,6 +548,23 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("{cb:.2}"),
         list(&r.onceflow_usage, &us)
     );
+    let broker_us =
+        |c: &ChildRun| c.broker_cpu_seconds.unwrap_or(f64::NAN) * 1e6 / c.records.max(1) as f64;
+    if r.passthrough_usage
+        .iter()
+        .chain(&r.onceflow_usage)
+        .all(|c| c.broker_cpu_seconds.is_some())
+    {
+        for (side, u) in [("(a)", &r.passthrough_usage), ("(b)", &r.onceflow_usage)] {
+            let v: Vec<f64> = u.iter().map(broker_us).collect();
+            println!(
+                "{:<44} {:>14}  [{}]",
+                format!("{side} broker CPU us/record"),
+                format!("{:.2}", median(&v)),
+                list(u, &broker_us)
+            );
+        }
+    }
     println!(
         "{:<44} {:>14}  [{}]",
         "dedup stage alone, sled, decisions/s",
