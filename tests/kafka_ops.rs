@@ -499,3 +499,34 @@ fn a_missing_table_topic_is_exit_2_before_any_topic_is_created() {
     }
     admin.delete_topics(&[&names.input]).unwrap();
 }
+
+/// Expected: a table fed by the app itself (the table's topic is also the topic one of its
+/// own sinks writes; `check_topic_roles` allows it: only the source, the dead-letter topic
+/// and internal topics are refused or warned about) starts on a fresh cluster as it did
+/// before the table check: `prepare_topics` creates the missing sink topic, and the table
+/// loads it (empty) right after. The table check should skip a table topic that start-up
+/// is about to create, or run after the sink topics are created.
+///
+/// Actual: the new check in `prepare_topics` runs before any topic is created, finds the
+/// table's topic (the app's own output) missing and stops start-up with exit 2 ("table
+/// topic ... does not exist"): the topology can never start until someone creates its
+/// output topic by hand.
+#[test]
+fn a_table_fed_by_the_apps_own_sink_starts_on_a_fresh_cluster() {
+    let names = names_without_topics(
+        "name: self-fed-table\nsource: { topic: \"{input}\", format: json }\ntables:\n  - { name: latest, topic: \"{output}\", format: json }\nstages:\n  - enrich: { table: latest, key: { json_pointer: /id }, into: /previous }\n  - sink: { topic: \"{output}\" }\n",
+    );
+    create_topics(&[&names.input], 2);
+    let run = start(&names, &[], &[], &["--stop-at-end"]);
+    let log = run.stderr.clone();
+    let (st, _) = run.wait(Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(500));
+    let log = log.lock().unwrap();
+    assert!(
+        !log.contains("does not exist"),
+        "start-up refused the app's own sink topic as a missing table topic: {log}"
+    );
+    assert!(st.success(), "exit {:?}: {log}", st.code());
+    let admin = admin();
+    let _ = admin.delete_topics(&[&names.input, &names.output, &names.dlq]);
+}

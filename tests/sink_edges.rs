@@ -969,6 +969,60 @@ fn pipe_one_on_a_thread(
     seen_rx
 }
 
+/// Expected: a reply `query_canceled` (57014) is taken to mean "it did not take place"
+/// only when that is so. A sink statement `CALL proc($1)` of a procedure that commits its
+/// own work (PL/pgSQL `COMMIT`, allowed for a top-level `CALL`, which is what the sink
+/// sends without an inbox) and then goes on past the sink's `timeout` has committed when
+/// the cancel ends it: it must not be sent again (one row), and its verdict is `unknown`
+/// (or done), never `failed` (README: "a statement the server or client ... `query_canceled`
+/// means it did not take place"; `EffectError`: failed = "it did not take place").
+///
+/// Actual: the cancel's 57014 reply is `PgTry::Cancelled` ("did not take place",
+/// retriable), so `Effector::pg` sends the CALL again and again within `store_retry_for`;
+/// every try commits its row, and the record is finally dead-lettered as failed ("it was
+/// cancelled and did not take place") with several rows written.
+#[test]
+fn a_cancelled_call_whose_procedure_committed_is_not_run_again() {
+    let Some(url) = postgres_url() else { return };
+    let table = format!("proccommit_{}", tag());
+    pg_exec(
+        &url,
+        &format!(
+            "CREATE TABLE {table} (id text);
+             CREATE PROCEDURE {table}_p(v text) LANGUAGE plpgsql AS $p$
+             BEGIN
+               INSERT INTO {table} (id) VALUES (v);
+               COMMIT;
+               PERFORM pg_sleep(2);
+             END $p$;"
+        ),
+    );
+    let mut spec = pg_spec(
+        &url,
+        &format!("CALL {table}_p($1)"),
+        &["{value./id}"],
+        StoreSpec::None,
+    );
+    if let EffectSpec::Postgres(p) = &mut spec.effect {
+        p.timeout = Duration::from_millis(500);
+    }
+    spec.policy.store_retry_for = Duration::from_secs(3);
+    let (reasons, outcomes) = pipe_one_on_a_thread(spec)
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the run hung");
+    std::thread::sleep(Duration::from_secs(1));
+    let rows = pg_count(&url, &table);
+    assert_eq!(
+        rows, 1,
+        "a CALL that committed was sent again after its cancel's 57014: {rows} rows; \
+         dead-letter reasons {reasons:?}, outcomes {outcomes:?}"
+    );
+    assert!(
+        outcomes == ["unprotected"] || (reasons.len() == 1 && reasons[0].contains("unknown")),
+        "a committed CALL reported as failed: reasons {reasons:?}, outcomes {outcomes:?}"
+    );
+}
+
 /// `onceflow_sink_effects_total` summed per `result` label.
 fn effects_counted(
     snapshotter: &metrics_util::debugging::Snapshotter,
