@@ -242,9 +242,11 @@ impl App {
                 self.config.bootstrap_servers
             ))
         })?;
-        // Tables are read, never created: a missing one stops start-up before anything is.
+        // Tables are read, never created: a missing one stops start-up before anything is
+        // (unless one of the app's own sinks writes it: it is created below).
+        let sink_topics = self.topology.sink_topics();
         for spec in self.topology.tables() {
-            if admin.partition_count(&spec.topic)?.is_none() {
+            if !sink_topics.contains(&spec.topic) && admin.partition_count(&spec.topic)?.is_none() {
                 return Err(crate::runtime::table::missing_table_topic(
                     spec,
                     &self.config,

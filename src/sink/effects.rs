@@ -527,7 +527,13 @@ impl Effector {
                         tokio::pin!(once);
                         match tokio::time::timeout(*timeout, &mut once).await {
                             Ok(r) => (r.map_err(PgTry::Failed), true),
-                            Err(_) => (settle_cancelled(cancel, once, *timeout).await, false),
+                            Err(_) => {
+                                // One transaction with the inbox; alone, a statement is one
+                                // unless it is a CALL or DO, which may commit inside.
+                                let atomic = inbox.is_some() || !may_commit_inside(sql);
+                                let settled = settle_cancelled(cancel, once, *timeout, atomic);
+                                (settled.await, false)
+                            }
                         }
                     };
                     // After a cancel the connection goes: a cancel that arrives late would
@@ -602,17 +608,47 @@ enum PgTry {
     Cancelled(String),
 }
 
+/// Whether `sql` may commit part of its work before it ends: a top-level `CALL` of a
+/// procedure, or a `DO` block, may run `COMMIT` inside (PostgreSQL 11+). Any other single
+/// statement commits whole or not at all. Read from the first keyword, after whitespace
+/// and comments.
+fn may_commit_inside(sql: &str) -> bool {
+    let mut rest = sql;
+    loop {
+        rest = rest.trim_start();
+        if let Some(r) = rest.strip_prefix("--") {
+            rest = r.split_once('\n').map_or("", |(_, after)| after);
+        } else if let Some(r) = rest.strip_prefix("/*") {
+            // Unclosed: the server refuses the statement; assume the worst meanwhile.
+            let Some((_, after)) = r.split_once("*/") else {
+                return true;
+            };
+            rest = after;
+        } else {
+            break;
+        }
+    }
+    let word: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphabetic())
+        .collect();
+    word.eq_ignore_ascii_case("call") || word.eq_ignore_ascii_case("do")
+}
+
 /// A statement past the sink's `timeout`: ask the server to end it (its transaction rolls
 /// back unless its COMMIT already ran), then read its reply, both within `timeout` again.
 /// The reply tells what happened: done (it finished before the cancel took effect),
-/// [`PgTry::Cancelled`] (it did not take place), another error; no reply leaves the
-/// outcome unknown ([`PgTry::TimedOut`]).
+/// [`PgTry::Cancelled`] (it did not take place: only for an `atomic` statement, one that
+/// commits whole or not at all), another error; no reply, or `query_canceled` for a
+/// statement that may have committed part of its work, leaves the outcome unknown
+/// ([`PgTry::TimedOut`]).
 async fn settle_cancelled(
     cancel: tokio_postgres::CancelToken,
     once: std::pin::Pin<
         &mut impl std::future::Future<Output = Result<EffectOutcome, tokio_postgres::Error>>,
     >,
     timeout: Duration,
+    atomic: bool,
 ) -> Result<EffectOutcome, PgTry> {
     let reply = async {
         let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
@@ -621,9 +657,15 @@ async fn settle_cancelled(
     match tokio::time::timeout(timeout, reply).await {
         Ok(Ok(o)) => Ok(o),
         Ok(Err(e)) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => {
-            Err(PgTry::Cancelled(format!(
-                "the statement took longer than the sink's timeout ({timeout:?}): it was cancelled and did not take place"
-            )))
+            if atomic {
+                Err(PgTry::Cancelled(format!(
+                    "the statement took longer than the sink's timeout ({timeout:?}): it was cancelled and did not take place"
+                )))
+            } else {
+                Err(PgTry::TimedOut(format!(
+                    "the statement took longer than the sink's timeout ({timeout:?}) and was cancelled, but a CALL or DO may have committed part of its work before"
+                )))
+            }
         }
         Ok(Err(e)) => Err(PgTry::Failed(e)),
         Err(_) => Err(PgTry::TimedOut(format!(
@@ -978,6 +1020,30 @@ async fn pg_once(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_call_and_do_may_commit_inside() {
+        use super::may_commit_inside;
+        for sql in [
+            "CALL p($1)",
+            "  call p($1)",
+            "-- note\nCALL p($1)",
+            "/* a */ /* b */ Do $$ BEGIN COMMIT; END $$",
+            "/* unclosed CALL",
+        ] {
+            assert!(may_commit_inside(sql), "{sql:?}");
+        }
+        for sql in [
+            "INSERT INTO t VALUES ($1)",
+            "WITH x AS (DELETE FROM t RETURNING *) SELECT 1",
+            "-- CALL in a comment\nUPDATE t SET a = 1",
+            "SELECT do_it($1)",
+            "CALLS",
+            "",
+        ] {
+            assert!(!may_commit_inside(sql), "{sql:?}");
+        }
+    }
+
     use super::redis_command_is_idempotent as idem;
 
     fn args(a: &[&str]) -> Vec<Vec<u8>> {

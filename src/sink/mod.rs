@@ -135,7 +135,8 @@ pub struct PostgresSpec {
     /// table on first use, and for the cancel and its reply). Past it the statement is
     /// cancelled and the connection dropped. A reply `query_canceled` (57014) means it did
     /// not take place: retried within `idempotency.store_retry_for`, then dead-lettered as
-    /// failed. With no reply it is as after a lost connection: with the `postgres` store
+    /// failed (not for a `CALL` or `DO` without the `postgres` store: it may commit inside,
+    /// so that reply counts as none). With no reply it is as after a lost connection: with the `postgres` store
     /// the try is retried within `store_retry_for` (its inbox row tells whether it
     /// committed; when the time runs out first, the record is dead-lettered as `unknown`);
     /// without, its outcome is unknown and the record is dead-lettered. A try that timed
