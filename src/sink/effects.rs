@@ -549,8 +549,8 @@ impl Effector {
                 Ok(o) => return Ok(o),
                 Err(e) => {
                     // `lost`: no reply to go by (retriable); `maybe_ran`: it may have
-                    // committed (sent, and then the connection failed or the try timed
-                    // out with no reply to its cancel).
+                    // committed (sent, and then the connection failed, or the try timed
+                    // out with no reply to its cancel that tells).
                     let (lost, maybe_ran, text, code) = match &e {
                         PgTry::Failed(e) => {
                             let lost = !sent || connection_lost(e);
