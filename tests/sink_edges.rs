@@ -1022,23 +1022,3 @@ fn a_cancelled_call_whose_procedure_committed_is_not_run_again() {
         "a committed CALL reported as failed: reasons {reasons:?}, outcomes {outcomes:?}"
     );
 }
-
-/// `onceflow_sink_effects_total` summed per `result` label.
-fn effects_counted(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> std::collections::BTreeMap<String, u64> {
-    use metrics_util::debugging::DebugValue;
-    let mut counted = std::collections::BTreeMap::new();
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
-            let result = key
-                .key()
-                .labels()
-                .find(|l| l.key() == "result")
-                .map(|l| l.value().to_string())
-                .unwrap_or_default();
-            *counted.entry(result).or_insert(0) += n;
-        }
-    }
-    counted
-}

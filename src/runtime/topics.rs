@@ -255,7 +255,7 @@ impl App {
         }
         // Metadata per topic (cheap), then one CreateTopics request for the missing ones.
         let mut missing: Vec<crate::kafka::admin::TopicSpec<'_>> = Vec::new();
-        let mut topics = self.topology.sink_topics();
+        let mut topics = sink_topics;
         topics.push(self.config.dlq_topic.clone());
         for t in topics {
             if admin.partition_count(&t)?.is_none() && !missing.iter().any(|m| m.0 == t) {

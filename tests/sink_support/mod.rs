@@ -372,3 +372,23 @@ pub fn header<'a>(r: &'a onceflow::OutRecord, name: &str) -> Option<&'a [u8]> {
         .find(|(k, _)| k == name)
         .and_then(|(_, v)| v.as_deref())
 }
+
+/// `onceflow_sink_effects_total` summed per `result` label.
+pub fn effects_counted(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> std::collections::BTreeMap<String, u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counted = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if let (DebugValue::Counter(n), "onceflow_sink_effects_total") = (value, key.key().name()) {
+            let result = key
+                .key()
+                .labels()
+                .find(|l| l.key() == "result")
+                .map(|l| l.value().to_string())
+                .unwrap_or_default();
+            *counted.entry(result).or_insert(0) += n;
+        }
+    }
+    counted
+}
