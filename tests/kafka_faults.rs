@@ -428,6 +428,44 @@ fn broker_killed_for(down: Duration) -> impl Fn(&Target) -> Result<(), String> {
     }
 }
 
+/// Freeze the broker (SIGSTOP) mid-run for `frozen`, then resume it. Its listener still
+/// accepts connections and nothing answers, so no client reports a broker down: `/ready`
+/// must say not-ready from the stalled requests alone (kafka::link, within its 15 s stall
+/// time and a statistics interval), and ready again once the broker answers.
+fn broker_frozen_for(frozen: Duration) -> impl Fn(&Target) -> Result<(), String> {
+    move |t: &Target| {
+        let before = t.ready();
+        if before != Some(200) {
+            return Err(format!("/ready before the broker froze: {before:?}"));
+        }
+        t.broker.signal(libc::SIGSTOP);
+        let thaw_at = Instant::now() + frozen;
+        let mut answers = Vec::new();
+        while Instant::now() < thaw_at {
+            answers.push(t.ready());
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        t.broker.signal(libc::SIGCONT);
+        if !answers.contains(&Some(503)) {
+            return Err(format!(
+                "/ready never said not-ready while the broker was frozen: {answers:?}"
+            ));
+        }
+        let deadline = Instant::now() + T;
+        loop {
+            match t.ready() {
+                Some(200) => return Ok(()),
+                None if t.log.lock().unwrap().contains("a broker answers again") => return Ok(()),
+                None => return Err("the process went away after the freeze".into()),
+                _ if Instant::now() > deadline => {
+                    return Err("/ready did not come back after the freeze".into())
+                }
+                _ => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+}
+
 #[test]
 fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under_eos() {
     let broker = ProxiedBroker::start(base_port() + 10);
@@ -445,6 +483,12 @@ fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under
             "broker SIGKILLed, back after 5 s",
             "exactly_once_v2",
             broker_killed_for(Duration::from_secs(5)),
+        )
+        .stays_up(),
+        Scenario::on_target(
+            "broker frozen (SIGSTOP) for 22 s",
+            "at_least_once",
+            broker_frozen_for(Duration::from_secs(22)),
         )
         .stays_up(),
         Scenario::on_target(

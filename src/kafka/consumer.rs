@@ -67,6 +67,12 @@ impl ClientContext for SourceContext {
         super::link::note_error(&error);
         tracing::error!(%error, reason, "librdkafka error");
     }
+
+    /// Statistics (every `statistics.interval.ms`) feed the stall check of
+    /// [`super::link`]; they are not parsed further.
+    fn stats_raw(&self, statistics: &[u8]) {
+        super::link::note_stats(statistics);
+    }
 }
 
 /// Carry out an assignment: incremental under the cooperative protocol, whole otherwise.
@@ -175,6 +181,8 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
         ("isolation.level", "read_committed"),
         ("partition.assignment.strategy", "cooperative-sticky"),
         ("queued.max.messages.kbytes", SOURCE_PREFETCH_KIB),
+        // For `/ready`: a cluster whose brokers stop answering (see kafka::link).
+        ("statistics.interval.ms", super::link::STATS_INTERVAL_MS),
         (
             "enable.partition.eof",
             if partition_eof { "true" } else { "false" },

@@ -799,7 +799,7 @@ fn run_loop(
         if let Some(s) = &e.status {
             s.beat();
         }
-        if !crate::kafka::link::reachable() && last_probe.elapsed() >= LINK_PROBE_EVERY {
+        if crate::kafka::link::is_down() && last_probe.elapsed() >= LINK_PROBE_EVERY {
             // Nothing reports the way back from "every broker down": ask (kafka::link).
             last_probe = Instant::now();
             let md = consumer

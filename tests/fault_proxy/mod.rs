@@ -443,12 +443,25 @@ impl ProxiedBroker {
         format!("127.0.0.1:{}", self.proxy.port())
     }
 
+    /// The broker's process id (from `scripts/kafka`'s pid file).
+    pub fn pid(&self) -> i32 {
+        let pid = std::fs::read_to_string(self.data.path().join("kafka.pid"))
+            .expect("the broker's pid file");
+        pid.trim().parse().expect("a pid")
+    }
+
+    /// Send `signal` to the broker (SIGSTOP freezes it: its listener still accepts
+    /// connections, nothing answers; SIGCONT resumes it).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on the broker this test started.
+        let r = unsafe { libc::kill(self.pid(), signal) };
+        assert_eq!(r, 0, "signal {signal} to the broker");
+    }
+
     /// SIGKILL the broker (no controlled shutdown); [`ProxiedBroker::kafka`]`(&["start"])`
     /// starts it again on the same data.
     pub fn kill(&self) {
-        let pid = std::fs::read_to_string(self.data.path().join("kafka.pid"))
-            .expect("the broker's pid file");
-        let pid: i32 = pid.trim().parse().expect("a pid");
+        let pid = self.pid();
         // SAFETY: kill(2) on the broker this test started.
         unsafe {
             libc::kill(pid, libc::SIGKILL);
