@@ -485,12 +485,18 @@ fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under
             broker_killed_for(Duration::from_secs(5)),
         )
         .stays_up(),
+        // Not `stays_up`: in about one run in six here, after the thaw librdkafka's
+        // producer no longer sends the records of the partitions whose metadata showed no
+        // leader for a moment ("new leader-1"), and the commit waits for them until their
+        // delivery times out (`message.timeout.ms`, 300 s by default, 40 s here); the
+        // instance then stops with the delivery error and the restart resumes from the
+        // last commit.
         Scenario::on_target(
             "broker frozen (SIGSTOP) for 22 s",
             "at_least_once",
             broker_frozen_for(Duration::from_secs(22)),
         )
-        .stays_up(),
+        .set("kafka.producer.message.timeout.ms", "40000"),
         Scenario::on_target(
             "broker SIGKILLed, back after 60 s",
             "at_least_once",

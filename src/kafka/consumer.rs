@@ -71,7 +71,7 @@ impl ClientContext for SourceContext {
     /// Statistics (every `statistics.interval.ms`) feed the stall check of
     /// [`super::link`]; they are not parsed further.
     fn stats_raw(&self, statistics: &[u8]) {
-        super::link::note_stats(statistics);
+        super::link::note_stats(super::link::Client::Source, statistics);
     }
 }
 

@@ -9,23 +9,27 @@
 //! - Connections up but nothing answers (a broker frozen, e.g. stopped by SIGSTOP or
 //!   stuck, or a network that drops replies): its TCP listener still accepts, so no
 //!   connection fails and nothing is reported for up to `socket.timeout.ms`, and again
-//!   after each reconnect. The source consumer's librdkafka statistics (every
-//!   [`STATS_INTERVAL_MS`], passed to [`note_stats`]) show it: requests wait for a reply
-//!   ([`StatsView::waiting`]) while no broker has sent anything for [`STALL_AFTER`].
-//!   A source consumer in a group always has a request out (a fetch, which a live broker
-//!   answers within `fetch.wait.max.ms`, or a heartbeat every few seconds), so a live
-//!   cluster never goes that long without a reply; a rebalance that keeps a member with
-//!   no partitions waiting in JoinGroup longer than that shows it not ready meanwhile.
+//!   after each reconnect. The librdkafka statistics of the source consumer and of the
+//!   output producer (every [`STATS_INTERVAL_MS`], passed to [`note_stats`]) show it:
+//!   in two reports in a row, a client has requests waiting for a reply
+//!   ([`StatsView::waiting`]) while none of its brokers has sent anything for
+//!   [`STALL_AFTER`]. A live broker never keeps a client
+//!   waiting that long: a fetch waits at most `fetch.wait.max.ms`, a heartbeat or a
+//!   produce is answered at once. The producer's statistics are served by its own
+//!   thread, so they tell even while the run loop waits on the stalled cluster (for a
+//!   commit's acknowledgements); the consumer's are served by the run loop's polls, so
+//!   they tell when the loop is idle. A rebalance that keeps a member with no partitions
+//!   waiting in JoinGroup longer than that shows it not ready meanwhile.
 //!
 //! The state is per process (every client of it talks to the same cluster).
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
-/// How often the source consumer emits librdkafka statistics for [`note_stats`]:
-/// `statistics.interval.ms` (a user's `kafka.consumer.statistics.interval.ms` wins; `0`
-/// turns the stall check off).
+/// How often the source consumer and the output producer emit librdkafka statistics for
+/// [`note_stats`]: `statistics.interval.ms` (a user's `kafka.consumer.*` or
+/// `kafka.producer.*` setting wins; `0` turns that client's stall check off).
 pub(crate) const STATS_INTERVAL_MS: &str = "1000";
 
 /// How long no broker may send anything while requests wait for a reply before the
@@ -74,24 +78,30 @@ impl StatsView {
     }
 }
 
+/// A client whose statistics [`note_stats`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Client {
+    /// The source consumer.
+    Source = 0,
+    /// The output producer.
+    Output = 1,
+}
+
 /// The reachability state (one per process: [`LINK`]).
 pub(crate) struct Link {
     down: AtomicBool,
     /// How many times every broker went unreachable since the process started.
     outages: AtomicU64,
-    /// From the last statistics report: whether requests were waiting.
-    stats_waiting: AtomicBool,
-    /// From the last statistics report: when (ms on [`Link::clock`]) some broker last sent
-    /// something; `i64::MIN` when unknown.
-    last_rx_ms: AtomicI64,
-    /// Whether the last look found the cluster stalled (to log the changes once).
-    stalled: AtomicBool,
-}
-
-/// Milliseconds since the first call in this process: the clock of [`Link`]'s times.
-fn clock_ms() -> i64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as i64
+    /// Per [`Client`]: whether its last statistics report showed requests waiting and no
+    /// receive for [`STALL_AFTER`].
+    silent: [AtomicBool; 2],
+    /// Per [`Client`]: whether its last two reports did (stalled). One report is not
+    /// enough: a client silent for a long while because it asked nothing (a producer
+    /// without records) shows the same in a report taken while its next request waits for
+    /// its answer.
+    stalled: [AtomicBool; 2],
+    /// Whether the last look found some client stalled (to log the changes once).
+    reported: AtomicBool,
 }
 
 /// This process's link to the cluster.
@@ -103,32 +113,26 @@ impl Link {
         Link {
             down: AtomicBool::new(false),
             outages: AtomicU64::new(0),
-            stats_waiting: AtomicBool::new(false),
-            last_rx_ms: AtomicI64::new(i64::MIN),
-            stalled: AtomicBool::new(false),
+            silent: [AtomicBool::new(false), AtomicBool::new(false)],
+            stalled: [AtomicBool::new(false), AtomicBool::new(false)],
+            reported: AtomicBool::new(false),
         }
     }
 
-    /// As [`note_stats`], the report read at `now_ms` (on the [`clock_ms`] clock).
-    pub(crate) fn note_stats_at(&self, view: StatsView, now_ms: i64) {
-        let last = view.rx_idle_us.map_or(i64::MIN, |us| now_ms - us / 1000);
-        self.last_rx_ms.store(last, Ordering::SeqCst);
-        self.stats_waiting.store(view.waiting, Ordering::SeqCst);
-        self.stalled_at(now_ms);
-    }
-
-    /// Whether, at `now_ms`, requests wait while no broker has sent anything for
-    /// [`STALL_AFTER`] (as of the last statistics report, aged to `now_ms`: a run loop
-    /// blocked on the stalled cluster serves no further report). Logs the changes.
-    pub(crate) fn stalled_at(&self, now_ms: i64) -> bool {
-        let last = self.last_rx_ms.load(Ordering::SeqCst);
-        let stalled = self.stats_waiting.load(Ordering::SeqCst)
-            && last != i64::MIN
-            && now_ms.saturating_sub(last) >= STALL_AFTER.as_millis() as i64;
-        if stalled != self.stalled.swap(stalled, Ordering::SeqCst) {
-            if stalled {
+    /// As [`note_stats`], from the report read.
+    pub(crate) fn note_stats_view(&self, client: Client, view: StatsView) {
+        let silent = view.waiting
+            && view
+                .rx_idle_us
+                .is_some_and(|us| us >= STALL_AFTER.as_micros() as i64);
+        let before = self.silent[client as usize].swap(silent, Ordering::SeqCst);
+        self.stalled[client as usize].store(silent && before, Ordering::SeqCst);
+        let any = self.stalled();
+        if any != self.reported.swap(any, Ordering::SeqCst) {
+            if any {
                 tracing::warn!(
-                    silent_ms = now_ms.saturating_sub(last),
+                    client = ?client,
+                    silent_ms = view.rx_idle_us.unwrap_or_default() / 1000,
                     "requests are waiting and no broker has answered for {} s: not ready until one does",
                     STALL_AFTER.as_secs()
                 );
@@ -136,7 +140,11 @@ impl Link {
                 tracing::info!("a broker answers again: ready once the partitions are");
             }
         }
-        stalled
+    }
+
+    /// Whether some client's last statistics report showed it stalled.
+    pub(crate) fn stalled(&self) -> bool {
+        self.stalled.iter().any(|s| s.load(Ordering::SeqCst))
     }
 
     /// As [`note_error`].
@@ -158,7 +166,7 @@ impl Link {
 
     /// As [`reachable`].
     pub(crate) fn reachable(&self) -> bool {
-        !self.is_down() && !self.stalled_at(clock_ms())
+        !self.is_down() && !self.stalled()
     }
 
     /// As [`is_down`].
@@ -197,18 +205,17 @@ pub(crate) fn note_up() {
     LINK.note_up();
 }
 
-/// A statistics report of the source consumer (librdkafka's JSON, every
-/// [`STATS_INTERVAL_MS`]): the stall check's input. A report that does not parse is
-/// ignored.
-pub(crate) fn note_stats(json: &[u8]) {
+/// A statistics report of `client` (librdkafka's JSON, every [`STATS_INTERVAL_MS`]): the
+/// stall check's input. A report that does not parse is ignored.
+pub(crate) fn note_stats(client: Client, json: &[u8]) {
     if let Some(view) = StatsView::parse(json) {
-        LINK.note_stats_at(view, clock_ms());
+        LINK.note_stats_view(client, view);
     }
 }
 
 /// Whether the cluster is reachable: no client has reported every broker down since a
-/// broker last answered, and the source consumer's requests are not stalled (see the
-/// module doc).
+/// broker last answered, and neither the source consumer's nor the output producer's
+/// requests are stalled (see the module doc).
 pub(crate) fn reachable() -> bool {
     LINK.reachable()
 }
@@ -271,6 +278,7 @@ mod tests {
     fn this_librdkafkas_statistics_report_parses() {
         use rdkafka::consumer::{BaseConsumer, Consumer};
         use std::sync::Mutex;
+        use std::time::Instant;
         struct Keep(Mutex<Option<Vec<u8>>>);
         impl rdkafka::ClientContext for Keep {
             fn stats_raw(&self, statistics: &[u8]) {
@@ -300,55 +308,53 @@ mod tests {
         assert!(text.contains("\"127.0.0.1:1/bootstrap\""), "{text}");
     }
 
-    /// A broker that accepts connections but answers nothing (frozen): requests wait and
-    /// nothing arrives for STALL_AFTER, then the cluster is unreachable until a reply.
+    /// A broker that accepts connections but answers nothing (frozen): a client's requests
+    /// wait and nothing arrives for STALL_AFTER, then the cluster is unreachable until a
+    /// reply; either client's report tells.
     #[test]
     fn waiting_requests_without_a_reply_for_the_stall_time_make_the_cluster_unreachable() {
         let link = Link::new();
-        let stall = STALL_AFTER.as_millis() as i64;
-        let at = 1_000_000;
-        // Answered 200 ms ago, a fetch out: live.
-        link.note_stats_at(
-            StatsView {
-                waiting: true,
-                rx_idle_us: Some(200_000),
-            },
-            at,
-        );
-        assert!(!link.stalled_at(at + 1_000));
-        // The last report ages: the loop that would serve the next one may be blocked.
-        assert!(link.stalled_at(at - 200 + stall));
-        // Silent but nothing asked (an idle client): not a stall.
-        link.note_stats_at(
-            StatsView {
-                waiting: false,
-                rx_idle_us: Some(stall * 2_000),
-            },
-            at,
-        );
-        assert!(!link.stalled_at(at));
-        // Asked and silent for longer than the stall time.
-        link.note_stats_at(
-            StatsView {
-                waiting: true,
-                rx_idle_us: Some(stall * 1_000 + 1_000),
-            },
-            at,
-        );
-        assert!(link.stalled_at(at));
+        let stall_us = STALL_AFTER.as_micros() as i64;
+        let view = |waiting, idle_us| StatsView {
+            waiting,
+            rx_idle_us: Some(idle_us),
+        };
+        // A reply 200 ms ago, a fetch out: live.
+        link.note_stats_view(Client::Source, view(true, 200_000));
+        assert!(link.reachable());
+        // Silent but nothing asked (an idle producer): not a stall.
+        link.note_stats_view(Client::Output, view(false, stall_us * 2));
+        assert!(link.reachable());
+        // Asked and silent just short of the stall time: still live.
+        link.note_stats_view(Client::Output, view(true, stall_us - 1));
+        assert!(link.reachable());
+        // One report with a request out after a long silence: the request may be a second
+        // old (a producer that had nothing to send); not yet.
+        link.note_stats_view(Client::Output, view(true, stall_us));
+        assert!(link.reachable());
+        // The next report still without a reply: stalled (the run loop, waiting for the
+        // acknowledgements, serves no consumer report meanwhile).
+        link.note_stats_view(Client::Output, view(true, stall_us + 1_000_000));
+        assert!(!link.reachable());
         assert!(
             !link.is_down(),
             "a stall is not an outage of every connection"
         );
-        // A reply: reachable again.
-        link.note_stats_at(
+        // The consumer's report does not clear the producer's stall...
+        link.note_stats_view(Client::Source, view(true, 1_000));
+        assert!(!link.reachable());
+        // ...the producer's next one does, once a reply came.
+        link.note_stats_view(Client::Output, view(true, 5_000));
+        assert!(link.reachable());
+        // A report without any receive yet does not count as silence.
+        link.note_stats_view(
+            Client::Source,
             StatsView {
                 waiting: true,
-                rx_idle_us: Some(5_000),
+                rx_idle_us: None,
             },
-            at + 1_000,
         );
-        assert!(!link.stalled_at(at + 1_000));
+        assert!(link.reachable());
     }
 
     #[test]

@@ -36,6 +36,12 @@ impl ClientContext for DeliveryTracker {
         super::link::note_error(&error);
         tracing::error!(%error, reason, "librdkafka error (producer)");
     }
+
+    /// Statistics (every `statistics.interval.ms`, served by the producer's own polling
+    /// thread) feed the stall check of [`super::link`].
+    fn stats_raw(&self, statistics: &[u8]) {
+        super::link::note_stats(super::link::Client::Output, statistics);
+    }
 }
 
 impl ProducerContext for DeliveryTracker {
@@ -231,6 +237,8 @@ impl OutputProducer {
             ("enable.idempotence", "true"),
             ("linger.ms", "5"),
             ("partitioner", "murmur2_random"),
+            // For `/ready`: a cluster whose brokers stop answering (see kafka::link).
+            ("statistics.interval.ms", super::link::STATS_INTERVAL_MS),
         ];
         if cfg.exactly_once() {
             defaults.push(("transactional.id", txn_id.as_str()));
