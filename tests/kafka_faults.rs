@@ -390,23 +390,27 @@ fn exactly_once_v2_keeps_every_id_once_through_lost_and_late_responses() {
     }
 }
 
-/// SIGKILL the broker mid-run and start it again after `down`. `/ready` answers 200
-/// before, 503 while the broker is away (polled through the outage), and 200 again once
-/// it is back.
-fn broker_killed_for(down: Duration) -> impl Fn(&Target) -> Result<(), String> {
+/// Take the broker away mid-run with `go`, for `away`, then bring it back with `back`.
+/// `/ready` answers 200 before, 503 at some point while the broker is away (polled
+/// through it), and 200 again once it is back.
+fn broker_away_for(
+    away: Duration,
+    go: fn(&ProxiedBroker),
+    back: fn(&ProxiedBroker),
+) -> impl Fn(&Target) -> Result<(), String> {
     move |t: &Target| {
         let before = t.ready();
         if before != Some(200) {
             return Err(format!("/ready before the broker went: {before:?}"));
         }
-        t.broker.kill();
-        let back_at = Instant::now() + down;
+        go(t.broker);
+        let back_at = Instant::now() + away;
         let mut answers = Vec::new();
         while Instant::now() < back_at {
             answers.push(t.ready());
             std::thread::sleep(Duration::from_millis(250));
         }
-        t.broker.kafka(&["start"]);
+        back(t.broker);
         if !answers.contains(&Some(503)) {
             return Err(format!(
                 "/ready never said not-ready while the broker was away: {answers:?}"
@@ -428,42 +432,27 @@ fn broker_killed_for(down: Duration) -> impl Fn(&Target) -> Result<(), String> {
     }
 }
 
-/// Freeze the broker (SIGSTOP) mid-run for `frozen`, then resume it. Its listener still
-/// accepts connections and nothing answers, so no client reports a broker down: `/ready`
-/// must say not-ready from the stalled requests alone (kafka::link, within its 15 s stall
-/// time and a statistics interval), and ready again once the broker answers.
+/// SIGKILL the broker mid-run and start it again after `down` (see [`broker_away_for`]).
+fn broker_killed_for(down: Duration) -> impl Fn(&Target) -> Result<(), String> {
+    broker_away_for(
+        down,
+        |b| b.kill(),
+        |b| {
+            b.kafka(&["start"]);
+        },
+    )
+}
+
+/// Freeze the broker (SIGSTOP) mid-run for `frozen`, then resume it (see
+/// [`broker_away_for`]). Its listener still accepts connections and nothing answers, so
+/// no client reports a broker down: `/ready` must say not-ready from the stalled requests
+/// alone (kafka::link: two statistics reports showing no reply for 15 s).
 fn broker_frozen_for(frozen: Duration) -> impl Fn(&Target) -> Result<(), String> {
-    move |t: &Target| {
-        let before = t.ready();
-        if before != Some(200) {
-            return Err(format!("/ready before the broker froze: {before:?}"));
-        }
-        t.broker.signal(libc::SIGSTOP);
-        let thaw_at = Instant::now() + frozen;
-        let mut answers = Vec::new();
-        while Instant::now() < thaw_at {
-            answers.push(t.ready());
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        t.broker.signal(libc::SIGCONT);
-        if !answers.contains(&Some(503)) {
-            return Err(format!(
-                "/ready never said not-ready while the broker was frozen: {answers:?}"
-            ));
-        }
-        let deadline = Instant::now() + T;
-        loop {
-            match t.ready() {
-                Some(200) => return Ok(()),
-                None if t.log.lock().unwrap().contains("a broker answers again") => return Ok(()),
-                None => return Err("the process went away after the freeze".into()),
-                _ if Instant::now() > deadline => {
-                    return Err("/ready did not come back after the freeze".into())
-                }
-                _ => std::thread::sleep(Duration::from_millis(100)),
-            }
-        }
-    }
+    broker_away_for(
+        frozen,
+        |b| b.signal(libc::SIGSTOP),
+        |b| b.signal(libc::SIGCONT),
+    )
 }
 
 #[test]
