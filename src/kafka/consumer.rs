@@ -141,7 +141,8 @@ impl ConsumerContext for SourceContext {
 /// `auto.offset.reset=earliest`, cooperative incremental rebalancing
 /// (`partition.assignment.strategy=cooperative-sticky`: a rebalance takes away only the
 /// partitions that move, the others keep processing) and static membership
-/// (`group.instance.id`, see [`Config::group_instance_id`]); then the user's `kafka.*` and
+/// (`group.instance.id`, see [`Config::group_instance_id`]), `statistics.interval.ms=1000`
+/// for the stall check of `/ready` (see [`super::link`]); then the user's `kafka.*` and
 /// `kafka.consumer.*`, which win (an empty `group.instance.id` turns static membership
 /// off).
 ///

@@ -224,7 +224,8 @@ pub(crate) struct OutputProducer {
 impl OutputProducer {
     /// Create the producer (`enable.idempotence=true`, `linger.ms=5`,
     /// `partitioner=murmur2_random`: a keyed record goes where the Java client and Kafka
-    /// Streams put its key, a record without a key to a random partition; and under
+    /// Streams put its key, a record without a key to a random partition;
+    /// `statistics.interval.ms=1000` for the stall check of `/ready`; and under
     /// exactly_once_v2 `transactional.id=<application.id>-<instance.id>`; then `kafka.*` and
     /// `kafka.producer.*`). The delivered offsets of records sent by
     /// [`OutputProducer::send_changelog`] are tracked for store checkpoints.
