@@ -679,3 +679,39 @@ fn a_reset_plan_lists_the_offsets_committed_on_the_repartition_topic() {
         .sum();
     assert_eq!(total, 3, "three records routed and committed: {line}");
 }
+
+/// `state seed` writes dedup state only: a table the topology reads whose topic does not
+/// exist yet does not stop it (a run still stops on it, `kafka_ops`).
+#[test]
+fn state_seed_does_not_need_the_table_topics() {
+    const WITH_TABLE: &str = r#"
+name: tools-table
+source: { topic: "{input}", format: json }
+tables:
+  - { name: customers, topic: "{output}-customers", format: json }
+stages:
+  - dedup: { name: seen, key: kafka_key, ttl: 1h }
+  - enrich: { name: join, table: customers, key: { json_pointer: /customer_id }, into: /customer, on_missing: pass }
+  - sink: { topic: "{output}" }
+"#;
+    let names = names_for(WITH_TABLE, 1);
+    let seeds = names.state.path().join("seeds.txt");
+    std::fs::write(&seeds, "s1\ns2\n").unwrap();
+    let (code, stdout, stderr) = tool(
+        &names,
+        &names.state_dir(),
+        &["state", "seed"],
+        &[seeds.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let (code, stdout, stderr) = tool(
+        &names,
+        &names.state.path().join("fresh"),
+        &["state", "get"],
+        &["s1", "--json"],
+    );
+    assert_eq!(
+        code, 0,
+        "the seeded key is in the changelog: {stdout}{stderr}"
+    );
+}

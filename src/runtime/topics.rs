@@ -232,6 +232,19 @@ impl App {
     /// [`Error::Broker`] when a changelog has a configuration that cannot be corrected, or
     /// topics cannot be created.
     pub(crate) fn prepare_topics(&self) -> Result<PreparedTopics> {
+        self.prepare_topics_with(true)
+    }
+
+    /// As [`App::prepare_topics`] for a tool that writes state only (`state seed`): a
+    /// missing table topic is not its concern (a run still stops on it).
+    ///
+    /// # Errors
+    /// As [`App::prepare_topics`], less the missing table topic.
+    pub(crate) fn prepare_topics_for_state(&self) -> Result<PreparedTopics> {
+        self.prepare_topics_with(false)
+    }
+
+    fn prepare_topics_with(&self, check_tables: bool) -> Result<PreparedTopics> {
         self.check_hop()?;
         self.check_topic_roles()?;
         let admin = Admin::new(&self.config)?;
@@ -245,7 +258,7 @@ impl App {
         // Tables are read, never created: a missing one stops start-up before anything is
         // (unless one of the app's own sinks writes it: it is created below).
         let sink_topics = self.topology.sink_topics();
-        for spec in self.topology.tables() {
+        for spec in self.topology.tables().iter().filter(|_| check_tables) {
             if !sink_topics.contains(&spec.topic) && admin.partition_count(&spec.topic)?.is_none() {
                 return Err(crate::runtime::table::missing_table_topic(
                     spec,

@@ -26,7 +26,7 @@ impl StateTools {
     ) -> Result<SeedReport> {
         self.refuse_if_active("seed the state")?;
         let n = crate::runtime::App::new(self.config.clone(), self.topology.clone())
-            .prepare_topics()?
+            .prepare_topics_for_state()?
             .partitions as i32;
         let parts: Vec<i32> = match partitions {
             Some(ps) => {
