@@ -357,6 +357,54 @@ mod tests {
         assert!(link.reachable());
     }
 
+    /// A freeze longer than a request timeout (the producer's `request.timeout.ms`, 30 s;
+    /// the consumer's `socket.timeout.ms`, 60 s): librdkafka tears the connection down as a
+    /// *planned* failure (`rd_kafka_broker_planned_fail`: no `AllBrokersDown`), zeroes the
+    /// broker's `ts_recv` and reconnects; the frozen broker's listener still accepts, so the
+    /// client sits in `APIVERSION_QUERY` with the ApiVersion request waiting and `rxidle`
+    /// -1 ("no receive yet" on this connection), then times that out too and again. The
+    /// broker still answers nothing: the cluster must stay unreachable.
+    #[test]
+    fn a_freeze_past_the_request_timeout_stays_unreachable_after_the_reconnect() {
+        let link = Link::new();
+        let stall_us = STALL_AFTER.as_micros() as i64;
+        let frozen = |idle_us| {
+            report(&[
+                ("127.0.0.1:39292/bootstrap", 0, -1),
+                ("localhost:39292/1", 1, idle_us),
+            ])
+        };
+        link.note_stats_view(Client::Output, StatsView::parse(&frozen(stall_us)).unwrap());
+        link.note_stats_view(
+            Client::Output,
+            StatsView::parse(&frozen(stall_us + 1_000_000)).unwrap(),
+        );
+        assert!(!link.reachable(), "frozen for 16 s");
+        // 30 s in: the produce request timed out, the connection was torn down and made
+        // again to the still frozen broker; the ApiVersion request waits, nothing arrived.
+        let reconnected = report(&[
+            ("127.0.0.1:39292/bootstrap", 0, -1),
+            ("localhost:39292/1", 1, -1),
+        ]);
+        for _ in 0..3 {
+            link.note_stats_view(Client::Output, StatsView::parse(&reconnected).unwrap());
+            assert!(
+                !link.reachable(),
+                "the broker is still frozen (reconnected, nothing received)"
+            );
+        }
+        // Between attempts (reconnect backoff): nothing waits, nothing received.
+        let between = report(&[
+            ("127.0.0.1:39292/bootstrap", 0, -1),
+            ("localhost:39292/1", 0, -1),
+        ]);
+        link.note_stats_view(Client::Output, StatsView::parse(&between).unwrap());
+        assert!(!link.reachable(), "the broker is still frozen (between attempts)");
+        // Thawed: a reply.
+        link.note_stats_view(Client::Output, StatsView::parse(&frozen(3_000)).unwrap());
+        assert!(link.reachable());
+    }
+
     #[test]
     fn all_brokers_down_makes_the_cluster_unreachable_until_one_answers() {
         let link = Link::new();
