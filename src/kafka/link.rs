@@ -13,7 +13,8 @@
 //!   output producer (every [`STATS_INTERVAL_MS`], passed to [`note_stats`]) show it:
 //!   in two reports in a row, a client has requests waiting for a reply
 //!   ([`StatsView::waiting`]) while none of its brokers has sent anything for
-//!   [`STALL_AFTER`]. A live broker never keeps a client
+//!   [`STALL_AFTER`]; it stays stalled until a report shows a receive less than that
+//!   old (a reconnect to the frozen broker, past `socket.timeout.ms`, shows none). A live broker never keeps a client
 //!   waiting that long: a fetch waits at most `fetch.wait.max.ms`, a heartbeat or a
 //!   produce is answered at once. The producer's statistics are served by its own
 //!   thread, so they tell even while the run loop waits on the stalled cluster (for a
@@ -95,10 +96,11 @@ pub(crate) struct Link {
     /// Per [`Client`]: whether its last statistics report showed requests waiting and no
     /// receive for [`STALL_AFTER`].
     silent: [AtomicBool; 2],
-    /// Per [`Client`]: whether its last two reports did (stalled). One report is not
-    /// enough: a client silent for a long while because it asked nothing (a producer
-    /// without records) shows the same in a report taken while its next request waits for
-    /// its answer.
+    /// Per [`Client`]: stalled since two reports in a row were silent, until a report
+    /// shows a receive less than [`STALL_AFTER`] old. One silent report is not enough: a
+    /// client silent for a long while because it asked nothing (a producer without
+    /// records) shows the same in a report taken while its next request waits for its
+    /// answer.
     stalled: [AtomicBool; 2],
     /// Whether the last look found some client stalled (to log the changes once).
     reported: AtomicBool,
@@ -126,7 +128,16 @@ impl Link {
                 .rx_idle_us
                 .is_some_and(|us| us >= STALL_AFTER.as_micros() as i64);
         let before = self.silent[client as usize].swap(silent, Ordering::SeqCst);
-        self.stalled[client as usize].store(silent && before, Ordering::SeqCst);
+        // A stall ends with a receive less than STALL_AFTER old, not with a report that
+        // shows none: past `socket.timeout.ms` librdkafka drops the connection and
+        // connects again to the still frozen broker, whose report then reads "nothing
+        // received yet" (rxidle -1) with only the ApiVersion request waiting.
+        let fresh = view
+            .rx_idle_us
+            .is_some_and(|us| us < STALL_AFTER.as_micros() as i64);
+        let was = self.stalled[client as usize].load(Ordering::SeqCst);
+        let stalled = if was { !fresh } else { silent && before };
+        self.stalled[client as usize].store(stalled, Ordering::SeqCst);
         let any = self.stalled();
         if any != self.reported.swap(any, Ordering::SeqCst) {
             if any {
@@ -399,7 +410,10 @@ mod tests {
             ("localhost:39292/1", 0, -1),
         ]);
         link.note_stats_view(Client::Output, StatsView::parse(&between).unwrap());
-        assert!(!link.reachable(), "the broker is still frozen (between attempts)");
+        assert!(
+            !link.reachable(),
+            "the broker is still frozen (between attempts)"
+        );
         // Thawed: a reply.
         link.note_stats_view(Client::Output, StatsView::parse(&frozen(3_000)).unwrap());
         assert!(link.reachable());
