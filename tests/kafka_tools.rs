@@ -483,6 +483,20 @@ fn output_values(names: &Names) -> Vec<Vec<u8>> {
     got
 }
 
+/// `state seed` of the keys `s1` and `s2` (default first-seen: now) into the default
+/// state dir; it must succeed.
+fn seed_s1_s2(names: &Names) {
+    let seeds = names.state.path().join("seeds.txt");
+    std::fs::write(&seeds, "s1\ns2\n").unwrap();
+    let (code, stdout, stderr) = tool(
+        names,
+        &names.state_dir(),
+        &["state", "seed"],
+        &[seeds.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -505,15 +519,7 @@ fn seeding_keys_does_not_sweep_the_live_entries_of_other_keys() {
     wait_group_empty(&names);
 
     // While it is down, the operator seeds two known ids (default first-seen: now).
-    let seeds = names.state.path().join("seeds.txt");
-    std::fs::write(&seeds, "s1\ns2\n").unwrap();
-    let (code, stdout, stderr) = tool(
-        &names,
-        &names.state_dir(),
-        &["state", "seed"],
-        &[seeds.to_str().unwrap()],
-    );
-    assert_eq!(code, 0, "{stdout}{stderr}");
+    seed_s1_s2(&names);
 
     // Restarted, it reads its backlog: the events right after the ones it had done.
     produce(&names.input, &[(0, b"c", t + 2)]);
@@ -695,15 +701,7 @@ stages:
   - sink: { topic: "{output}" }
 "#;
     let names = names_for(WITH_TABLE, 1);
-    let seeds = names.state.path().join("seeds.txt");
-    std::fs::write(&seeds, "s1\ns2\n").unwrap();
-    let (code, stdout, stderr) = tool(
-        &names,
-        &names.state_dir(),
-        &["state", "seed"],
-        &[seeds.to_str().unwrap()],
-    );
-    assert_eq!(code, 0, "{stdout}{stderr}");
+    seed_s1_s2(&names);
     let (code, stdout, stderr) = tool(
         &names,
         &names.state.path().join("fresh"),
