@@ -153,7 +153,7 @@ impl Link {
         }
     }
 
-    /// Whether some client's last statistics report showed it stalled.
+    /// Whether some client is stalled (see [`Link::note_stats_view`]).
     pub(crate) fn stalled(&self) -> bool {
         self.stalled.iter().any(|s| s.load(Ordering::SeqCst))
     }
