@@ -40,6 +40,8 @@ impl RebalanceEvent {}
 pub(crate) struct SourceContext {
     events: mpsc::Sender<RebalanceEvent>,
     deferred: AtomicBool,
+    /// This consumer's place in the stall check of [`super::link`].
+    link: super::link::Registration,
 }
 
 /// The consumer type of the runtime.
@@ -71,7 +73,7 @@ impl ClientContext for SourceContext {
     /// Statistics (every `statistics.interval.ms`) feed the stall check of
     /// [`super::link`]; they are not parsed further.
     fn stats_raw(&self, statistics: &[u8]) {
-        super::link::note_stats(super::link::Client::Source, statistics);
+        super::link::note_stats(&self.link, statistics);
     }
 }
 
@@ -159,6 +161,7 @@ pub(crate) fn create(
     let ctx = SourceContext {
         events,
         deferred: AtomicBool::new(false),
+        link: super::link::register(super::link::Client::Source),
     };
     source_config(cfg, partition_eof)
         .create_with_context(ctx)

@@ -13,8 +13,12 @@
 //!   output producer (every [`STATS_INTERVAL_MS`], passed to [`note_stats`]) show it:
 //!   in two reports in a row, a client has requests waiting for a reply
 //!   ([`StatsView::waiting`]) while none of its brokers has sent anything for
-//!   [`STALL_AFTER`]; it stays stalled until a report shows a receive less than that
-//!   old (a reconnect to the frozen broker, past `socket.timeout.ms`, shows none). A live broker never keeps a client
+//!   [`STALL_AFTER`] (or, when it has heard nothing on its current connections, while it
+//!   is that old); it stays stalled until a report shows a receive less than that old (a
+//!   reconnect to the frozen broker, past `socket.timeout.ms`, shows none). Only the
+//!   newest live client of each kind counts: a transactional producer re-created while
+//!   the cluster is away reports beside the old one until that goes, and their reports
+//!   must not take turns in one verdict. A live broker never keeps a client
 //!   waiting that long: a fetch waits at most `fetch.wait.max.ms`, a heartbeat or a
 //!   produce is answered at once. The producer's statistics are served by its own
 //!   thread, so they tell even while the run loop waits on the stalled cluster (for a
@@ -42,7 +46,8 @@ pub(crate) const STALL_AFTER: Duration = Duration::from_secs(15);
 /// What [`note_stats`] reads from one librdkafka statistics report (see librdkafka's
 /// STATISTICS.md): over the client's brokers, whether any has requests awaiting a reply
 /// (`waitresp_cnt`), and the least time since any of them last sent something
-/// (`rxidle`, µs; a broker that never sent anything is left out).
+/// (`rxidle`, µs; a broker that sent nothing on its current connection is left out); and
+/// the client's age (`age`, µs since it was created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StatsView {
     /// Some broker has requests awaiting a reply.
@@ -50,6 +55,18 @@ pub(crate) struct StatsView {
     /// Microseconds since the last receive from any broker; `None` when none has sent
     /// anything yet.
     pub(crate) rx_idle_us: Option<i64>,
+    /// Microseconds since the client was created.
+    pub(crate) age_us: i64,
+}
+
+impl StatsView {
+    /// How long the client has heard nothing, in µs: since the last receive from any
+    /// broker, or, with none on its current connections, since it was created (a client
+    /// that never reached a broker, or reconnected to one that does not answer, has
+    /// heard nothing for at least that long as far as its connections tell).
+    fn unheard_us(&self) -> i64 {
+        self.rx_idle_us.unwrap_or(self.age_us)
+    }
 }
 
 impl StatsView {
@@ -57,6 +74,7 @@ impl StatsView {
     pub(crate) fn parse(json: &[u8]) -> Option<StatsView> {
         #[derive(serde::Deserialize)]
         struct Report {
+            age: i64,
             brokers: std::collections::HashMap<String, Broker>,
         }
         // Both fields required: a librdkafka without them must not read as "never stalled"
@@ -75,6 +93,7 @@ impl StatsView {
                 .filter(|b| b.rxidle >= 0)
                 .map(|b| b.rxidle)
                 .min(),
+            age_us: r.age,
         })
     }
 }
@@ -104,6 +123,23 @@ pub(crate) struct Link {
     stalled: [AtomicBool; 2],
     /// Whether the last look found some client stalled (to log the changes once).
     reported: AtomicBool,
+    /// Per [`Client`]: the generation of the newest live client of that kind (0: none);
+    /// reports of older ones are ignored while it lives.
+    newest: [AtomicU64; 2],
+    /// The last generation handed out by [`Link::register`].
+    generations: AtomicU64,
+}
+
+/// A client whose statistics reports count (see [`register`]); dropped with the client.
+pub(crate) struct Registration {
+    client: Client,
+    generation: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        LINK.release(self.client, self.generation);
+    }
 }
 
 /// This process's link to the cluster.
@@ -118,15 +154,39 @@ impl Link {
             silent: [AtomicBool::new(false), AtomicBool::new(false)],
             stalled: [AtomicBool::new(false), AtomicBool::new(false)],
             reported: AtomicBool::new(false),
+            newest: [AtomicU64::new(0), AtomicU64::new(0)],
+            generations: AtomicU64::new(0),
         }
     }
 
-    /// As [`note_stats`], from the report read.
-    pub(crate) fn note_stats_view(&self, client: Client, view: StatsView) {
-        let silent = view.waiting
-            && view
-                .rx_idle_us
-                .is_some_and(|us| us >= STALL_AFTER.as_micros() as i64);
+    /// A new client of kind `client`: its generation, from now on the only one whose
+    /// reports count for that kind until it is released.
+    pub(crate) fn register(&self, client: Client) -> u64 {
+        let generation = self.generations.fetch_add(1, Ordering::SeqCst) + 1;
+        self.newest[client as usize].fetch_max(generation, Ordering::SeqCst);
+        generation
+    }
+
+    /// The client of `generation` is gone: if it was the newest of its kind, the reports
+    /// of any client of that kind count again (an older one still alive).
+    pub(crate) fn release(&self, client: Client, generation: u64) {
+        let _ = self.newest[client as usize].compare_exchange(
+            generation,
+            0,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+
+    /// As [`note_stats`], from the report read, of the client of `generation`. A report of
+    /// a client older than the newest live one of its kind is ignored; a newer client takes
+    /// over its kind's state as it stands (a stall goes on until the new client hears
+    /// from a broker).
+    pub(crate) fn note_stats_view(&self, client: Client, generation: u64, view: StatsView) {
+        if generation < self.newest[client as usize].load(Ordering::SeqCst) {
+            return;
+        }
+        let silent = view.waiting && view.unheard_us() >= STALL_AFTER.as_micros() as i64;
         let before = self.silent[client as usize].swap(silent, Ordering::SeqCst);
         // A stall ends with a receive less than STALL_AFTER old, not with a report that
         // shows none: past `socket.timeout.ms` librdkafka drops the connection and
@@ -143,7 +203,7 @@ impl Link {
             if any {
                 tracing::warn!(
                     client = ?client,
-                    silent_ms = view.rx_idle_us.unwrap_or_default() / 1000,
+                    silent_ms = view.unheard_us() / 1000,
                     "requests are waiting and no broker has answered for {} s: not ready until one does",
                     STALL_AFTER.as_secs()
                 );
@@ -216,11 +276,22 @@ pub(crate) fn note_up() {
     LINK.note_up();
 }
 
-/// A statistics report of `client` (librdkafka's JSON, every [`STATS_INTERVAL_MS`]): the
-/// stall check's input. A report that does not parse is ignored.
-pub(crate) fn note_stats(client: Client, json: &[u8]) {
+/// Register a new client of kind `client` (at its creation; its context keeps the
+/// registration): from now on only its statistics reports count for that kind, until the
+/// registration is dropped.
+pub(crate) fn register(client: Client) -> Registration {
+    Registration {
+        client,
+        generation: LINK.register(client),
+    }
+}
+
+/// A statistics report of the client registered as `who` (librdkafka's JSON, every
+/// [`STATS_INTERVAL_MS`]): the stall check's input. A report that does not parse is
+/// ignored.
+pub(crate) fn note_stats(who: &Registration, json: &[u8]) {
     if let Some(view) = StatsView::parse(json) {
-        LINK.note_stats_view(client, view);
+        LINK.note_stats_view(who.client, who.generation, view);
     }
 }
 
@@ -258,8 +329,10 @@ mod tests {
                 )
             })
             .collect();
-        serde_json::to_vec(&serde_json::json!({"name": "c", "type": "consumer", "brokers": b}))
-            .unwrap()
+        serde_json::to_vec(
+            &serde_json::json!({"name": "c", "type": "consumer", "age": 600_000_000, "brokers": b}),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -274,7 +347,8 @@ mod tests {
             v,
             StatsView {
                 waiting: true,
-                rx_idle_us: Some(40_000)
+                rx_idle_us: Some(40_000),
+                age_us: 600_000_000,
             }
         );
         let v = StatsView::parse(&report(&[(":0/internal", 0, -1)])).unwrap();
@@ -329,43 +403,139 @@ mod tests {
         let view = |waiting, idle_us| StatsView {
             waiting,
             rx_idle_us: Some(idle_us),
+            age_us: 600_000_000,
         };
         // A reply 200 ms ago, a fetch out: live.
-        link.note_stats_view(Client::Source, view(true, 200_000));
+        link.note_stats_view(Client::Source, 0, view(true, 200_000));
         assert!(link.reachable());
         // Silent but nothing asked (an idle producer): not a stall.
-        link.note_stats_view(Client::Output, view(false, stall_us * 2));
+        link.note_stats_view(Client::Output, 0, view(false, stall_us * 2));
         assert!(link.reachable());
         // Asked and silent just short of the stall time: still live.
-        link.note_stats_view(Client::Output, view(true, stall_us - 1));
+        link.note_stats_view(Client::Output, 0, view(true, stall_us - 1));
         assert!(link.reachable());
         // One report with a request out after a long silence: the request may be a second
         // old (a producer that had nothing to send); not yet.
-        link.note_stats_view(Client::Output, view(true, stall_us));
+        link.note_stats_view(Client::Output, 0, view(true, stall_us));
         assert!(link.reachable());
         // The next report still without a reply: stalled (the run loop, waiting for the
         // acknowledgements, serves no consumer report meanwhile).
-        link.note_stats_view(Client::Output, view(true, stall_us + 1_000_000));
+        link.note_stats_view(Client::Output, 0, view(true, stall_us + 1_000_000));
         assert!(!link.reachable());
         assert!(
             !link.is_down(),
             "a stall is not an outage of every connection"
         );
         // The consumer's report does not clear the producer's stall...
-        link.note_stats_view(Client::Source, view(true, 1_000));
+        link.note_stats_view(Client::Source, 0, view(true, 1_000));
         assert!(!link.reachable());
         // ...the producer's next one does, once a reply came.
-        link.note_stats_view(Client::Output, view(true, 5_000));
+        link.note_stats_view(Client::Output, 0, view(true, 5_000));
         assert!(link.reachable());
-        // A report without any receive yet does not count as silence.
+        // A client that has heard nothing yet but is younger than the stall time: not
+        // silent.
+        let young = StatsView {
+            waiting: true,
+            rx_idle_us: None,
+            age_us: 1_000_000,
+        };
+        link.note_stats_view(Client::Source, 0, young);
+        link.note_stats_view(Client::Source, 0, young);
+        assert!(link.reachable());
+    }
+
+    /// A client that has heard nothing on its connections (created while the broker was
+    /// already frozen: it connected, its ApiVersion request waits) is silent once it is
+    /// older than the stall time.
+    #[test]
+    fn a_client_that_never_heard_a_broker_stalls_once_older_than_the_stall_time() {
+        let link = Link::new();
+        let stall_us = STALL_AFTER.as_micros() as i64;
+        let unheard = |age_us| StatsView {
+            waiting: true,
+            rx_idle_us: None,
+            age_us,
+        };
+        link.note_stats_view(Client::Output, 0, unheard(stall_us - 2_000_000));
+        link.note_stats_view(Client::Output, 0, unheard(stall_us - 1_000_000));
+        assert!(link.reachable(), "younger than the stall time");
+        link.note_stats_view(Client::Output, 0, unheard(stall_us));
+        link.note_stats_view(Client::Output, 0, unheard(stall_us + 1_000_000));
+        assert!(!link.reachable(), "waited the stall time, heard nothing");
+        // Nothing waiting, nothing heard (between reconnects): still stalled.
         link.note_stats_view(
-            Client::Source,
+            Client::Output,
+            0,
             StatsView {
-                waiting: true,
-                rx_idle_us: None,
+                waiting: false,
+                ..unheard(stall_us + 2_000_000)
             },
         );
+        assert!(!link.reachable());
+        link.note_stats_view(
+            Client::Output,
+            0,
+            StatsView {
+                rx_idle_us: Some(2_000),
+                ..unheard(stall_us + 3_000_000)
+            },
+        );
+        assert!(link.reachable(), "a reply came");
+    }
+
+    /// A transactional producer re-created while the brokers do not answer: the old one
+    /// reports beside the new one until it goes. Only the newest client of a kind counts,
+    /// so the two cannot take turns in one verdict; once the newest goes, an older one
+    /// still alive counts again.
+    #[test]
+    fn only_the_newest_live_client_of_a_kind_counts() {
+        let link = Link::new();
+        let stall_us = STALL_AFTER.as_micros() as i64;
+        let silent = |idle_us| StatsView {
+            waiting: true,
+            rx_idle_us: Some(idle_us),
+            age_us: 600_000_000,
+        };
+        let old = link.register(Client::Output);
+        link.note_stats_view(Client::Output, old, silent(stall_us));
+        link.note_stats_view(Client::Output, old, silent(stall_us + 1_000_000));
+        assert!(!link.reachable(), "the old producer stalled");
+        let new = link.register(Client::Output);
+        assert!(new > old);
+        // The old producer still has a live connection to some other broker: its report
+        // shows a fresh receive, but it no longer counts.
+        link.note_stats_view(Client::Output, old, silent(1_000));
+        assert!(
+            !link.reachable(),
+            "an older client's report must not end the stall"
+        );
+        // The new producer, connected to the frozen broker, heard nothing: still stalled
+        // (it takes the state over as it stands).
+        let unheard = StatsView {
+            waiting: true,
+            rx_idle_us: None,
+            age_us: 2_000_000,
+        };
+        link.note_stats_view(Client::Output, new, unheard);
+        assert!(!link.reachable());
+        // The source consumer's registration is another kind: it does not hide the
+        // producer's reports.
+        let source = link.register(Client::Source);
+        link.note_stats_view(Client::Output, new, unheard);
+        assert!(!link.reachable());
+        link.release(Client::Source, source);
+        // The new producer hears from a broker: reachable; the old one's silence is
+        // ignored.
+        link.note_stats_view(Client::Output, new, silent(3_000));
         assert!(link.reachable());
+        link.note_stats_view(Client::Output, old, silent(stall_us + 5_000_000));
+        link.note_stats_view(Client::Output, old, silent(stall_us + 6_000_000));
+        assert!(link.reachable(), "the old producer's reports are ignored");
+        // The new one goes first (its creation failed): the old one counts again.
+        link.release(Client::Output, new);
+        link.note_stats_view(Client::Output, old, silent(stall_us + 7_000_000));
+        link.note_stats_view(Client::Output, old, silent(stall_us + 8_000_000));
+        assert!(!link.reachable(), "the old producer is the one alive");
     }
 
     /// A freeze longer than a request timeout (the producer's `request.timeout.ms`, 30 s;
@@ -385,9 +555,14 @@ mod tests {
                 ("localhost:39292/1", 1, idle_us),
             ])
         };
-        link.note_stats_view(Client::Output, StatsView::parse(&frozen(stall_us)).unwrap());
         link.note_stats_view(
             Client::Output,
+            0,
+            StatsView::parse(&frozen(stall_us)).unwrap(),
+        );
+        link.note_stats_view(
+            Client::Output,
+            0,
             StatsView::parse(&frozen(stall_us + 1_000_000)).unwrap(),
         );
         assert!(!link.reachable(), "frozen for 16 s");
@@ -398,7 +573,7 @@ mod tests {
             ("localhost:39292/1", 1, -1),
         ]);
         for _ in 0..3 {
-            link.note_stats_view(Client::Output, StatsView::parse(&reconnected).unwrap());
+            link.note_stats_view(Client::Output, 0, StatsView::parse(&reconnected).unwrap());
             assert!(
                 !link.reachable(),
                 "the broker is still frozen (reconnected, nothing received)"
@@ -409,13 +584,13 @@ mod tests {
             ("127.0.0.1:39292/bootstrap", 0, -1),
             ("localhost:39292/1", 0, -1),
         ]);
-        link.note_stats_view(Client::Output, StatsView::parse(&between).unwrap());
+        link.note_stats_view(Client::Output, 0, StatsView::parse(&between).unwrap());
         assert!(
             !link.reachable(),
             "the broker is still frozen (between attempts)"
         );
         // Thawed: a reply.
-        link.note_stats_view(Client::Output, StatsView::parse(&frozen(3_000)).unwrap());
+        link.note_stats_view(Client::Output, 0, StatsView::parse(&frozen(3_000)).unwrap());
         assert!(link.reachable());
     }
 

@@ -29,6 +29,8 @@ pub(crate) struct DeliveryTracker {
     /// Highest delivered offset per changelog topic and partition.
     changelog_offsets:
         Mutex<std::collections::HashMap<String, std::collections::HashMap<i32, i64>>>,
+    /// This producer's place in the stall check of [`super::link`].
+    link: super::link::Registration,
 }
 
 impl ClientContext for DeliveryTracker {
@@ -40,7 +42,7 @@ impl ClientContext for DeliveryTracker {
     /// Statistics (every `statistics.interval.ms`, served by the producer's own polling
     /// thread) feed the stall check of [`super::link`].
     fn stats_raw(&self, statistics: &[u8]) {
-        super::link::note_stats(super::link::Client::Output, statistics);
+        super::link::note_stats(&self.link, statistics);
     }
 }
 
@@ -250,6 +252,7 @@ impl OutputProducer {
                 unacked: std::array::from_fn(|_| AtomicI64::new(0)),
                 first_failure: Mutex::new(None),
                 changelog_offsets: Mutex::default(),
+                link: super::link::register(super::link::Client::Output),
             })
             .map_err(crate::kafka::config_error)?;
         Ok(OutputProducer {
