@@ -139,7 +139,7 @@ struct RunLoop {
     /// (exactly_once_v2): offsets sent with it are refused by the group coordinator once
     /// the group has moved to a newer generation (KIP-447), so an instance that lost its
     /// partitions cannot commit offsets for them.
-    group_meta: Option<rdkafka::consumer::ConsumerGroupMetadata>,
+    group_meta: Option<std::sync::Arc<rdkafka::consumer::ConsumerGroupMetadata>>,
     /// When planning was last tried for partitions whose changelog held open transactions.
     last_plan: Option<Instant>,
     /// Partitions waiting for an open changelog transaction to end (logged once each).
@@ -373,7 +373,7 @@ impl RunLoop {
             // member that lost its partitions gets no newer generation before the run loop
             // has carried out the loss (librdkafka waits for the unassign), so a zombie's
             // offsets are still refused (KIP-447).
-            self.group_meta = consumer.group_metadata();
+            self.group_meta = consumer.group_metadata().map(std::sync::Arc::new);
         }
         self.last_commit_start = Instant::now();
         let mut log = kafka_log!(self, consumer, mode);

@@ -15,6 +15,14 @@ use std::time::Duration;
 /// How long a commit waits for acknowledgements before it fails.
 const ACK_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// How long `send_offsets_to_transaction` may take before the transaction's outcome counts
+/// as unknown: the call's own timeout ([`OutputProducer::send_offsets_to_transaction`],
+/// 60 s) and a margin. librdkafka does not always keep that timeout: with the group
+/// coordinator gone for a while during the transaction (a broker frozen past
+/// `transaction.timeout.ms`), the call was seen here waiting for good with no request
+/// left on the wire (librdkafka issue #5456: coordinator requests never time out).
+const SEND_OFFSETS_DEADLINE: Duration = Duration::from_secs(75);
+
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
 pub(crate) struct KafkaLog<'a> {
     /// Sends outputs, changelog records and transactions; replaced after a transaction of
@@ -34,7 +42,7 @@ pub(crate) struct KafkaLog<'a> {
     /// Changelog topic of each store.
     pub(crate) changelogs: &'a BTreeMap<String, String>,
     /// The group metadata of the current assignment (exactly_once_v2, KIP-447).
-    pub(crate) group_meta: Option<&'a ConsumerGroupMetadata>,
+    pub(crate) group_meta: Option<&'a std::sync::Arc<ConsumerGroupMetadata>>,
     /// Sync for the last commit before partitions go, Async otherwise.
     pub(crate) mode: CommitMode,
     /// For the message of [`Error::Fenced`].
@@ -203,9 +211,26 @@ impl CommitLog for KafkaLog<'_> {
         let cgm = self.group_meta.ok_or_else(|| {
             Error::Broker("the consumer has no group metadata (not in a group)".into())
         })?;
-        self.producer
-            .send_offsets_to_transaction(&tpl, cgm)
-            .map_err(|e| self.fenced_or(e))
+        // On a thread of its own, so that a call that never returns cannot hang the
+        // instance: past SEND_OFFSETS_DEADLINE the producer is re-created (the unknown
+        // outcome's path: its initialisation fences the stuck one and aborts the open
+        // transaction); the stuck thread keeps the old producer until the call returns.
+        let cgm = std::sync::Arc::clone(cgm);
+        let producer = std::sync::Arc::clone(self.producer);
+        let (done, result) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("onceflow-txn-offsets".into())
+            .spawn(move || {
+                let _ = done.send(producer.send_offsets_to_transaction(&tpl, &cgm));
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the send-offsets thread: {e}")))?;
+        match result.recv_timeout(SEND_OFFSETS_DEADLINE) {
+            Ok(r) => r.map_err(|e| self.fenced_or(e)),
+            Err(_) => Err(Error::TransactionOutcomeUnknown(format!(
+                "send_offsets_to_transaction did not return within {} s",
+                SEND_OFFSETS_DEADLINE.as_secs()
+            ))),
+        }
     }
 
     fn start_commit_transaction(&mut self) -> Result<()> {

@@ -178,7 +178,7 @@ impl RunLoop {
         );
         self.assigned_once = true;
         self.status_dirty = true;
-        self.group_meta = consumer.group_metadata();
+        self.group_meta = consumer.group_metadata().map(std::sync::Arc::new);
         let tpl = self.tpl_ids(partitions, None)?;
         // Nothing is processed before the restore: pause first, plan in the run loop.
         consumer.pause(&tpl).map_err(crate::Error::kafka("pause"))?;
