@@ -319,6 +319,14 @@ pub(crate) fn outages() -> u64 {
 mod tests {
     use super::*;
 
+    fn stats(waiting: bool, rx_idle_us: Option<i64>, age_us: i64) -> StatsView {
+        StatsView {
+            waiting,
+            rx_idle_us,
+            age_us,
+        }
+    }
+
     fn report(brokers: &[(&str, i64, i64)]) -> Vec<u8> {
         let b: serde_json::Map<String, serde_json::Value> = brokers
             .iter()
@@ -400,11 +408,7 @@ mod tests {
     fn waiting_requests_without_a_reply_for_the_stall_time_make_the_cluster_unreachable() {
         let link = Link::new();
         let stall_us = STALL_AFTER.as_micros() as i64;
-        let view = |waiting, idle_us| StatsView {
-            waiting,
-            rx_idle_us: Some(idle_us),
-            age_us: 600_000_000,
-        };
+        let view = |waiting, idle_us| stats(waiting, Some(idle_us), 600_000_000);
         // A reply 200 ms ago, a fetch out: live.
         link.note_stats_view(Client::Source, 0, view(true, 200_000));
         assert!(link.reachable());
@@ -434,11 +438,7 @@ mod tests {
         assert!(link.reachable());
         // A client that has heard nothing yet but is younger than the stall time: not
         // silent.
-        let young = StatsView {
-            waiting: true,
-            rx_idle_us: None,
-            age_us: 1_000_000,
-        };
+        let young = stats(true, None, 1_000_000);
         link.note_stats_view(Client::Source, 0, young);
         link.note_stats_view(Client::Source, 0, young);
         assert!(link.reachable());
@@ -451,11 +451,7 @@ mod tests {
     fn a_client_that_never_heard_a_broker_stalls_once_older_than_the_stall_time() {
         let link = Link::new();
         let stall_us = STALL_AFTER.as_micros() as i64;
-        let unheard = |age_us| StatsView {
-            waiting: true,
-            rx_idle_us: None,
-            age_us,
-        };
+        let unheard = |age_us| stats(true, None, age_us);
         link.note_stats_view(Client::Output, 0, unheard(stall_us - 2_000_000));
         link.note_stats_view(Client::Output, 0, unheard(stall_us - 1_000_000));
         assert!(link.reachable(), "younger than the stall time");
@@ -491,11 +487,7 @@ mod tests {
     fn only_the_newest_live_client_of_a_kind_counts() {
         let link = Link::new();
         let stall_us = STALL_AFTER.as_micros() as i64;
-        let silent = |idle_us| StatsView {
-            waiting: true,
-            rx_idle_us: Some(idle_us),
-            age_us: 600_000_000,
-        };
+        let silent = |idle_us| stats(true, Some(idle_us), 600_000_000);
         let old = link.register(Client::Output);
         link.note_stats_view(Client::Output, old, silent(stall_us));
         link.note_stats_view(Client::Output, old, silent(stall_us + 1_000_000));
@@ -511,11 +503,7 @@ mod tests {
         );
         // The new producer, connected to the frozen broker, heard nothing: still stalled
         // (it takes the state over as it stands).
-        let unheard = StatsView {
-            waiting: true,
-            rx_idle_us: None,
-            age_us: 2_000_000,
-        };
+        let unheard = stats(true, None, 2_000_000);
         link.note_stats_view(Client::Output, new, unheard);
         assert!(!link.reachable());
         // The source consumer's registration is another kind: it does not hide the
