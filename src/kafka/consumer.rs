@@ -66,7 +66,7 @@ impl ClientContext for SourceContext {
         ) {
             return;
         }
-        super::link::note_error(&error);
+        super::link::note_error(&self.link, &error);
         tracing::error!(%error, reason, "librdkafka error");
     }
 

@@ -52,8 +52,8 @@ pub(crate) const STALL_AFTER: Duration = Duration::from_secs(15);
 pub(crate) struct StatsView {
     /// Some broker has requests awaiting a reply.
     pub(crate) waiting: bool,
-    /// Microseconds since the last receive from any broker; `None` when none has sent
-    /// anything yet.
+    /// Microseconds since the last receive from any broker; `None` when none has received
+    /// anything on its current connection (or none is up).
     pub(crate) rx_idle_us: Option<i64>,
     /// Microseconds since the client was created.
     pub(crate) age_us: i64,
@@ -123,8 +123,9 @@ pub(crate) struct Link {
     stalled: [AtomicBool; 2],
     /// Whether the last look found some client stalled (to log the changes once).
     reported: AtomicBool,
-    /// Per [`Client`]: the generation of the newest live client of that kind (0: none);
-    /// reports of older ones are ignored while it lives.
+    /// Per [`Client`]: the generation of the newest live client of that kind; reports of
+    /// older ones are ignored while it lives. 0: none registered, or the newest was
+    /// released (then every live client of the kind counts, older ones included).
     newest: [AtomicU64; 2],
     /// The last generation handed out by [`Link::register`].
     generations: AtomicU64,
@@ -228,6 +229,15 @@ impl Link {
         }
     }
 
+    /// As [`Link::note_error`], from the client of `generation`: ignored when a newer
+    /// client of its kind lives (see [`note_error`]).
+    pub(crate) fn note_error_of(&self, client: Client, generation: u64, error: &KafkaError) {
+        if generation < self.newest[client as usize].load(Ordering::SeqCst) {
+            return;
+        }
+        self.note_error(error);
+    }
+
     /// As [`note_up`].
     pub(crate) fn note_up(&self) {
         if self.down.swap(false, Ordering::SeqCst) {
@@ -257,9 +267,13 @@ impl Default for Link {
     }
 }
 
-/// Take note of a client error: `AllBrokersDown` marks the cluster unreachable.
-pub(crate) fn note_error(error: &KafkaError) {
-    LINK.note_error(error);
+/// Take note of an error of the client registered as `who`: `AllBrokersDown` marks the
+/// cluster unreachable, unless a newer client of that kind lives (a producer left behind
+/// by a re-creation, stuck in a librdkafka call, whose idle connections the broker closed,
+/// must not mark the cluster down nor count as an outage in the new producer's
+/// transaction).
+pub(crate) fn note_error(who: &Registration, error: &KafkaError) {
+    LINK.note_error_of(who.client, who.generation, error);
 }
 
 /// A request that needs a broker found none to answer it within its time (a start-up
@@ -597,5 +611,28 @@ mod tests {
         assert!(!link.reachable());
         link.note_up();
         assert!(link.reachable());
+    }
+
+    /// A producer left behind by a re-creation (stuck in a librdkafka call) whose
+    /// connections go down must not mark the cluster unreachable, nor count as an outage
+    /// (which would turn a real fencing of the new producer into an unknown outcome).
+    #[test]
+    fn an_older_clients_all_brokers_down_is_ignored_while_a_newer_one_lives() {
+        let link = Link::new();
+        let down = KafkaError::Global(RDKafkaErrorCode::AllBrokersDown);
+        let old = link.register(Client::Output);
+        let new = link.register(Client::Output);
+        link.note_error_of(Client::Output, old, &down);
+        assert!(link.reachable());
+        assert_eq!(link.outages(), 0);
+        // The source consumer's generation is older, but it is another kind: it counts.
+        let source = link.register(Client::Source);
+        link.note_error_of(Client::Source, source, &down);
+        assert!(!link.reachable());
+        assert_eq!(link.outages(), 1);
+        link.note_up();
+        link.note_error_of(Client::Output, new, &down);
+        assert!(!link.reachable(), "the newest producer counts");
+        assert_eq!(link.outages(), 2);
     }
 }

@@ -35,7 +35,7 @@ pub(crate) struct DeliveryTracker {
 
 impl ClientContext for DeliveryTracker {
     fn error(&self, error: KafkaError, reason: &str) {
-        super::link::note_error(&error);
+        super::link::note_error(&self.link, &error);
         tracing::error!(%error, reason, "librdkafka error (producer)");
     }
 

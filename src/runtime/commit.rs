@@ -85,8 +85,10 @@
 //!   stops. Test: `a_zombie_is_fenced_and_its_late_writes_never_appear`
 //!   (tests/kafka_eos.rs).
 //! - **Unknown outcome** (exactly_once_v2): a commit or abort that got no answer (lost or
-//!   late) may have committed or not. It is never retried blindly (librdkafka does not
-//!   implement KIP-890, and a retry after an unknown outcome can lose or repeat writes):
+//!   late) may have committed or not; a transaction whose offsets were not added in time
+//!   is in a state librdkafka no longer reports. Neither is retried blindly (librdkafka
+//!   does not implement KIP-890, and a retry after an unknown outcome can lose or repeat
+//!   writes):
 //!   the producer is re-created ([`CommitLog::recreate_producer`]: its initialisation
 //!   fences the old one and settles the transaction), the staged writes are dropped, and
 //!   every partition is opened again ([`Outcome::Unknown`]: stores restored from the
@@ -272,7 +274,8 @@ pub(crate) trait CommitLog {
     /// Add the consumed source `offsets` to the open transaction (with the group metadata).
     ///
     /// # Errors
-    /// Abortable errors, or [`Error::Fenced`].
+    /// Abortable errors, [`Error::Fenced`], or [`Error::TransactionOutcomeUnknown`] when
+    /// the offsets were not added in time (the Kafka log gives the call 75 s).
     fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()>;
 
     /// Start committing the open transaction (its records acknowledged first); the commit

@@ -226,10 +226,15 @@ impl CommitLog for KafkaLog<'_> {
             .map_err(|e| Error::Internal(format!("cannot start the send-offsets thread: {e}")))?;
         match result.recv_timeout(SEND_OFFSETS_DEADLINE) {
             Ok(r) => r.map_err(|e| self.fenced_or(e)),
-            Err(_) => Err(Error::TransactionOutcomeUnknown(format!(
-                "send_offsets_to_transaction did not return within {} s",
-                SEND_OFFSETS_DEADLINE.as_secs()
-            ))),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                Err(Error::TransactionOutcomeUnknown(format!(
+                    "send_offsets_to_transaction did not return within {} s",
+                    SEND_OFFSETS_DEADLINE.as_secs()
+                )))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(
+                Error::TransactionOutcomeUnknown("the send-offsets thread panicked".into()),
+            ),
         }
     }
 
@@ -278,7 +283,8 @@ impl CommitLog for KafkaLog<'_> {
         })
         .map_err(|e| self.fenced_or(e))?;
         tracing::info!(transactional_id = %self.transactional_id, "transactional producer re-created");
-        // The old producer goes (fenced: whatever it still held can no longer land).
+        // The old producer goes (fenced: whatever it still held can no longer land), once
+        // a send-offsets call stuck in it, if any, returns (see `send_offsets`).
         *self.producer = std::sync::Arc::new(fresh);
         Ok(())
     }
