@@ -179,12 +179,18 @@ impl Link {
         );
     }
 
+    /// Whether a client of kind `client` newer than `generation` lives: what the client of
+    /// `generation` reports is then ignored.
+    fn superseded(&self, client: Client, generation: u64) -> bool {
+        generation < self.newest[client as usize].load(Ordering::SeqCst)
+    }
+
     /// As [`note_stats`], from the report read, of the client of `generation`. A report of
     /// a client older than the newest live one of its kind is ignored; a newer client takes
     /// over its kind's state as it stands (a stall goes on until the new client hears
     /// from a broker).
     pub(crate) fn note_stats_view(&self, client: Client, generation: u64, view: StatsView) {
-        if generation < self.newest[client as usize].load(Ordering::SeqCst) {
+        if self.superseded(client, generation) {
             return;
         }
         let silent = view.waiting && view.unheard_us() >= STALL_AFTER.as_micros() as i64;
@@ -232,7 +238,7 @@ impl Link {
     /// As [`Link::note_error`], from the client of `generation`: ignored when a newer
     /// client of its kind lives (see [`note_error`]).
     pub(crate) fn note_error_of(&self, client: Client, generation: u64, error: &KafkaError) {
-        if generation < self.newest[client as usize].load(Ordering::SeqCst) {
+        if self.superseded(client, generation) {
             return;
         }
         self.note_error(error);

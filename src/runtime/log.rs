@@ -10,6 +10,7 @@ use crate::state::restore::ChangelogWrite;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerGroupMetadata};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// How long a commit waits for acknowledgements before it fails.
@@ -22,6 +23,91 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(600);
 /// `transaction.timeout.ms`), the call was seen here waiting for good with no request
 /// left on the wire (librdkafka issue #5456: coordinator requests never time out).
 const SEND_OFFSETS_DEADLINE: Duration = Duration::from_secs(75);
+
+/// The send-offsets calls of this process that passed [`SEND_OFFSETS_DEADLINE`] and have
+/// not returned yet.
+static STUCK_SEND_OFFSETS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many stuck send-offsets calls (each holding the producer it was made on) a process
+/// lives with: when one more would be needed, the re-creation of the producer fails and the
+/// instance stops (exit 1), so that a restart begins again from the last commit.
+const MAX_STUCK_CALLS: usize = 3;
+
+/// Run `call` on a thread of its own and wait for it at most `deadline`: `Some` of its
+/// result, or `None` when it has not returned by then. A call left behind counts in
+/// `stuck` until it returns (then a warning says how long it took); the thread, and what
+/// `call` owns, live until then.
+///
+/// # Errors
+/// [`Error::Internal`] when the thread cannot start; [`Error::TransactionOutcomeUnknown`]
+/// when `call` panicked.
+fn call_with_deadline<T: Send + 'static>(
+    stuck: &'static AtomicUsize,
+    deadline: Duration,
+    call: impl FnOnce() -> T + Send + 'static,
+) -> Result<Option<T>> {
+    // 0: running; 1: returned in time; 2: left behind (counted in `stuck`).
+    let state = std::sync::Arc::new(AtomicU8::new(0));
+    let (done, result) = std::sync::mpsc::sync_channel(1);
+    let started = std::time::Instant::now();
+    let theirs = std::sync::Arc::clone(&state);
+    std::thread::Builder::new()
+        .name("onceflow-txn-offsets".into())
+        .spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
+            if theirs
+                .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                stuck.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(
+                    after_s = started.elapsed().as_secs(),
+                    "a send_offsets_to_transaction call left behind has returned: its producer is released"
+                );
+            }
+            // A panic drops `done` unsent: the waiting side reads it as one.
+            if let Ok(r) = r {
+                let _ = done.send(r);
+            }
+        })
+        .map_err(|e| Error::Internal(format!("cannot start the send-offsets thread: {e}")))?;
+    match result.recv_timeout(deadline) {
+        Ok(r) => Ok(Some(r)),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            if state
+                .compare_exchange(0, 2, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                stuck.fetch_add(1, Ordering::SeqCst);
+                return Ok(None);
+            }
+            // It returned just now.
+            result.recv().map(Some).map_err(|_| panicked())
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(panicked()),
+    }
+}
+
+/// Whether the process may live with `stuck` send-offsets calls left behind (see
+/// [`MAX_STUCK_CALLS`]).
+///
+/// # Errors
+/// [`Error::Broker`] from [`MAX_STUCK_CALLS`] on: each stuck call holds a producer (its
+/// connections, buffers and a thread), and a fresh process is the way out.
+fn few_enough_stuck(stuck: usize) -> Result<()> {
+    if stuck < MAX_STUCK_CALLS {
+        return Ok(());
+    }
+    Err(Error::Broker(format!(
+        "{stuck} send_offsets_to_transaction calls have not returned (librdkafka issue \
+         #5456), each holding a producer: stopping, so that a restart begins again from the \
+         last commit with fresh clients"
+    )))
+}
+
+fn panicked() -> Error {
+    Error::TransactionOutcomeUnknown("the send-offsets thread panicked".into())
+}
 
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
 pub(crate) struct KafkaLog<'a> {
@@ -217,24 +303,13 @@ impl CommitLog for KafkaLog<'_> {
         // transaction); the stuck thread keeps the old producer until the call returns.
         let cgm = std::sync::Arc::clone(cgm);
         let producer = std::sync::Arc::clone(self.producer);
-        let (done, result) = std::sync::mpsc::sync_channel(1);
-        std::thread::Builder::new()
-            .name("onceflow-txn-offsets".into())
-            .spawn(move || {
-                let _ = done.send(producer.send_offsets_to_transaction(&tpl, &cgm));
-            })
-            .map_err(|e| Error::Internal(format!("cannot start the send-offsets thread: {e}")))?;
-        match result.recv_timeout(SEND_OFFSETS_DEADLINE) {
-            Ok(r) => r.map_err(|e| self.fenced_or(e)),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                Err(Error::TransactionOutcomeUnknown(format!(
-                    "send_offsets_to_transaction did not return within {} s",
-                    SEND_OFFSETS_DEADLINE.as_secs()
-                )))
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(
-                Error::TransactionOutcomeUnknown("the send-offsets thread panicked".into()),
-            ),
+        let call = move || producer.send_offsets_to_transaction(&tpl, &cgm);
+        match call_with_deadline(&STUCK_SEND_OFFSETS, SEND_OFFSETS_DEADLINE, call)? {
+            Some(r) => r.map_err(|e| self.fenced_or(e)),
+            None => Err(Error::TransactionOutcomeUnknown(format!(
+                "send_offsets_to_transaction did not return within {} s",
+                SEND_OFFSETS_DEADLINE.as_secs()
+            ))),
         }
     }
 
@@ -277,6 +352,7 @@ impl CommitLog for KafkaLog<'_> {
         // is fenced) and returns once the coordinator has finished the old transaction,
         // committed if its EndTxn(commit) reached it, else aborted. While the brokers are
         // away it times out: a new producer tries again (with backoff, for 2 min).
+        few_enough_stuck(STUCK_SEND_OFFSETS.load(Ordering::SeqCst))?;
         let fresh = crate::kafka::retry::retry("re-create the transactional producer", || {
             let fresh = OutputProducer::new(self.config)?;
             fresh.init_transactions().map(|_| fresh)
@@ -367,6 +443,47 @@ mod tests {
     use super::*;
     use rdkafka::error::KafkaError;
     use rdkafka::types::RDKafkaErrorCode as C;
+
+    /// A call that passes its deadline is left behind and counted as stuck until it
+    /// returns; one that returns in time gives its result and is never counted; a panic
+    /// is an unknown outcome. Before the bound, each stuck call held a producer with no
+    /// count and no word when it ended.
+    #[test]
+    fn a_call_past_its_deadline_counts_as_stuck_until_it_returns() {
+        static STUCK: AtomicUsize = AtomicUsize::new(0);
+        let quick = call_with_deadline(&STUCK, Duration::from_secs(10), || 7).unwrap();
+        assert_eq!(quick, Some(7));
+        assert_eq!(STUCK.load(Ordering::SeqCst), 0);
+
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let late = call_with_deadline(&STUCK, Duration::from_millis(50), move || {
+            let _ = wait.recv();
+            8
+        })
+        .unwrap();
+        assert_eq!(late, None, "past its deadline the call is left behind");
+        assert_eq!(STUCK.load(Ordering::SeqCst), 1);
+        release.send(()).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while STUCK.load(Ordering::SeqCst) != 0 {
+            assert!(std::time::Instant::now() < until, "the returned call still counts");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+
+        let panicked = call_with_deadline(&STUCK, Duration::from_secs(10), || -> u8 {
+            panic!("boom")
+        });
+        assert!(matches!(panicked, Err(Error::TransactionOutcomeUnknown(_))));
+        assert_eq!(STUCK.load(Ordering::SeqCst), 0);
+    }
+
+    /// The producer is re-created beside up to two stuck calls; a third stops the instance.
+    #[test]
+    fn a_third_stuck_call_stops_the_instance() {
+        assert!(few_enough_stuck(0).is_ok() && few_enough_stuck(2).is_ok());
+        let e = few_enough_stuck(3).unwrap_err();
+        assert!(matches!(e, Error::Broker(_)) && e.to_string().contains("#5456"), "{e}");
+    }
 
     fn fatal(code: C) -> Error {
         Error::Kafka {
