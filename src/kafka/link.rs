@@ -23,7 +23,8 @@
 //!   produce is answered at once. The producer's statistics are served by its own
 //!   thread, so they tell even while the run loop waits on the stalled cluster (for a
 //!   commit's acknowledgements); the consumer's are served by the run loop's polls, so
-//!   they tell when the loop is idle. A rebalance that keeps a member with no partitions
+//!   they tell when the loop is idle, and the ones that queued up while it was blocked
+//!   are ignored when read more than [`STALE_REPORT_S`] after they were taken. A rebalance that keeps a member with no partitions
 //!   waiting in JoinGroup longer than that shows it not ready meanwhile.
 //!
 //! The state is per process (every client of it talks to the same cluster).
@@ -43,6 +44,12 @@ pub(crate) const STATS_INTERVAL_MS: &str = "1000";
 /// once) and shorter than librdkafka's `socket.timeout.ms` (60 s).
 pub(crate) const STALL_AFTER: Duration = Duration::from_secs(15);
 
+/// A statistics report read more than this long after it was taken is ignored, in
+/// seconds: the consumer's reports wait in its queue while the run loop is blocked (in a
+/// commit), and the ones taken during a broker freeze, read after the thaw, would make the
+/// consumer read as stalled for the moment until the newest report (~30 ms here).
+const STALE_REPORT_S: i64 = 5;
+
 /// What [`note_stats`] reads from one librdkafka statistics report (see librdkafka's
 /// STATISTICS.md): over the client's brokers, whether any has requests awaiting a reply
 /// (`waitresp_cnt`), and the least time since any of them last sent something
@@ -57,6 +64,9 @@ pub(crate) struct StatsView {
     pub(crate) rx_idle_us: Option<i64>,
     /// Microseconds since the client was created.
     pub(crate) age_us: i64,
+    /// When the report was taken, wall-clock seconds since the epoch (`None`: the report
+    /// does not say).
+    pub(crate) time_s: Option<i64>,
 }
 
 impl StatsView {
@@ -75,6 +85,8 @@ impl StatsView {
         #[derive(serde::Deserialize)]
         struct Report {
             age: i64,
+            #[serde(default)]
+            time: Option<i64>,
             brokers: std::collections::HashMap<String, Broker>,
         }
         // Both fields required: a librdkafka without them must not read as "never stalled"
@@ -94,6 +106,7 @@ impl StatsView {
                 .map(|b| b.rxidle)
                 .min(),
             age_us: r.age,
+            time_s: r.time,
         })
     }
 }
@@ -177,6 +190,21 @@ impl Link {
             Ordering::SeqCst,
             Ordering::SeqCst,
         );
+    }
+
+    /// As [`Link::note_stats_view`], for a report read at `now_s` (wall-clock seconds): one
+    /// taken more than [`STALE_REPORT_S`] before is ignored.
+    pub(crate) fn note_stats_read(
+        &self,
+        client: Client,
+        generation: u64,
+        view: StatsView,
+        now_s: i64,
+    ) {
+        if view.time_s.is_some_and(|t| now_s - t > STALE_REPORT_S) {
+            return;
+        }
+        self.note_stats_view(client, generation, view);
     }
 
     /// Whether a client of kind `client` newer than `generation` lives: what the client of
@@ -311,7 +339,8 @@ pub(crate) fn register(client: Client) -> Registration {
 /// ignored.
 pub(crate) fn note_stats(who: &Registration, json: &[u8]) {
     if let Some(view) = StatsView::parse(json) {
-        LINK.note_stats_view(who.client, who.generation, view);
+        let now_s = crate::tools::now_ms() / 1000;
+        LINK.note_stats_read(who.client, who.generation, view, now_s);
     }
 }
 
@@ -344,6 +373,7 @@ mod tests {
             waiting,
             rx_idle_us,
             age_us,
+            time_s: None,
         }
     }
 
@@ -358,7 +388,7 @@ mod tests {
             })
             .collect();
         serde_json::to_vec(
-            &serde_json::json!({"name": "c", "type": "consumer", "age": 600_000_000, "brokers": b}),
+            &serde_json::json!({"name": "c", "type": "consumer", "age": 600_000_000, "time": 1_796_000_000, "brokers": b}),
         )
         .unwrap()
     }
@@ -377,6 +407,7 @@ mod tests {
                 waiting: true,
                 rx_idle_us: Some(40_000),
                 age_us: 600_000_000,
+                time_s: Some(1_796_000_000),
             }
         );
         let v = StatsView::parse(&report(&[(":0/internal", 0, -1)])).unwrap();
@@ -418,6 +449,12 @@ mod tests {
         let text = String::from_utf8_lossy(&json);
         let view = StatsView::parse(&json);
         assert!(view.is_some(), "the report does not parse: {text}");
+        let now_s = crate::tools::now_ms() / 1000;
+        let taken = view.and_then(|v| v.time_s);
+        assert!(
+            taken.is_some_and(|t| (now_s - t).abs() <= 2),
+            "the report's time is not the wall clock: {taken:?}, now {now_s}"
+        );
         assert!(text.contains("\"127.0.0.1:1/bootstrap\""), "{text}");
     }
 
@@ -461,6 +498,32 @@ mod tests {
         let young = stats(true, None, 1_000_000);
         link.note_stats_view(Client::Source, 0, young);
         link.note_stats_view(Client::Source, 0, young);
+        assert!(link.reachable());
+    }
+
+    /// Reports taken during a freeze and read after the thaw (queued behind a blocked run
+    /// loop) are ignored: they would make the consumer read as stalled after a broker
+    /// answered again.
+    #[test]
+    fn reports_read_long_after_they_were_taken_are_ignored() {
+        let link = Link::new();
+        let stall_us = STALL_AFTER.as_micros() as i64;
+        let now_s = 1_796_000_000;
+        let taken = |at_s, idle_us| StatsView {
+            time_s: Some(at_s),
+            ..stats(true, Some(idle_us), 600_000_000)
+        };
+        // The queue after a 75 s block: reports of the freeze, then a fresh one.
+        link.note_stats_read(Client::Source, 0, taken(now_s - 40, stall_us + 1), now_s);
+        link.note_stats_read(Client::Source, 0, taken(now_s - 39, stall_us + 2), now_s);
+        assert!(link.reachable(), "old reports of silence are ignored");
+        // Fresh ones of silence still count.
+        link.note_stats_read(Client::Source, 0, taken(now_s - 1, stall_us + 1), now_s);
+        link.note_stats_read(Client::Source, 0, taken(now_s, stall_us + 2), now_s);
+        assert!(!link.reachable(), "recent reports of silence make a stall");
+        // A report without a time is not judged stale.
+        let untimed = stats(true, Some(1_000), 600_000_000);
+        link.note_stats_read(Client::Source, 0, untimed, now_s);
         assert!(link.reachable());
     }
 

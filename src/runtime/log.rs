@@ -466,13 +466,15 @@ mod tests {
         release.send(()).unwrap();
         let until = std::time::Instant::now() + Duration::from_secs(10);
         while STUCK.load(Ordering::SeqCst) != 0 {
-            assert!(std::time::Instant::now() < until, "the returned call still counts");
+            assert!(
+                std::time::Instant::now() < until,
+                "the returned call still counts"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
 
-        let panicked = call_with_deadline(&STUCK, Duration::from_secs(10), || -> u8 {
-            panic!("boom")
-        });
+        let panicked =
+            call_with_deadline(&STUCK, Duration::from_secs(10), || -> u8 { panic!("boom") });
         assert!(matches!(panicked, Err(Error::TransactionOutcomeUnknown(_))));
         assert_eq!(STUCK.load(Ordering::SeqCst), 0);
     }
@@ -482,7 +484,10 @@ mod tests {
     fn a_third_stuck_call_stops_the_instance() {
         assert!(few_enough_stuck(0).is_ok() && few_enough_stuck(2).is_ok());
         let e = few_enough_stuck(3).unwrap_err();
-        assert!(matches!(e, Error::Broker(_)) && e.to_string().contains("#5456"), "{e}");
+        assert!(
+            matches!(e, Error::Broker(_)) && e.to_string().contains("#5456"),
+            "{e}"
+        );
     }
 
     fn fatal(code: C) -> Error {
