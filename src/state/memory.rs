@@ -5,13 +5,16 @@ use crate::error::Result;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// An entry: its key's hash (by [`Entries::hash`]), the key, the value.
+type Entry = (u64, Box<[u8]>, Box<[u8]>);
+
 /// A store's entries, each with its key's hash: growing the table rehashes from the stored
 /// hashes, not by reading every key through its pointer again (a cache miss per entry, a
 /// fifth of the dedup stage's time at 750,000 keys), and a probe compares hashes before
 /// keys.
 #[derive(Default)]
 struct Entries {
-    table: hashbrown::HashTable<(u64, Box<[u8]>, Box<[u8]>)>,
+    table: hashbrown::HashTable<Entry>,
     // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
     hash: ahash::RandomState,
 }
