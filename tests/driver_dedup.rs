@@ -588,6 +588,24 @@ fn an_aborted_transaction_rewinds_and_repeats_nothing() {
 /// records read again from the committed offsets. Later repeats of every id are dropped
 /// and nothing is output twice or lost. (Treated as an abort, the committed case would
 /// lose the marks of c and d, and their repeats would pass again.)
+/// After an unknown outcome the producer must be re-created; when that fails (the brokers
+/// stay away, or three send-offsets calls are stuck in old producers, librdkafka #5456),
+/// the commit returns the error, which stops the instance, and nothing of the transaction
+/// shows.
+#[test]
+fn a_producer_that_cannot_be_re_created_stops_the_instance() {
+    let mut d = by_id(Guarantee::ExactlyOnceV2, 10 * MIN).auto_commit(false);
+    d.pipe(ev("a", 1)).unwrap();
+    d.commit().unwrap();
+    d.pipe(ev("b", 1)).unwrap();
+    d.lose_next_commit_answer(false);
+    d.fail_next_producer_recreation("3 calls stuck");
+    let e = d.commit().expect_err("the commit must fail, not go on");
+    assert!(e.to_string().contains("3 calls stuck"), "{e}");
+    assert_eq!(out_ids(&d), ["a"]);
+    assert_eq!(d.committed_offset(0), Some(1));
+}
+
 #[test]
 fn a_transaction_of_unknown_outcome_repeats_nothing_and_loses_nothing() {
     for committed in [true, false] {

@@ -24,8 +24,9 @@
 //!   thread, so they tell even while the run loop waits on the stalled cluster (for a
 //!   commit's acknowledgements); the consumer's are served by the run loop's polls, so
 //!   they tell when the loop is idle, and the ones that queued up while it was blocked
-//!   are ignored when read more than [`STALE_REPORT_S`] after they were taken. A rebalance that keeps a member with no partitions
-//!   waiting in JoinGroup longer than that shows it not ready meanwhile.
+//!   are ignored when read more than [`STALE_REPORT_S`] after they were taken. A
+//!   rebalance that keeps a member with no partitions waiting in JoinGroup longer than
+//!   [`STALL_AFTER`] shows it not ready meanwhile.
 //!
 //! The state is per process (every client of it talks to the same cluster).
 

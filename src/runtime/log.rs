@@ -74,14 +74,17 @@ fn call_with_deadline<T: Send + 'static>(
     match result.recv_timeout(deadline) {
         Ok(r) => Ok(Some(r)),
         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            // Counted before it is marked left behind: its thread takes it off only after
+            // seeing the mark, so the count never goes below zero.
+            stuck.fetch_add(1, Ordering::SeqCst);
             if state
                 .compare_exchange(0, 2, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
             {
-                stuck.fetch_add(1, Ordering::SeqCst);
                 return Ok(None);
             }
             // It returned just now.
+            stuck.fetch_sub(1, Ordering::SeqCst);
             result.recv().map(Some).map_err(|_| panicked())
         }
         Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(panicked()),

@@ -30,6 +30,8 @@ pub(super) struct MemoryLog {
     /// Lose the answer of the next transaction commit: `Some(true)` after it committed,
     /// `Some(false)` before it reached the coordinator.
     pub(super) lose_commit_answer: Option<bool>,
+    /// Refuse the next re-creation of the producer with this reason (a broker error).
+    pub(super) refuse_recreation: Option<String>,
     /// A transaction's commit was started and has not ended.
     pub(super) committing: bool,
 }
@@ -155,6 +157,9 @@ impl CommitLog for MemoryLog {
     }
 
     fn recreate_producer(&mut self) -> Result<()> {
+        if let Some(reason) = self.refuse_recreation.take() {
+            return Err(crate::Error::Broker(reason));
+        }
         // The new producer's initialisation aborts a transaction that never committed.
         self.lose_in_flight();
         Ok(())

@@ -550,6 +550,13 @@ impl TestDriver {
         self.log.lose_commit_answer = Some(committed);
     }
 
+    /// exactly_once_v2: the next re-creation of the producer (after an unknown outcome)
+    /// fails with a broker error saying `reason`, as the Kafka runtime's does when the
+    /// brokers stay away or too many calls are stuck in old producers: the instance stops.
+    pub fn fail_next_producer_recreation(&mut self, reason: &str) {
+        self.log.refuse_recreation = Some(reason.to_string());
+    }
+
     /// The failpoint the driver last died at ([`Self::crash_at`]).
     pub fn crashed_at(&self) -> Option<&'static str> {
         self.crashed_at
