@@ -28,9 +28,9 @@ const SEND_OFFSETS_DEADLINE: Duration = Duration::from_secs(75);
 /// not returned yet.
 static STUCK_SEND_OFFSETS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many stuck send-offsets calls (each holding the producer it was made on) a process
-/// lives with: when one more would be needed, the re-creation of the producer fails and the
-/// instance stops (exit 1), so that a restart begins again from the last commit.
+/// The number of stuck send-offsets calls (each holding the producer it was made on) at
+/// which a process gives up: with this many stuck, the re-creation of the producer fails
+/// and the instance stops (exit 1), so that a restart begins again from the last commit.
 const MAX_STUCK_CALLS: usize = 3;
 
 /// Run `call` on a thread of its own and wait for it at most `deadline`: `Some` of its
