@@ -514,7 +514,7 @@ mod tests {
             time_s: Some(at_s),
             ..stats(true, Some(idle_us), 600_000_000)
         };
-        // The queue after a 75 s block: reports of the freeze, then a fresh one.
+        // Read after a 75 s block: reports taken during the freeze.
         link.note_stats_read(Client::Source, 0, taken(now_s - 40, stall_us + 1), now_s);
         link.note_stats_read(Client::Source, 0, taken(now_s - 39, stall_us + 2), now_s);
         assert!(link.reachable(), "old reports of silence are ignored");
