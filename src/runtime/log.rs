@@ -33,7 +33,8 @@ static STUCK_SEND_OFFSETS: AtomicUsize = AtomicUsize::new(0);
 /// and the instance stops (exit 1), so that a restart begins again from the last commit.
 const MAX_STUCK_CALLS: usize = 3;
 
-/// Run `call` on a thread of its own and wait for it at most `deadline`: `Some` of its
+/// Run `call` (the librdkafka call named `what`) on a thread of its own and wait for it at
+/// most `deadline`: `Some` of its
 /// result, or `None` when it has not returned by then. A call left behind counts in
 /// `stuck` until it returns (then a warning says how long it took); the thread, and what
 /// `call` owns, live until then.
@@ -42,6 +43,7 @@ const MAX_STUCK_CALLS: usize = 3;
 /// [`Error::Internal`] when the thread cannot start; [`Error::TransactionOutcomeUnknown`]
 /// when `call` panicked.
 fn call_with_deadline<T: Send + 'static>(
+    what: &'static str,
     stuck: &'static AtomicUsize,
     deadline: Duration,
     call: impl FnOnce() -> T + Send + 'static,
@@ -52,7 +54,7 @@ fn call_with_deadline<T: Send + 'static>(
     let started = std::time::Instant::now();
     let theirs = std::sync::Arc::clone(&state);
     std::thread::Builder::new()
-        .name("onceflow-txn-offsets".into())
+        .name("onceflow-txn-call".into())
         .spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
             if theirs
@@ -61,8 +63,9 @@ fn call_with_deadline<T: Send + 'static>(
             {
                 stuck.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!(
+                    call = what,
                     after_s = started.elapsed().as_secs(),
-                    "a send_offsets_to_transaction call left behind has returned: its producer is released"
+                    "a call left behind past its deadline has returned: its producer is released"
                 );
             }
             // A panic drops `done` unsent: the waiting side reads it as one.
@@ -70,7 +73,7 @@ fn call_with_deadline<T: Send + 'static>(
                 let _ = done.send(r);
             }
         })
-        .map_err(|e| Error::Internal(format!("cannot start the send-offsets thread: {e}")))?;
+        .map_err(|e| Error::Internal(format!("cannot start the thread of {what}: {e}")))?;
     match result.recv_timeout(deadline) {
         Ok(r) => Ok(Some(r)),
         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
@@ -85,9 +88,9 @@ fn call_with_deadline<T: Send + 'static>(
             }
             // It returned just now.
             stuck.fetch_sub(1, Ordering::SeqCst);
-            result.recv().map(Some).map_err(|_| panicked())
+            result.recv().map(Some).map_err(|_| panicked(what))
         }
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(panicked()),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(panicked(what)),
     }
 }
 
@@ -108,8 +111,8 @@ fn few_enough_stuck(stuck: usize) -> Result<()> {
     )))
 }
 
-fn panicked() -> Error {
-    Error::TransactionOutcomeUnknown("the send-offsets thread panicked".into())
+fn panicked(what: &str) -> Error {
+    Error::TransactionOutcomeUnknown(format!("the thread of {what} panicked"))
 }
 
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
@@ -307,7 +310,8 @@ impl CommitLog for KafkaLog<'_> {
         let cgm = std::sync::Arc::clone(cgm);
         let producer = std::sync::Arc::clone(self.producer);
         let call = move || producer.send_offsets_to_transaction(&tpl, &cgm);
-        match call_with_deadline(&STUCK_SEND_OFFSETS, SEND_OFFSETS_DEADLINE, call)? {
+        let what = "send_offsets_to_transaction";
+        match call_with_deadline(what, &STUCK_SEND_OFFSETS, SEND_OFFSETS_DEADLINE, call)? {
             Some(r) => r.map_err(|e| self.fenced_or(e)),
             None => Err(Error::TransactionOutcomeUnknown(format!(
                 "send_offsets_to_transaction did not return within {} s",
@@ -454,12 +458,12 @@ mod tests {
     #[test]
     fn a_call_past_its_deadline_counts_as_stuck_until_it_returns() {
         static STUCK: AtomicUsize = AtomicUsize::new(0);
-        let quick = call_with_deadline(&STUCK, Duration::from_secs(10), || 7).unwrap();
+        let quick = call_with_deadline("t", &STUCK, Duration::from_secs(10), || 7).unwrap();
         assert_eq!(quick, Some(7));
         assert_eq!(STUCK.load(Ordering::SeqCst), 0);
 
         let (release, wait) = std::sync::mpsc::channel::<()>();
-        let late = call_with_deadline(&STUCK, Duration::from_millis(50), move || {
+        let late = call_with_deadline("t", &STUCK, Duration::from_millis(50), move || {
             let _ = wait.recv();
             8
         })
@@ -476,8 +480,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
 
-        let panicked =
-            call_with_deadline(&STUCK, Duration::from_secs(10), || -> u8 { panic!("boom") });
+        let panicked = call_with_deadline("t", &STUCK, Duration::from_secs(10), || -> u8 {
+            panic!("boom")
+        });
         assert!(matches!(panicked, Err(Error::TransactionOutcomeUnknown(_))));
         assert_eq!(STUCK.load(Ordering::SeqCst), 0);
     }

@@ -58,6 +58,26 @@ pub(crate) struct MemoryStore {
     data: Shared,
 }
 
+impl MemoryStore {
+    /// Puts (`Some`) and deletes (`None`) in order, then the changelog offset if given.
+    fn apply<'a>(
+        &self,
+        ops: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+        changelog_offset: Option<i64>,
+    ) {
+        let mut d = self.data.lock().expect("memory store lock");
+        for (k, v) in ops {
+            match v {
+                Some(v) => d.0.put(k, v),
+                None => d.0.delete(k),
+            }
+        }
+        if changelog_offset.is_some() {
+            d.1 = changelog_offset;
+        }
+    }
+}
+
 impl KeyValueStore for MemoryStore {
     fn name(&self) -> &str {
         &self.name
@@ -74,31 +94,18 @@ impl KeyValueStore for MemoryStore {
     }
 
     fn write(&self, batch: WriteBatch) -> Result<()> {
-        let ops: Vec<(&[u8], Option<&[u8]>)> = batch
-            .ops
-            .iter()
-            .map(|(k, v)| (&k[..], v.as_deref()))
-            .collect();
-        self.write_ops(&ops, batch.changelog_offset, None)
+        let ops = batch.ops.iter().map(|(k, v)| (&k[..], v.as_deref()));
+        self.apply(ops, batch.changelog_offset);
+        Ok(())
     }
 
     fn write_ops(
         &self,
         ops: &[(&[u8], Option<&[u8]>)],
         changelog_offset: Option<i64>,
-        key_count: Option<u64>,
+        _key_count: Option<u64>,
     ) -> Result<()> {
-        let _ = key_count;
-        let mut d = self.data.lock().expect("memory store lock");
-        for (k, v) in ops {
-            match v {
-                Some(v) => d.0.put(k, v),
-                None => d.0.delete(k),
-            }
-        }
-        if changelog_offset.is_some() {
-            d.1 = changelog_offset;
-        }
+        self.apply(ops.iter().copied(), changelog_offset);
         Ok(())
     }
 
