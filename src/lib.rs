@@ -106,25 +106,9 @@ pub mod __testkit;
 /// allocates on several threads at once (processing, the state writer, librdkafka's
 /// callbacks); with glibc's allocator the state writer spent about half its time growing
 /// and consolidating its arena (measured with `perf` on `scripts/bench`).
-/// It also hands back to the kernel the pages of sled's metric histograms, which sled
-/// fills with zeros and never writes (see `allocator.rs`).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
-static GLOBAL: allocator::Allocator = allocator::Allocator;
-
-#[cfg(feature = "mimalloc")]
-pub(crate) mod allocator;
-
-/// Without onceflow's allocator nothing notes sled's histograms: opening sled is just that.
-#[cfg(not(feature = "mimalloc"))]
-pub(crate) mod allocator {
-    pub(crate) fn first_sled_open<T>(open: impl FnOnce() -> T) -> T {
-        open()
-    }
-    pub(crate) fn sled_histogram_bytes_released() -> usize {
-        0
-    }
-}
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Turn transparent huge pages off for this process, as [`App::run`] does at start when
 /// onceflow's allocator is mimalloc (feature `mimalloc`, Linux). mimalloc asks the kernel

@@ -40,12 +40,6 @@ pub fn limit_huge_pages() -> bool {
     crate::limit_huge_pages()
 }
 
-/// Bytes of sled's metric histograms that onceflow's allocator handed back to the kernel
-/// in this process (see `src/allocator.rs`; 0 without feature `mimalloc`).
-pub fn sled_histogram_bytes_released() -> usize {
-    crate::allocator::sled_histogram_bytes_released()
-}
-
 /// Name of the changelog topic of `store` in application `app`.
 pub fn changelog_topic(app: &str, store: &str) -> String {
     crate::state::restore::changelog_topic(app, store)

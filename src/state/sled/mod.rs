@@ -285,19 +285,16 @@ impl SledBackend {
     /// database closed in this process is gone, which its background threads may hold for
     /// a moment after the database was dropped: a lock held is tried again for up to
     /// [`LOCK_WAIT`]. Another process holding the state dir is refused before this, by
-    /// the state-dir lock ([`crate::state::StateDirLock`]). The first open in the process
-    /// hands sled's unused metric histograms back to the kernel (`crate::allocator`).
+    /// the state-dir lock ([`crate::state::StateDirLock`]).
     fn open_sled(dir: &Path) -> std::result::Result<::sled::Db, ::sled::Error> {
         let deadline = std::time::Instant::now() + LOCK_WAIT;
         loop {
-            let opened = crate::allocator::first_sled_open(|| {
-                ::sled::Config::new()
-                    .path(dir)
-                    .cache_capacity(256 * 1024 * 1024)
-                    .mode(::sled::Mode::LowSpace)
-                    .flush_every_ms(Some(1000))
-                    .open()
-            });
+            let opened = ::sled::Config::new()
+                .path(dir)
+                .cache_capacity(256 * 1024 * 1024)
+                .mode(::sled::Mode::LowSpace)
+                .flush_every_ms(Some(1000))
+                .open();
             match opened {
                 Err(e)
                     if e.to_string().contains("could not acquire lock")
