@@ -132,6 +132,13 @@ pub fn read_batch(
 
 // ------------------------------------------------------------------------ state
 
+/// A lookup table's records for [`drive_tasks`]: `(partition, offset, key, value)`.
+pub type TableRows = Vec<(i32, i64, Option<Vec<u8>>, Option<Vec<u8>>)>;
+
+/// What [`read_state`] returns: the stored next offsets by partition, and the values of the
+/// keys asked for.
+pub type StateRead = (BTreeMap<i32, i64>, Vec<Option<Vec<u8>>>);
+
 /// Process `records` through one task per source partition of `topology` (as many as the
 /// highest partition among them, at least one: with no record, it only builds a task's
 /// processors and stores, as on assignment, and commits), each record at the next offset of its partition, timed
@@ -150,7 +157,7 @@ pub fn read_batch(
 pub fn drive_tasks(
     topology: &Topology,
     sled_dir: Option<&Path>,
-    tables: &[(&str, Vec<(i32, i64, Option<Vec<u8>>, Option<Vec<u8>>)>)],
+    tables: &[(&str, TableRows)],
     records: Vec<crate::TestRecord>,
     commit_every: usize,
     wall_clock_ms: Option<i64>,
@@ -417,7 +424,7 @@ pub fn read_state(
     name: &str,
     partition: Option<i32>,
     keys: &[&[u8]],
-) -> Result<(BTreeMap<i32, i64>, Vec<Option<Vec<u8>>>)> {
+) -> Result<StateRead> {
     let backend = SledBackend::open(dir)?;
     match partition {
         Some(p) => {

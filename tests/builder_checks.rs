@@ -146,8 +146,10 @@ stages:
         .build()
         .unwrap();
     assert_eq!(from_file, from_builder);
-    let mut p = ReservationPolicy::default();
-    p.lease = Duration::from_secs(3600);
+    let mut p = ReservationPolicy {
+        lease: Duration::from_secs(3600),
+        ..ReservationPolicy::default()
+    };
     assert_eq!(p.give_up(), Duration::from_secs(7200));
     p.in_flight_give_up = Some(Duration::from_secs(5));
     assert_eq!(p.give_up(), Duration::from_secs(5));

@@ -436,7 +436,7 @@ stages:
             let value = format!(r#"{{"id":"id{i}"}}"#);
             p.send(
                 &names.input,
-                Some((i % 4 % 3) as i32),
+                Some(i % 4 % 3),
                 Some(key.as_bytes()),
                 Some(value.as_bytes()),
                 &[],

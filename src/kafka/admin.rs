@@ -494,6 +494,11 @@ fn all_deleted(
     Ok(())
 }
 
+/// The longest one metadata request may wait: [`Admin::partition_count`] retries for up to
+/// two minutes, in attempts this long, so that a stop asked for meanwhile
+/// ([`crate::kafka::retry::cancellable`]) is seen within seconds.
+const METADATA_ATTEMPT: Duration = Duration::from_secs(5);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,8 +575,3 @@ mod tests {
         assert_eq!(changelog_mismatches(&c), vec![]);
     }
 }
-
-/// The longest one metadata request may wait: [`Admin::partition_count`] retries for up to
-/// two minutes, in attempts this long, so that a stop asked for meanwhile
-/// ([`crate::kafka::retry::cancellable`]) is seen within seconds.
-const METADATA_ATTEMPT: Duration = Duration::from_secs(5);

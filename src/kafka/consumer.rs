@@ -268,6 +268,42 @@ pub(crate) fn create_watermark_client(cfg: &Config) -> Result<BaseConsumer> {
     c.create().map_err(crate::kafka::config_error)
 }
 
+/// The headers of a fetched record, in order: name and value (`None`: a null value).
+///
+/// Kafka's protocol makes a header name a string, but the broker takes any bytes. A name
+/// that is not UTF-8 is decoded with U+FFFD replacement characters, as Kafka's Java client
+/// decodes it; rdkafka's own header iterator panics on one. Values are never decoded.
+pub fn header_pairs(
+    headers: Option<&rdkafka::message::BorrowedHeaders>,
+) -> impl Iterator<Item = (std::borrow::Cow<'_, str>, Option<&[u8]>)> {
+    use rdkafka::bindings as rd;
+    // rdkafka's `BorrowedHeaders` is the librdkafka headers list itself.
+    let list = headers.map_or(std::ptr::null(), |h| {
+        h as *const rdkafka::message::BorrowedHeaders as *const rd::rd_kafka_headers_t
+    });
+    // SAFETY: a list of a live message (or none).
+    let count = if list.is_null() {
+        0
+    } else {
+        unsafe { rd::rd_kafka_header_cnt(list) }
+    };
+    (0..count).filter_map(move |i| {
+        let mut name = std::ptr::null();
+        let mut value = std::ptr::null();
+        let mut size = 0;
+        // SAFETY: `i` < the list's count; what it points to lives as long as `headers`.
+        let err = unsafe { rd::rd_kafka_header_get_all(list, i, &mut name, &mut value, &mut size) };
+        if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            return None;
+        }
+        // SAFETY: a NUL-terminated name and `size` value bytes owned by the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+        let value = (!value.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) });
+        Some((name, value))
+    })
+}
+
 #[cfg(test)]
 mod restore_consumer_tests {
     use super::*;
@@ -353,40 +389,4 @@ mod restore_consumer_tests {
         assert_eq!(c.get("enable.auto.commit"), Some("false"));
         assert_eq!(c.get("fetch.wait.max.ms"), Some("10"));
     }
-}
-
-/// The headers of a fetched record, in order: name and value (`None`: a null value).
-///
-/// Kafka's protocol makes a header name a string, but the broker takes any bytes. A name
-/// that is not UTF-8 is decoded with U+FFFD replacement characters, as Kafka's Java client
-/// decodes it; rdkafka's own header iterator panics on one. Values are never decoded.
-pub fn header_pairs(
-    headers: Option<&rdkafka::message::BorrowedHeaders>,
-) -> impl Iterator<Item = (std::borrow::Cow<'_, str>, Option<&[u8]>)> {
-    use rdkafka::bindings as rd;
-    // rdkafka's `BorrowedHeaders` is the librdkafka headers list itself.
-    let list = headers.map_or(std::ptr::null(), |h| {
-        h as *const rdkafka::message::BorrowedHeaders as *const rd::rd_kafka_headers_t
-    });
-    // SAFETY: a list of a live message (or none).
-    let count = if list.is_null() {
-        0
-    } else {
-        unsafe { rd::rd_kafka_header_cnt(list) }
-    };
-    (0..count).filter_map(move |i| {
-        let mut name = std::ptr::null();
-        let mut value = std::ptr::null();
-        let mut size = 0;
-        // SAFETY: `i` < the list's count; what it points to lives as long as `headers`.
-        let err = unsafe { rd::rd_kafka_header_get_all(list, i, &mut name, &mut value, &mut size) };
-        if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
-            return None;
-        }
-        // SAFETY: a NUL-terminated name and `size` value bytes owned by the list.
-        let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
-        let value = (!value.is_null())
-            .then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) });
-        Some((name, value))
-    })
 }

@@ -105,8 +105,12 @@ pub(crate) struct Task {
     /// ([`Record::keyed`](crate::Record)) was scanned by the router, which read its key
     /// from these very bytes, so its value is valid JSON: it is scanned for these only, and
     /// not at all when there are none (the dedup takes its Kafka key).
-    keyed_pointers: Option<(std::sync::Arc<[String]>, Vec<Vec<String>>)>,
+    keyed_pointers: Option<KeyedPointers>,
 }
+
+/// The JSON pointers the stages after a repartition hop read (shared by the tasks), each
+/// also split into its reference tokens.
+type KeyedPointers = (std::sync::Arc<[String]>, Vec<Vec<String>>);
 
 /// A changelog record handed to [`Task::restore_records`]: key, value (`None`: a
 /// tombstone) and changelog offset.
@@ -778,7 +782,7 @@ fn dead_letter_counters(
 
 /// [`Task::keyed_pointers`] of the tasks on a repartition topic: `None` without a hop, or
 /// when the hop's dedup key is not read from the value (the router did not scan it).
-fn keyed_pointers(topology: &Topology) -> Option<(std::sync::Arc<[String]>, Vec<Vec<String>>)> {
+fn keyed_pointers(topology: &Topology) -> Option<KeyedPointers> {
     let (k, _, d) = topology.hop().ok().flatten()?;
     if !d.key.needs_json() {
         return None;

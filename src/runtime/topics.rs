@@ -351,6 +351,31 @@ pub(crate) struct PreparedTopics {
     pub(crate) record_limits: std::collections::HashMap<String, usize>,
 }
 
+/// The error for changelog `topic` of `store` with `m` partitions against source `src`
+/// with `n`: what to do (grow the changelog: its partitions keep their marks; deleting it
+/// would lose them, and a local store ahead of its changelog is cleared).
+pub(crate) fn changelog_count_advice(
+    store: &str,
+    topic: &str,
+    m: usize,
+    src: &str,
+    n: usize,
+) -> String {
+    let what = format!(
+        "changelog topic {topic} of store {store} has {m} partitions, but source topic {src} has {n}; they must match"
+    );
+    if m < n {
+        format!(
+            "{what}: grow the changelog too (kafka-topics.sh --alter --topic {topic} --partitions {n}), \
+             which keeps its marks (do not delete it: the marks would be lost and their duplicates pass). \
+             A copy of an id may now arrive on another partition than its first occurrence: \
+             use `partitioning: repartition` unless the producer keeps each id on one partition"
+        )
+    } else {
+        format!("{what}: a topic's partitions cannot be reduced; use a new application.id")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
@@ -492,30 +517,5 @@ mod tests {
             assert!(err.contains("only filter and map stages"), "{err}");
             assert!(err.contains("partitioning: source"), "{err}");
         }
-    }
-}
-
-/// The error for changelog `topic` of `store` with `m` partitions against source `src`
-/// with `n`: what to do (grow the changelog: its partitions keep their marks; deleting it
-/// would lose them, and a local store ahead of its changelog is cleared).
-pub(crate) fn changelog_count_advice(
-    store: &str,
-    topic: &str,
-    m: usize,
-    src: &str,
-    n: usize,
-) -> String {
-    let what = format!(
-        "changelog topic {topic} of store {store} has {m} partitions, but source topic {src} has {n}; they must match"
-    );
-    if m < n {
-        format!(
-            "{what}: grow the changelog too (kafka-topics.sh --alter --topic {topic} --partitions {n}), \
-             which keeps its marks (do not delete it: the marks would be lost and their duplicates pass). \
-             A copy of an id may now arrive on another partition than its first occurrence: \
-             use `partitioning: repartition` unless the producer keeps each id on one partition"
-        )
-    } else {
-        format!("{what}: a topic's partitions cannot be reduced; use a new application.id")
     }
 }

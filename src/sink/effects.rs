@@ -956,11 +956,14 @@ async fn create_inbox(c: &tokio_postgres::Client, table: &str) -> Result<bool, S
     }
 }
 
+/// An inbox row to write with an effect: `((table, scope, key), attempt)`.
+type InboxRow<'a> = ((&'a str, &'a str, &'a [u8]), Option<i64>);
+
 /// Run the statement once; with an inbox `((table, scope, key), attempt)`, in one
 /// transaction with its inbox row (stamped with `attempt` when the table has the column).
 async fn pg_once(
     c: &mut tokio_postgres::Client,
-    inbox: Option<((&str, &str, &[u8]), Option<i64>)>,
+    inbox: Option<InboxRow<'_>>,
     sql: &str,
     params: &[String],
 ) -> Result<EffectOutcome, tokio_postgres::Error> {

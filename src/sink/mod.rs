@@ -500,7 +500,7 @@ impl ExternalSinkSpec {
                 for (k, _) in &h.headers {
                     if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
                         errs.push(FieldError::at(
-                            &format!("headers.{k}"),
+                            format!("headers.{k}"),
                             format!("{k:?} is not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)"),
                         ));
                     }

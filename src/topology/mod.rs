@@ -49,6 +49,9 @@ pub struct Topology {
     topic_formats: std::collections::BTreeMap<String, Format>,
 }
 
+/// A repartition hop: the dedup stage's index among the stages, its name and its spec.
+pub(crate) type Hop<'a> = (usize, &'a str, &'a DedupSpec);
+
 impl Topology {
     /// This topology with its external sinks' local stores bound to an instance's state
     /// dir (see [`crate::sink::ExternalSinkSpec::bind_state_dir`]); `App::run` calls it with
@@ -135,12 +138,12 @@ impl Topology {
     /// including a second repartitioning one: one hop per topology; an enrich, route,
     /// sink or external sink): its state or effects would run on the source partitions,
     /// before the copies of a key meet.
-    pub(crate) fn hop(&self) -> Result<Option<(usize, &str, &DedupSpec)>, String> {
+    pub(crate) fn hop(&self) -> Result<Option<Hop<'_>>, String> {
         self.hop_at().map_err(|(_, why)| why)
     }
 
     /// As [`Topology::hop`]; the error also gives the index of the dedup stage refused.
-    pub(crate) fn hop_at(&self) -> Result<Option<(usize, &str, &DedupSpec)>, (usize, String)> {
+    pub(crate) fn hop_at(&self) -> Result<Option<Hop<'_>>, (usize, String)> {
         let repartitioned = self.repartitioned();
         for (i, name, d) in &repartitioned {
             let Some(before) = self.stages[..*i]

@@ -123,6 +123,10 @@ struct ByHash {
 /// Entries a bucket of [`ByHash`] holds on average before the buckets double.
 const BUCKET_FILL: usize = 16;
 
+/// The old segments a batch takes keys out of, by id: each one's bytes and the `(hash,
+/// key)` pairs to drop from it.
+type Touched<'a> = HashMap<u32, (::sled::IVec, Vec<(u64, &'a [u8])>)>;
+
 /// A hash and its segment in 12 bytes (a `(u64, u32)` takes 16).
 #[derive(Clone, Copy)]
 struct HashEntry([u32; 3]);
@@ -420,7 +424,7 @@ impl SledStore {
             hashbrown::HashSet::with_capacity_and_hasher(ops.len(), ahash::RandomState::new());
         let mut puts: Vec<(u64, &[u8], &[u8])> = Vec::with_capacity(ops.len());
         // Old segments an op takes a key out of: the segment's bytes and the keys to drop.
-        let mut touched: HashMap<u32, (::sled::IVec, Vec<(u64, &[u8])>)> = HashMap::new();
+        let mut touched: Touched<'_> = HashMap::new();
         for (k, v) in ops.iter().rev() {
             let k = k.as_ref();
             if !seen.insert(k) {
