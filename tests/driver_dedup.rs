@@ -582,12 +582,6 @@ fn an_aborted_transaction_rewinds_and_repeats_nothing() {
     );
 }
 
-/// exactly_once_v2: a transaction whose commit answer is lost, after it committed or
-/// before, is never retried blindly: the producer is re-created, the staged marks dropped,
-/// the stores restored from the changelog (which holds the marks if it committed) and the
-/// records read again from the committed offsets. Later repeats of every id are dropped
-/// and nothing is output twice or lost. (Treated as an abort, the committed case would
-/// lose the marks of c and d, and their repeats would pass again.)
 /// After an unknown outcome the producer must be re-created; when that fails (the brokers
 /// stay away, or three send-offsets calls are stuck in old producers, librdkafka #5456),
 /// the commit returns the error, which stops the instance, and nothing of the transaction
@@ -606,6 +600,12 @@ fn a_producer_that_cannot_be_re_created_stops_the_instance() {
     assert_eq!(d.committed_offset(0), Some(1));
 }
 
+/// exactly_once_v2: a transaction whose commit answer is lost, after it committed or
+/// before, is never retried blindly: the producer is re-created, the staged marks dropped,
+/// the stores restored from the changelog (which holds the marks if it committed) and the
+/// records read again from the committed offsets. Later repeats of every id are dropped
+/// and nothing is output twice or lost. (Treated as an abort, the committed case would
+/// lose the marks of c and d, and their repeats would pass again.)
 #[test]
 fn a_transaction_of_unknown_outcome_repeats_nothing_and_loses_nothing() {
     for committed in [true, false] {

@@ -34,10 +34,9 @@ static STUCK_SEND_OFFSETS: AtomicUsize = AtomicUsize::new(0);
 const MAX_STUCK_CALLS: usize = 3;
 
 /// Run `call` (the librdkafka call named `what`) on a thread of its own and wait for it at
-/// most `deadline`: `Some` of its
-/// result, or `None` when it has not returned by then. A call left behind counts in
-/// `stuck` until it returns (then a warning says how long it took); the thread, and what
-/// `call` owns, live until then.
+/// most `deadline`: `Some` of its result, or `None` when it has not returned by then. A
+/// call left behind counts in `stuck` until it returns (then a warning says how long it
+/// took); the thread, and what `call` owns, live until then.
 ///
 /// # Errors
 /// [`Error::Internal`] when the thread cannot start; [`Error::TransactionOutcomeUnknown`]
