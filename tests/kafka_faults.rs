@@ -486,9 +486,11 @@ fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under
         // session lapsed while it was frozen), and the commit waits for them until their
         // delivery times out (`message.timeout.ms`, 300 s by default, 40 s here); the
         // instance then stops with the delivery error and the restart resumes from the
-        // last commit. This matches librdkafka issue #5430 (open in 2026: a leader of -1
-        // in a produce response's leader hint leaves the partition without a leader for
-        // good).
+        // last commit. Upstream this looks like librdkafka issue #5430 (open), but the
+        // 2.12.1 source skips a leader hint of -1 and keeps re-querying leaderless
+        // partitions every second, so the hint alone does not explain it; more likely a
+        // broker hand-off or the idempotent producer's wait for in-flight requests never
+        // ends (not yet confirmed by a debug log). No client setting would help.
         Scenario::on_target(
             "broker frozen (SIGSTOP) for 22 s",
             "at_least_once",
