@@ -248,7 +248,10 @@ pub fn start_in(
     }
     cmd.args(extra);
     cmd.env("ONCEFLOW_BOOTSTRAP_SERVERS", bootstrap());
-    cmd.env("ONCEFLOW_LOG", "info");
+    // `ONCEFLOW_TEST_CHILD_LOG` overrides the instance's log filter (e.g.
+    // `info,librdkafka=debug` with `ONCEFLOW__KAFKA__PRODUCER__DEBUG=broker,topic`).
+    let log = std::env::var("ONCEFLOW_TEST_CHILD_LOG").unwrap_or_else(|_| "info".into());
+    cmd.env("ONCEFLOW_LOG", log);
     for (k, v) in env {
         cmd.env(k, v);
     }
