@@ -17,9 +17,11 @@
 //!    The medians of (a) and (b) and the ratio b/a (target >= 0.8) are reported. Each side
 //!    runs in a child process of its own (this program, `ONCEFLOW_BENCH_CHILD` set), so its
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
-//!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record. With
-//!    `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process; `scripts/bench` sets it) also
-//!    the broker's CPU µs per record over each side's run: both share the machine.
+//!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record, in all and by kind of
+//!    thread (`ThreadCpu`: the main thread, librdkafka's, the delivery reports', the state
+//!    writer's). With `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process;
+//!    `scripts/bench` sets it) also the broker's CPU µs per record over each side's run:
+//!    both share the machine.
 //! 3. Without a broker, over the same N pre-built records, with the sled backend (written
 //!    behind, as `App::run` does) and with the memory backend, committing state every
 //!    10,000 records (plus an fsync for sled), decisions/s:
@@ -67,9 +69,10 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientConfig, ClientContext};
+use std::collections::BTreeMap;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{
     cleanup, dedup_topology, dedup_topology_partitioned, generate, load, load_random_keys, median,
@@ -235,6 +238,8 @@ struct ChildRun {
     /// The broker's user + system CPU time over the child's run, seconds, when
     /// `ONCEFLOW_BENCH_BROKER_PID` names a local broker process.
     broker_cpu_seconds: Option<f64>,
+    /// The child's CPU time by kind of thread (see [`ThreadCpu`]): `kind:seconds,...`.
+    threads: String,
 }
 
 impl ChildRun {
@@ -248,12 +253,117 @@ impl ChildRun {
                 )
             })
             .unwrap_or_default();
+        let per_record = |secs: f64| secs * 1e6 / self.records.max(1) as f64;
+        let threads: Vec<String> = self
+            .threads
+            .split(',')
+            .filter_map(|kv| kv.split_once(':'))
+            .filter_map(|(k, v)| Some(format!("{k}:{:.2}", per_record(v.parse().ok()?))))
+            .collect();
+        let threads = if threads.is_empty() {
+            String::new()
+        } else {
+            format!(" threads_cpu_us_per_record={}", threads.join(","))
+        };
         format!(
-            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}{broker}",
+            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}{broker}{threads}",
             self.peak_rss as f64 / (1024.0 * 1024.0),
             self.cpu_seconds,
-            self.cpu_seconds * 1e6 / self.records.max(1) as f64
+            per_record(self.cpu_seconds)
         )
+    }
+}
+
+/// The CPU time of this process's threads by kind, sampled from `/proc/self/task` every
+/// 100 ms by a thread of its own, so that threads which end before the run does (clients
+/// closed at the stop) still count, less at most their last 100 ms. Kinds: `main` (the
+/// process's first thread: the run loop, or the passthrough's loop), `librdkafka` (`rdk:*`),
+/// `delivery` (rdkafka's producer polling thread, which serves the delivery reports),
+/// `state_writer`, `sled` (sled's I/O threads), `other`.
+struct ThreadCpu {
+    seen: Arc<Mutex<BTreeMap<u32, (String, u64)>>>,
+    stop: Arc<AtomicBool>,
+    sampler: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ThreadCpu {
+    fn start() -> ThreadCpu {
+        let seen = Arc::new(Mutex::new(BTreeMap::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st) = (seen.clone(), stop.clone());
+        let sampler = std::thread::Builder::new()
+            .name("bench-threads".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    Self::sample(&s);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+            .ok();
+        ThreadCpu {
+            seen,
+            stop,
+            sampler,
+        }
+    }
+
+    /// Note the name and user + system clock ticks of every live thread.
+    fn sample(seen: &Mutex<BTreeMap<u32, (String, u64)>>) {
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // `tid (comm) state ...`: utime and stime are the 12th and 13th fields after
+            // the closing parenthesis of the name (which may hold spaces).
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let comm = stat[open + 1..close].to_string();
+            let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            seen.lock()
+                .unwrap()
+                .insert(tid, (comm, ticks(11) + ticks(12)));
+        }
+    }
+
+    /// Stop sampling; ` threads=kind:seconds,...` for the child's result line.
+    fn finish(mut self) -> String {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.sampler.take() {
+            let _ = t.join();
+        }
+        Self::sample(&self.seen);
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let pid = std::process::id();
+        let mut by_kind: BTreeMap<&str, u64> = BTreeMap::new();
+        for (tid, (comm, ticks)) in self.seen.lock().unwrap().iter() {
+            let kind = match comm.as_str() {
+                _ if *tid == pid => "main",
+                c if c.starts_with("rdk:") => "librdkafka",
+                c if c.starts_with("producer poll") => "delivery",
+                c if c.starts_with("onceflow-state") => "state_writer",
+                c if c.starts_with("sled") => "sled",
+                _ => "other",
+            };
+            *by_kind.entry(kind).or_default() += ticks;
+        }
+        let kinds: Vec<String> = by_kind
+            .iter()
+            .map(|(k, t)| format!("{k}:{:.2}", *t as f64 / hz))
+            .collect();
+        format!(" threads={}", kinds.join(","))
     }
 }
 
@@ -333,6 +443,7 @@ fn run_child(args: &[&str]) -> Res<ChildRun> {
         },
         cpu_seconds: tv(usage.ru_utime) + tv(usage.ru_stime),
         broker_cpu_seconds: broker_before.zip(broker_cpu_seconds()).map(|(a, b)| b - a),
+        threads: field("threads").unwrap_or("").to_string(),
     })
 }
 
@@ -355,14 +466,21 @@ fn child_main(spec: &str, bootstrap: &str) -> Res<()> {
     let a: Vec<&str> = spec.split(' ').collect();
     match a.as_slice() {
         ["passthrough", input, output, group, n] => {
+            let cpu = ThreadCpu::start();
             let (n, secs) = passthrough(bootstrap, input, output, group, n.parse()?)?;
-            println!("child-result: records={n} seconds={secs}{}", vmhwm());
+            let threads = cpu.finish();
+            println!(
+                "child-result: records={n} seconds={secs}{}{threads}",
+                vmhwm()
+            );
         }
         ["onceflow", input, output, app] => {
+            let cpu = ThreadCpu::start();
             let summary = run_onceflow(bootstrap, input, output, app)?;
+            let threads = cpu.finish();
             println!("{}", summary.line());
             println!(
-                "child-result: records={} seconds={}{}",
+                "child-result: records={} seconds={}{}{threads}",
                 summary.counts.records_in,
                 summary.seconds,
                 vmhwm()
