@@ -279,7 +279,7 @@ impl ChildRun {
 /// closed at the stop) still count, less at most their last 100 ms. Kinds: `main` (the
 /// process's first thread: the run loop, or the passthrough's loop), `librdkafka` (`rdk:*`),
 /// `delivery` (rdkafka's producer polling thread, which serves the delivery reports),
-/// `state_writer`, `sled` (sled's I/O threads), `other`.
+/// `state_writer`, `sled` (sled's I/O threads and its log flusher), `other`.
 struct ThreadCpu {
     seen: Arc<Mutex<BTreeMap<u32, (String, u64)>>>,
     stop: Arc<AtomicBool>,
@@ -354,7 +354,7 @@ impl ThreadCpu {
                 c if c.starts_with("rdk:") => "librdkafka",
                 c if c.starts_with("producer poll") => "delivery",
                 c if c.starts_with("onceflow-state") => "state_writer",
-                c if c.starts_with("sled") => "sled",
+                c if c.starts_with("sled") || c == "log flusher" => "sled",
                 _ => "other",
             };
             *by_kind.entry(kind).or_default() += ticks;
