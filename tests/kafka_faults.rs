@@ -482,15 +482,16 @@ fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing_under
         .stays_up(),
         // Not `stays_up`: in about one run in six here (until 2026-12-05; none in the 16
         // runs of that day), after the thaw librdkafka's producer no longer sends the
-        // records of the partitions whose metadata showed no leader for a moment ("new leader-1"; the controller fenced the broker whose
-        // session lapsed while it was frozen), and the commit waits for them until their
-        // delivery times out (`message.timeout.ms`, 300 s by default, 40 s here); the
-        // instance then stops with the delivery error and the restart resumes from the
-        // last commit. Upstream this looks like librdkafka issue #5430 (open), but the
-        // 2.12.1 source skips a leader hint of -1 and keeps re-querying leaderless
-        // partitions every second, so the hint alone does not explain it; more likely a
-        // broker hand-off or the idempotent producer's wait for in-flight requests never
-        // ends (not yet confirmed by a debug log). No client setting would help.
+        // records of the partitions whose metadata showed no leader for a moment ("new
+        // leader-1"; the controller fenced the broker whose session lapsed while it was
+        // frozen), and the commit waits for them until their delivery times out
+        // (`message.timeout.ms`, 300 s by default, 40 s here); the instance then stops
+        // with the delivery error and the restart resumes from the last commit. Upstream
+        // this looks like librdkafka issue #5430 (open), but the 2.12.1 source skips a
+        // leader hint of -1 and keeps re-querying leaderless partitions every second, so
+        // the hint alone does not explain it; more likely a broker hand-off or the
+        // idempotent producer's wait for in-flight requests never ends (not yet confirmed
+        // by a debug log). No client setting would help.
         Scenario::on_target(
             "broker frozen (SIGSTOP) for 22 s",
             "at_least_once",
