@@ -323,17 +323,10 @@ impl ThreadCpu {
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
                 continue;
             };
-            // `tid (comm) state ...`: utime and stime are the 12th and 13th fields after
-            // the closing parenthesis of the name (which may hold spaces).
-            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            let Some((comm, ticks)) = stat_cpu(&stat) else {
                 continue;
             };
-            let comm = stat[open + 1..close].to_string();
-            let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            seen.lock()
-                .unwrap()
-                .insert(tid, (comm, ticks(11) + ticks(12)));
+            seen.lock().unwrap().insert(tid, (comm.to_string(), ticks));
         }
     }
 
@@ -344,8 +337,7 @@ impl ThreadCpu {
             let _ = t.join();
         }
         Self::sample(&self.seen);
-        // SAFETY: sysconf reads a constant of the system.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let hz = clock_ticks_per_second().unwrap_or(100.0);
         let pid = std::process::id();
         let mut by_kind: BTreeMap<&str, u64> = BTreeMap::new();
         for (tid, (comm, ticks)) in self.seen.lock().unwrap().iter() {
@@ -373,14 +365,25 @@ impl ThreadCpu {
 fn broker_cpu_seconds() -> Option<f64> {
     let pid = std::env::var("ONCEFLOW_BENCH_BROKER_PID").ok()?;
     let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).ok()?;
-    // Fields after the command name (which may hold spaces, closed by the last ')'):
-    // utime and stime are the 14th and 15th fields of the line, in clock ticks.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    let (_, ticks) = stat_cpu(&stat)?;
+    Some(ticks as f64 / clock_ticks_per_second()?)
+}
+
+/// The name and the user + system CPU time (clock ticks) of a process's or thread's
+/// `/proc/.../stat` line: `pid (comm) state ...`, utime and stime the 14th and 15th
+/// fields, counted after the name (which may hold spaces, closed by the last ')').
+fn stat_cpu(stat: &str) -> Option<(&str, u64)> {
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some((&stat[open + 1..close], ticks))
+}
+
+/// Clock ticks per second of `/proc`'s CPU times.
+fn clock_ticks_per_second() -> Option<f64> {
     // SAFETY: sysconf reads a constant of the system.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| ticks / hz as f64)
+    (hz > 0).then_some(hz as f64)
 }
 
 /// Run one side of a round in a child process (this program with [`CHILD_ENV`] set), so
