@@ -1,6 +1,6 @@
 //! In-memory store engine, for the test driver and for comparison benchmarks.
 
-use super::{KeyValueStore, StateBackend, WriteBatch};
+use super::{Counted, KeyValueStore, StateBackend, WriteBatch};
 use crate::error::Result;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -103,7 +103,7 @@ impl KeyValueStore for MemoryStore {
         &self,
         ops: &[(&[u8], Option<&[u8]>)],
         changelog_offset: Option<i64>,
-        _key_count: Option<u64>,
+        _count: Option<Counted<'_>>,
     ) -> Result<()> {
         self.apply(ops.iter().copied(), changelog_offset);
         Ok(())

@@ -47,6 +47,18 @@ pub(crate) struct WriteBatch {
 
 /// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
 /// shared between the processing thread (reads) and the [`Writer`] (batches).
+/// The key count that goes with a [`KeyValueStore::write_ops`], when the caller knows it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counted<'a> {
+    /// Keys the store holds after the ops.
+    pub(crate) after: u64,
+    /// Each op's change to the count, one per op: `1` is a put of a key the store did not
+    /// hold just before it (so an engine need not look for an older copy, unless an earlier
+    /// op of the same key is among these ops), `-1` a delete of a key it held, `0` anything
+    /// else.
+    pub(crate) deltas: &'a [i8],
+}
+
 pub(crate) trait KeyValueStore: Send + Sync {
     /// Store name and partition, for messages, e.g. `dedup/3`.
     fn name(&self) -> &str;
@@ -64,10 +76,11 @@ pub(crate) trait KeyValueStore: Send + Sync {
     fn write(&self, batch: WriteBatch) -> Result<()>;
 
     /// As [`KeyValueStore::write`], from borrowed buffers (puts and deletes in order, a later
-    /// op on a key wins), with the number of keys the store holds after them when the
-    /// caller knows it (stored in the same batch by engines that keep it, see
-    /// [`KeyValueStore::key_count`]). The default copies the ops into a [`WriteBatch`] and
-    /// ignores the count.
+    /// op on a key wins), with the key count when the caller knows it ([`Counted`]: the
+    /// number of keys the store holds after the ops, stored in the same batch by engines
+    /// that keep it, see [`KeyValueStore::key_count`]; and each op's change to it, which
+    /// tells an engine which keys are new). The default copies the ops into a
+    /// [`WriteBatch`] and ignores the count.
     ///
     /// # Errors
     /// [`crate::Error::State`] when the engine fails to write; nothing was applied then.
@@ -75,9 +88,9 @@ pub(crate) trait KeyValueStore: Send + Sync {
         &self,
         ops: &[(&[u8], Option<&[u8]>)],
         changelog_offset: Option<i64>,
-        key_count: Option<u64>,
+        count: Option<Counted<'_>>,
     ) -> Result<()> {
-        let _ = key_count;
+        let _ = count;
         self.write(WriteBatch {
             ops: ops
                 .iter()

@@ -220,7 +220,10 @@ pub(super) fn write_job(job: Job) {
         // The count after this chunk, stored with it: always consistent with the data.
         let count = job.count.as_ref().map(|(base, deltas)| {
             let d: i64 = deltas[..end].iter().map(|d| i64::from(*d)).sum();
-            base.saturating_add_signed(d)
+            Counted {
+                after: base.saturating_add_signed(d),
+                deltas: &deltas[at..end],
+            }
         });
         let result = job
             .engine
