@@ -105,13 +105,27 @@ impl<'a> BatchRecord<'a> {
                 &mut hdrs,
             )
         };
-        let list = if err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
-            hdrs as *const rd::rd_kafka_headers_t
+        let count = if err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && !hdrs.is_null()
+        {
+            // SAFETY: headers returned just above.
+            unsafe { rd::rd_kafka_header_cnt(hdrs) }
         } else {
-            std::ptr::null()
+            0
         };
-        // SAFETY: the message's own headers (or none), living for 'a.
-        unsafe { crate::kafka::consumer::list_pairs(list) }
+        (0..count).filter_map(move |i| {
+            let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0);
+            // SAFETY: `i` < the count of the message's headers, which live for 'a.
+            let err =
+                unsafe { rd::rd_kafka_header_get_all(hdrs, i, &mut name, &mut value, &mut size) };
+            if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+                return None;
+            }
+            // SAFETY: a NUL-terminated name and `size` value bytes owned by the headers.
+            let name =
+                String::from_utf8_lossy(unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes());
+            let value = unsafe { bytes_at(value as *mut std::ffi::c_void, size) };
+            Some((name, value))
+        })
     }
 }
 

@@ -281,22 +281,10 @@ pub fn header_pairs(
     let list = headers.map_or(std::ptr::null(), |h| {
         h as *const rdkafka::message::BorrowedHeaders as *const rd::rd_kafka_headers_t
     });
-    // SAFETY: the list of a live message (or none), borrowed for as long as `headers`.
-    unsafe { list_pairs(list) }
-}
-
-/// The pairs of a librdkafka headers list, as [`header_pairs`] gives them.
-///
-/// # Safety
-/// `list` must be null or the headers list of a message that lives for `'a`.
-pub(crate) unsafe fn list_pairs<'a>(
-    list: *const rdkafka::bindings::rd_kafka_headers_t,
-) -> impl Iterator<Item = (std::borrow::Cow<'a, str>, Option<&'a [u8]>)> {
-    use rdkafka::bindings as rd;
+    // SAFETY: a list of a live message (or none).
     let count = if list.is_null() {
         0
     } else {
-        // SAFETY: a live list (the caller's promise).
         unsafe { rd::rd_kafka_header_cnt(list) }
     };
     (0..count).filter_map(move |i| {
