@@ -45,8 +45,6 @@ pub(crate) struct WriteBatch {
     pub(crate) changelog_offset: Option<i64>,
 }
 
-/// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
-/// shared between the processing thread (reads) and the [`Writer`] (batches).
 /// The key count that goes with a [`KeyValueStore::write_ops`], when the caller knows it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Counted<'a> {
@@ -59,6 +57,8 @@ pub(crate) struct Counted<'a> {
     pub(crate) deltas: &'a [i8],
 }
 
+/// A partition-local key-value store engine. Keys and values are raw bytes. Engines are
+/// shared between the processing thread (reads) and the [`Writer`] (batches).
 pub(crate) trait KeyValueStore: Send + Sync {
     /// Store name and partition, for messages, e.g. `dedup/3`.
     fn name(&self) -> &str;
