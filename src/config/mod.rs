@@ -386,7 +386,7 @@ fn managed_property(property: &str, value: &str) -> Option<String> {
         "enable.auto.commit" if v != "false" => {
             "onceflow commits offsets itself, only after the outputs and state they stand for (the commit protocol)"
         }
-        "enable.partition.eof" => "set by onceflow (true with --stop-at-end, which needs it)",
+        "enable.partition.eof" => "set by onceflow (off: a partition-end event in a batch read moves the position past the end)",
         "group.id" => "the consumer group is `application.id`: set that",
         "bootstrap.servers" | "metadata.broker.list" => {
             "the brokers are `bootstrap.servers` (start-up's topic checks and the state tools use it too, so every client talks to one cluster): set that"

@@ -8,6 +8,10 @@
 //! the [`Batch`] lives, so they are applied without copying them first. librdkafka moves the consumer's
 //! position past each record handed out, and past transaction control records, exactly as
 //! `poll` does, so `position()` stays right.
+//!
+//! The run loop reads its source the same way: [`SourceQueue`] is a queue of its own that
+//! the assigned partitions' fetched records are forwarded to, so the consumer's own queue
+//! (read by `poll`) carries only rebalances and errors.
 
 use rdkafka::bindings as rd;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -58,6 +62,56 @@ impl<'a> BatchRecord<'a> {
             }
             std::ffi::CStr::from_ptr(name).to_str().ok()
         }
+    }
+}
+
+impl<'a> BatchRecord<'a> {
+    /// The record of a message `poll` handed out (a record of a partition whose records
+    /// are not forwarded to a [`SourceQueue`]), read the same way as a batch's.
+    pub(crate) fn of(m: &'a rdkafka::message::BorrowedMessage<'_>) -> BatchRecord<'a> {
+        // SAFETY: the message lives while `m` does, which outlives 'a.
+        BatchRecord {
+            msg: unsafe { &*m.ptr() },
+        }
+    }
+
+    /// The address of the record's librdkafka topic handle: the same for every record of a
+    /// topic while the consumer lives, so it names the topic without reading its name.
+    pub(crate) fn topic_handle(&self) -> usize {
+        self.msg.rkt as usize
+    }
+
+    /// The timestamp in milliseconds, `None` when the record has none.
+    pub(crate) fn timestamp(&self) -> Option<i64> {
+        let mut kind = rd::rd_kafka_timestamp_type_t::RD_KAFKA_TIMESTAMP_NOT_AVAILABLE;
+        // SAFETY: a live message; librdkafka only reads it.
+        let ts = unsafe { rd::rd_kafka_message_timestamp(self.msg, &mut kind) };
+        (ts != -1 && kind != rd::rd_kafka_timestamp_type_t::RD_KAFKA_TIMESTAMP_NOT_AVAILABLE)
+            .then_some(ts)
+    }
+
+    /// The headers in record order: name and value (`None`: a null value). A name that is
+    /// not UTF-8 comes with its invalid bytes replaced (U+FFFD); Kafka clients write UTF-8
+    /// names, so this is a broken producer, and the record is still processed.
+    pub(crate) fn headers(
+        &self,
+    ) -> impl Iterator<Item = (std::borrow::Cow<'a, str>, Option<&'a [u8]>)> {
+        let mut hdrs: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+        // SAFETY: a live message; the headers it returns belong to it (not to be freed)
+        // and live as long as it does.
+        let err = unsafe {
+            rd::rd_kafka_message_headers(
+                self.msg as *const rd::rd_kafka_message_t as *mut rd::rd_kafka_message_t,
+                &mut hdrs,
+            )
+        };
+        let list = if err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+            hdrs as *const rd::rd_kafka_headers_t
+        } else {
+            std::ptr::null()
+        };
+        // SAFETY: the message's own headers (or none), living for 'a.
+        unsafe { crate::kafka::consumer::list_pairs(list) }
     }
 }
 
@@ -150,14 +204,27 @@ pub(crate) fn consume_batch(
             "the consumer has no queue to read from".into(),
         ));
     }
+    // SAFETY: a live queue handle, released right after.
+    let batch = unsafe { take(queue, timeout, max) };
+    // SAFETY: taken above, not used after.
+    unsafe { rd::rd_kafka_queue_destroy(queue) };
+    batch
+}
+
+/// Up to `max` records of `queue` (see [`consume_batch`]).
+///
+/// # Safety
+/// `queue` must be a live queue handle of a consumer.
+unsafe fn take(
+    queue: *mut rd::rd_kafka_queue_t,
+    timeout: Duration,
+    max: usize,
+) -> Result<Batch, KafkaError> {
     let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
     let mut batch = Batch(Vec::with_capacity(max));
     // SAFETY: the buffer has room for `max` pointers; librdkafka writes `n` of them.
-    let n = unsafe {
-        let n = rd::rd_kafka_consume_batch_queue(queue, timeout_ms, batch.0.as_mut_ptr(), max);
-        rd::rd_kafka_queue_destroy(queue);
-        n
-    };
+    let n =
+        unsafe { rd::rd_kafka_consume_batch_queue(queue, timeout_ms, batch.0.as_mut_ptr(), max) };
     if n < 0 {
         // SAFETY: reads librdkafka's thread-local last error.
         let code = unsafe { rd::rd_kafka_last_error() };
@@ -167,6 +234,85 @@ pub(crate) fn consume_batch(
     // SAFETY: librdkafka initialised the first `n` entries.
     unsafe { batch.0.set_len(n) };
     Ok(batch)
+}
+
+/// The queue the run loop reads its source records from, in batches: a queue of the
+/// consumer's own that each assigned partition's fetched records are forwarded to
+/// ([`SourceQueue::forward`], before the partition is assigned). The consumer's queue,
+/// which `poll` reads, then carries rebalances and errors only; `poll` must still be called
+/// to serve them. librdkafka keeps each partition's records in log order in the queue,
+/// drops those a seek or pause made stale, and moves the consumer's position past each
+/// record handed out, as `poll` does. Drop it before closing the consumer.
+pub(crate) struct SourceQueue {
+    rk: *mut rd::rd_kafka_t,
+    queue: *mut rd::rd_kafka_queue_t,
+}
+
+// SAFETY: librdkafka's queue handles may be used from any thread; the client outlives the
+// queue (it is dropped before the consumer is closed).
+unsafe impl Send for SourceQueue {}
+
+impl SourceQueue {
+    /// A new, empty queue of `consumer`.
+    ///
+    /// # Errors
+    /// [`KafkaError::ClientCreation`] when librdkafka cannot create it.
+    pub(crate) fn new<C: rdkafka::consumer::ConsumerContext>(
+        consumer: &BaseConsumer<C>,
+    ) -> Result<SourceQueue, KafkaError> {
+        let rk = consumer.client().native_ptr();
+        // SAFETY: the live client of `consumer`.
+        let queue = unsafe { rd::rd_kafka_queue_new(rk) };
+        if queue.is_null() {
+            return Err(KafkaError::ClientCreation(
+                "librdkafka could not create the source queue".into(),
+            ));
+        }
+        Ok(SourceQueue { rk, queue })
+    }
+
+    /// Forward the fetched records of `partitions` to this queue. Call before assigning
+    /// them: records fetched before this call would go to the consumer's queue (and come
+    /// out of `poll`, ahead of the rest). librdkafka keeps the forwarding across pauses and
+    /// seeks; an unassignment ends it (the next assignment forwards again).
+    pub(crate) fn forward(&self, partitions: &rdkafka::TopicPartitionList) {
+        for e in partitions.elements() {
+            let Ok(topic) = std::ffi::CString::new(e.topic()) else {
+                continue;
+            };
+            // SAFETY: a live client; the partition queue handle is released right after
+            // forwarding (the forwarding keeps its own reference).
+            unsafe {
+                let pq = rd::rd_kafka_queue_get_partition(self.rk, topic.as_ptr(), e.partition());
+                if !pq.is_null() {
+                    rd::rd_kafka_queue_forward(pq, self.queue);
+                    rd::rd_kafka_queue_destroy(pq);
+                }
+            }
+        }
+    }
+
+    /// Take up to `max` records (or errors in the stream: a partition end, a fetch error),
+    /// waiting at most `timeout` for `max` of them: `Duration::ZERO` takes what is queued,
+    /// and with `max` 1 the call returns as soon as a record arrives.
+    ///
+    /// # Errors
+    /// [`KafkaError`] when librdkafka refuses the call.
+    pub(crate) fn take(&self, timeout: Duration, max: usize) -> Result<Batch, KafkaError> {
+        if max == 0 {
+            return Ok(Batch(Vec::new()));
+        }
+        // SAFETY: the queue handle lives until `self` drops.
+        unsafe { take(self.queue, timeout, max) }
+    }
+}
+
+impl Drop for SourceQueue {
+    fn drop(&mut self) {
+        // SAFETY: the handle from `rd_kafka_queue_new`, released once. Records forwarded
+        // later are dropped by librdkafka (the queue is disabled).
+        unsafe { rd::rd_kafka_queue_destroy(self.queue) };
+    }
 }
 
 /// Destroys batches on a background thread: returning a record to librdkafka costs about as

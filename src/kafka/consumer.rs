@@ -148,14 +148,16 @@ impl ConsumerContext for SourceContext {
 /// `kafka.consumer.*`, which win (an empty `group.instance.id` turns static membership
 /// off).
 ///
-/// `partition_eof` turns on librdkafka's end-of-partition events (used by `--stop-at-end`);
-/// rebalances are sent to `events` while [`SourceContext::defer_rebalances`] is on.
+/// `enable.partition.eof` is always off, whatever the user sets: librdkafka's batch read
+/// (`rd_kafka_consume_batch_queue`, 2.12.1) moves a partition's position one past a
+/// partition-end event's offset, which would skip the next record written there.
+/// `--stop-at-end` compares positions with high watermarks instead. Rebalances are sent to
+/// `events` while [`SourceContext::defer_rebalances`] is on.
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
 pub(crate) fn create(
     cfg: &Config,
-    partition_eof: bool,
     events: mpsc::Sender<RebalanceEvent>,
 ) -> Result<SourceConsumer> {
     let ctx = SourceContext {
@@ -163,7 +165,7 @@ pub(crate) fn create(
         deferred: AtomicBool::new(false),
         link: super::link::register(super::link::Client::Source),
     };
-    source_config(cfg, partition_eof)
+    source_config(cfg)
         .create_with_context(ctx)
         .map_err(crate::kafka::config_error)
 }
@@ -176,7 +178,7 @@ pub(crate) fn create(
 /// (`buffered.records.per.partition`). `kafka.consumer.queued.max.messages.kbytes` wins.
 const SOURCE_PREFETCH_KIB: &str = "4096";
 
-fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
+fn source_config(cfg: &Config) -> rdkafka::ClientConfig {
     let mut defaults = vec![
         ("group.id", cfg.application_id.as_str()),
         ("enable.auto.commit", "false"),
@@ -187,10 +189,6 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
         ("queued.max.messages.kbytes", SOURCE_PREFETCH_KIB),
         // For `/ready`: a cluster whose brokers stop answering (see kafka::link).
         ("statistics.interval.ms", super::link::STATS_INTERVAL_MS),
-        (
-            "enable.partition.eof",
-            if partition_eof { "true" } else { "false" },
-        ),
     ];
     if let Some(id) = &cfg.group_instance_id {
         defaults.push(("group.instance.id", id.as_str()));
@@ -199,6 +197,8 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
     if c.get("group.instance.id").is_some_and(str::is_empty) {
         c.remove("group.instance.id");
     }
+    // Partition-end events in a batch move the position past the end (see `create`).
+    c.set("enable.partition.eof", "false");
     c
 }
 
@@ -206,7 +206,7 @@ fn source_config(cfg: &Config, partition_eof: bool) -> rdkafka::ClientConfig {
 /// does not leave the group when it stops, so a restart within `session.timeout.ms` gets
 /// its partitions back without a rebalance.
 pub(crate) fn is_static_member(cfg: &Config) -> bool {
-    source_config(cfg, false).get("group.instance.id").is_some()
+    source_config(cfg).get("group.instance.id").is_some()
 }
 
 /// Create the restore consumer: no group, manual assignment of changelog partitions,
@@ -281,10 +281,22 @@ pub fn header_pairs(
     let list = headers.map_or(std::ptr::null(), |h| {
         h as *const rdkafka::message::BorrowedHeaders as *const rd::rd_kafka_headers_t
     });
-    // SAFETY: a list of a live message (or none).
+    // SAFETY: the list of a live message (or none), borrowed for as long as `headers`.
+    unsafe { list_pairs(list) }
+}
+
+/// The pairs of a librdkafka headers list, as [`header_pairs`] gives them.
+///
+/// # Safety
+/// `list` must be null or the headers list of a message that lives for `'a`.
+pub(crate) unsafe fn list_pairs<'a>(
+    list: *const rdkafka::bindings::rd_kafka_headers_t,
+) -> impl Iterator<Item = (std::borrow::Cow<'a, str>, Option<&'a [u8]>)> {
+    use rdkafka::bindings as rd;
     let count = if list.is_null() {
         0
     } else {
+        // SAFETY: a live list (the caller's promise).
         unsafe { rd::rd_kafka_header_cnt(list) }
     };
     (0..count).filter_map(move |i| {
@@ -319,7 +331,7 @@ mod restore_consumer_tests {
     #[test]
     fn the_source_consumer_is_cooperative_and_static_when_instance_id_is_set() {
         let cfg = load(&[("application.id", "app"), ("instance.id", "a1")]);
-        let c = source_config(&cfg, false);
+        let c = source_config(&cfg);
         assert_eq!(
             c.get("partition.assignment.strategy"),
             Some("cooperative-sticky")
@@ -330,7 +342,7 @@ mod restore_consumer_tests {
         // instance.id left to the host name: a dynamic member (two processes on one host
         // must not fence each other), still cooperative.
         let cfg = load(&[("application.id", "app")]);
-        let c = source_config(&cfg, false);
+        let c = source_config(&cfg);
         assert_eq!(c.get("group.instance.id"), None);
         assert_eq!(
             c.get("partition.assignment.strategy"),
@@ -346,21 +358,33 @@ mod restore_consumer_tests {
             ("kafka.consumer.group.instance.id", "mine"),
             ("kafka.consumer.partition.assignment.strategy", "range"),
         ]);
-        let c = source_config(&cfg, false);
+        let c = source_config(&cfg);
         assert_eq!(c.get("group.instance.id"), Some("mine"));
         assert_eq!(c.get("partition.assignment.strategy"), Some("range"));
         let cfg = load(&[
             ("instance.id", "a1"),
             ("kafka.consumer.group.instance.id", ""),
         ]);
-        assert_eq!(source_config(&cfg, false).get("group.instance.id"), None);
+        assert_eq!(source_config(&cfg).get("group.instance.id"), None);
         assert!(!is_static_member(&cfg));
+    }
+
+    #[test]
+    fn the_source_consumer_never_has_partition_end_events() {
+        // Config files refuse the property (`config::managed_property`); the source
+        // consumer forces it off all the same.
+        let mut cfg = load(&[("application.id", "app")]);
+        assert_eq!(source_config(&cfg).get("enable.partition.eof"), Some("false"));
+        cfg.kafka_consumer
+            .insert("enable.partition.eof".into(), "true".into());
+        cfg.kafka.insert("enable.partition.eof".into(), "true".into());
+        assert_eq!(source_config(&cfg).get("enable.partition.eof"), Some("false"));
     }
 
     #[test]
     fn the_source_prefetch_is_bounded_unless_the_user_sets_it() {
         let cfg = load(&[("application.id", "app")]);
-        let c = source_config(&cfg, false);
+        let c = source_config(&cfg);
         assert_eq!(
             c.get("queued.max.messages.kbytes"),
             Some(SOURCE_PREFETCH_KIB)
@@ -369,7 +393,7 @@ mod restore_consumer_tests {
         c.create::<BaseConsumer>()
             .expect("librdkafka accepts the source config");
         let cfg = load(&[("kafka.consumer.queued.max.messages.kbytes", "65536")]);
-        let c = source_config(&cfg, false);
+        let c = source_config(&cfg);
         assert_eq!(c.get("queued.max.messages.kbytes"), Some("65536"));
     }
 

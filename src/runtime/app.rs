@@ -3,7 +3,10 @@
 //! One thread runs the loop and owns every piece of state (`RunLoop`): tasks, stores,
 //! clients, the commit protocol. Nothing is shared with callbacks, so no lock is taken per
 //! record: rebalances arrive as events over a channel (`kafka::consumer`) and are carried
-//! out between two `poll`s (`rebalance.rs`). The ordered steps of a commit, for both
+//! out between two turns (`rebalance.rs`). Source records are read in batches from a queue
+//! of their own (`kafka::batch::SourceQueue`), without a `poll` or an allocation per
+//! record; the consumer's queue, polled once per turn, carries rebalances and errors. The
+//! ordered steps of a commit, for both
 //! guarantees, live in `runtime::commit`; the loop decides when to commit (every
 //! `commit.interval.ms`, or after 200,000 records), advances the at_least_once commits in
 //! flight every turn (waiting for all of them before partitions go and at a stop), and
@@ -21,7 +24,8 @@
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kafka::consumer::{self, header_pairs, RebalanceEvent, SourceConsumer};
+use crate::kafka::batch::{BatchRecord, SourceQueue};
+use crate::kafka::consumer::{self, RebalanceEvent, SourceConsumer};
 use crate::kafka::producer::OutputProducer;
 use crate::processor::{Counts, OutRecord, Record, SourceMeta};
 use crate::runtime::commit::{Outcome, Protocol, Routed};
@@ -31,7 +35,6 @@ use crate::runtime::Task;
 use crate::state::{SledBackend, StateBackend, StateDirLock};
 use crate::topology::Topology;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -159,13 +162,12 @@ struct RunLoop {
     unplanned: BTreeSet<i32>,
     /// Offset to seek back to when a restoring partition resumes (a record slipped in).
     replay_from: BTreeMap<i32, i64>,
-    at_end: BTreeSet<i32>,
     closed_counts: Counts,
     /// When the last commit ended.
     last_commit: Instant,
     /// When the last commit started.
     last_commit_start: Instant,
-    /// Time the loop waited in `poll` since the last commit ended.
+    /// Time the loop waited for source records since the last commit ended.
     idle: Duration,
     last_restore_log: Instant,
     restored: u64,
@@ -189,6 +191,13 @@ struct RunLoop {
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
     writer_hold: Option<crate::state::WriterHold>,
+    /// The queue the source records are read from in batches (set once the consumer
+    /// exists; dropped before it closes).
+    source_queue: Option<SourceQueue>,
+    /// Task ids seeked (rewound or reopened) since the current batch was taken: the rest
+    /// of the batch's records of these partitions are stale and skipped (librdkafka reads
+    /// them again from the new position).
+    seeked: BTreeSet<i32>,
 }
 
 /// The [`KafkaLog`] of a run loop, borrowing its fields one by one (so the protocol and the
@@ -243,14 +252,22 @@ impl RunLoop {
     /// partition is added. Told by the topic handle's address: the consumer keeps one handle
     /// per topic it reads for as long as it lives, and the name (a C string to measure and
     /// check) is then read once per topic, not once per record.
-    fn task_base(&mut self, m: &BorrowedMessage<'_>) -> i32 {
-        let handle = m.topic_ptr() as usize;
+    fn task_base(&mut self, m: &BatchRecord<'_>) -> i32 {
+        let handle = m.topic_handle();
         if let Some((_, base)) = self.task_bases.iter().find(|(h, _)| *h == handle) {
             return *base;
         }
-        let base = self.topics.id(m.topic(), 0);
+        let base = self.topics.id(m.topic().unwrap_or_default(), 0);
         self.task_bases.push((handle, base));
         base
+    }
+
+    /// The task id of `m` (`runtime::hop`): its partition, or a router's id with a hop.
+    fn task_id(&mut self, m: &BatchRecord<'_>) -> i32 {
+        match &self.hop {
+            None => m.partition(),
+            Some(_) => self.task_base(m) + m.partition(),
+        }
     }
 
     /// Process one source record; `wall_ms` is the wall clock read once per burst of
@@ -258,16 +275,12 @@ impl RunLoop {
     fn process(
         &mut self,
         consumer: &SourceConsumer,
-        m: &BorrowedMessage<'_>,
+        m: &BatchRecord<'_>,
         wall_ms: i64,
     ) -> Result<()> {
         // The task id (`runtime::hop`): the partition, or a router's id with a hop.
-        let p = match &self.hop {
-            None => m.partition(),
-            Some(_) => self.task_base(m) + m.partition(),
-        };
+        let p = self.task_id(m);
         self.first_record.get_or_insert_with(Instant::now);
-        self.at_end.remove(&p);
         let Some(task) = self.tasks.get_mut(&p) else {
             // Not ours (any more): never process a record without its task and stores.
             return Ok(());
@@ -283,12 +296,15 @@ impl RunLoop {
         if let (Some(hop), true) = (&self.hop, task.routes_only()) {
             // Routed in place, without copying the message into a record.
             use crate::processor::repartition::is_hop_header;
-            let source: Vec<_> = header_pairs(m.headers()).collect();
-            let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(source.len() + 2);
-            headers.extend(source.iter().map(|(k, v)| (k.as_ref(), *v)));
+            let names: Vec<_> = m.headers().collect();
+            let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::new();
+            if !names.is_empty() {
+                headers.reserve(names.len() + 2);
+                headers.extend(names.iter().map(|(k, v)| (&k[..], *v)));
+            }
             if !headers.iter().any(|(k, _)| is_hop_header(k)) {
                 let (partition, keyed) = hop.router.route_parts(
-                    (m.key(), m.payload(), m.timestamp().to_millis()),
+                    (m.key(), m.payload(), m.timestamp()),
                     &mut headers,
                     // The source topic's name, shared: `m.topic()` measures the C
                     // string of every message.
@@ -307,7 +323,7 @@ impl RunLoop {
                     },
                     value: m.payload(),
                     headers: &headers,
-                    timestamp: m.timestamp().to_millis(),
+                    timestamp: m.timestamp(),
                 };
                 let mut log = kafka_log!(self, consumer, CommitMode::Async);
                 return self.protocol.processed_routed(&mut log, &rec);
@@ -348,7 +364,7 @@ impl RunLoop {
 
     /// A commit is due every `commit.interval.ms`: busy (a backlog), counted from the end
     /// of the last commit, so a slow commit never leaves the next interval without time to
-    /// process; caught up (the loop waited in `poll` at least half the time since), from
+    /// process; caught up (the loop waited for records at least half the time since), from
     /// its start, so a record waits about one interval plus one commit, not two commits.
     fn commit_due(&self) -> bool {
         let n = self.protocol.uncommitted();
@@ -424,7 +440,7 @@ impl RunLoop {
     ) -> Result<()> {
         let mut seek = TopicPartitionList::new();
         for (p, off) in partitions {
-            self.at_end.remove(p);
+            self.seeked.insert(*p);
             let (topic, partition) = self.topics.tp(*p);
             seek.add_partition_offset(
                 topic,
@@ -455,7 +471,7 @@ fn wall_clock_ms() -> i64 {
 /// and header values are copied into `arena`: no allocation per record, and the task's
 /// dead-letter copy of them is a reference count.
 fn to_record(
-    m: &BorrowedMessage<'_>,
+    m: &BatchRecord<'_>,
     topic: &Arc<str>,
     mut origin: Option<&mut Option<Arc<str>>>,
     arena: &mut crate::state::Arena,
@@ -464,7 +480,8 @@ fn to_record(
     let mut from = None;
     let mut unkeyed = false;
     let mut untimed = false;
-    let headers = header_pairs(m.headers())
+    let headers = m
+        .headers()
         .filter(|(key, value)| {
             let Some(last) = origin.as_deref_mut() else {
                 return true;
@@ -493,7 +510,7 @@ fn to_record(
         value: m.payload().map(|v| arena.copy(v)),
         headers,
         // The repartition record's stamp when the source record had none (see UNTIMED).
-        timestamp: m.timestamp().to_millis().filter(|_| !untimed),
+        timestamp: m.timestamp().filter(|_| !untimed),
         json: None,
         fields: None,
         source: SourceMeta {
@@ -628,7 +645,6 @@ impl App {
             tasks: BTreeMap::new(),
             unplanned: BTreeSet::new(),
             replay_from: BTreeMap::new(),
-            at_end: BTreeSet::new(),
             closed_counts: Counts::default(),
             last_commit: Instant::now(),
             last_commit_start: Instant::now(),
@@ -644,9 +660,12 @@ impl App {
             route_key: Vec::new(),
             route_text: Vec::new(),
             task_bases: Vec::new(),
+            source_queue: None,
+            seeked: BTreeSet::new(),
         };
         let (events_tx, events) = mpsc::channel();
-        let consumer = consumer::create(&self.config, opts.stop_at_end, events_tx)?;
+        let consumer = consumer::create(&self.config, events_tx)?;
+        e.source_queue = Some(SourceQueue::new(&consumer).map_err(Error::kafka("source queue"))?);
         consumer.context().defer_rebalances(true);
         // Dropped before the consumer, also when the run loop panics: unwinding closes the
         // consumer, and the close waits for rebalances only the context can then carry out.
@@ -656,12 +675,18 @@ impl App {
             .map_err(Error::kafka("subscribe"))?;
         tracing::info!(topology = self.topology.name(), source = %self.topology.source().topic,
             state = %dir.display(), "running");
-        let result = run_loop(&consumer, &mut e, &events, &opts).and_then(|_| {
-            // Graceful stop: carry out the rebalances already announced, commit what was
-            // processed, then leave the group.
-            e.handle_events(&consumer, &events)?;
-            e.commit(&consumer, CommitMode::Sync)
-        });
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_loop(&consumer, &mut e, &events, &opts).and_then(|_| {
+                // Graceful stop: carry out the rebalances already announced, commit what
+                // was processed, then leave the group.
+                e.handle_events(&consumer, &events)?;
+                e.commit(&consumer, CommitMode::Sync)
+            })
+        }));
+        // Nothing is read from the source queue any more; it goes before the consumer
+        // (librdkafka's destroy waits for it), whatever the outcome, a panic too.
+        e.source_queue = None;
+        let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         // From here on (leaving the group, closing) the context carries out rebalances
         // itself; an announced one the loop did not carry out is done now.
         drop(deferring);
@@ -832,63 +857,130 @@ fn run_loop(
             // Commits in flight: come back soon to do their next steps.
             (Duration::from_millis(2), RECORDS_PER_TURN)
         } else {
-            (Duration::from_millis(100), RECORDS_PER_TURN)
+            (EVENT_SLICE, RECORDS_PER_TURN)
         };
-        // One turn: the first poll may wait, the rest take what is queued. The clock is
-        // read once per turn (for processing time) and the commit checked every
-        // `CHECK_EVERY` records: per record, clock reads cost more than the dedup check.
-        // While restores run, the partitions already restored get a share of each turn.
+        // One turn: serve the consumer's queue (rebalances, errors; records only of a
+        // partition not forwarded to the source queue), then take a batch of records from
+        // the source queue; with neither, wait for a record (in slices, so rebalances are
+        // served) and end the turn. The clock is read once per turn (for processing time)
+        // and the commit checked every `CHECK_EVERY` records: per record, clock reads cost
+        // more than the dedup check. While restores run, the partitions already restored
+        // get a share of each turn.
         let wall_ms = wall_clock_ms();
-        for i in 0..burst {
-            let polled = if i == 0 && !wait.is_zero() {
-                let t = Instant::now();
-                let m = consumer.poll(wait);
-                e.idle += t.elapsed();
-                m
-            } else {
-                consumer.poll(Duration::ZERO)
-            };
-            let more = match polled {
-                None => {
-                    // A rebalance makes `poll` return: carry it out before anything else.
-                    e.handle_events(consumer, events)?;
-                    if opts.stop_at_end && e.input_at_end(consumer) {
-                        // Commit first: a failed transaction rewinds its partitions (and
-                        // clears their end marks); their records are processed again
-                        // before stopping.
-                        e.commit(consumer, CommitMode::Sync)?;
-                        if e.input_at_end(consumer) {
-                            tracing::info!("every assigned partition is at its end: stopping");
-                            return Ok(());
-                        }
+        let mut polled = 0;
+        while polled < burst {
+            match consumer.poll(Duration::ZERO) {
+                None => break,
+                Some(m) => {
+                    polled += 1;
+                    if !e.consumed(consumer, m.map(|m| (m, wall_ms)))? {
+                        break;
                     }
-                    false
-                }
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
-                    e.at_end.insert(p);
-                    true
-                }
-                Some(Err(err)) => {
-                    if let Some((code, reason)) = consumer.client().fatal_error() {
-                        return Err(fatal_consumer_error(code, &reason));
-                    }
-                    tracing::warn!(error = %err, "consumer error");
-                    false
-                }
-                Some(Ok(m)) => {
-                    e.process(consumer, &m, wall_ms)?;
-                    true
-                }
-            };
-            if !more || i % CHECK_EVERY == CHECK_EVERY - 1 || i + 1 == burst {
-                if e.commit_due() {
-                    e.commit(consumer, CommitMode::Async)?;
-                } else {
-                    e.advance(consumer)?;
                 }
             }
-            if !more {
-                break;
+        }
+        e.handle_events(consumer, events)?;
+        let Some(queue) = &e.source_queue else {
+            return Err(Error::Internal("the run loop has no source queue".into()));
+        };
+        let mut batch = queue
+            .take(Duration::ZERO, burst - polled.min(burst))
+            .map_err(Error::kafka("read the source"))?;
+        if batch.is_empty() && polled == 0 {
+            if !wait.is_zero() {
+                // Returns at the first record: no wait added to a record's latency.
+                let t = Instant::now();
+                batch = queue
+                    .take(wait.min(EVENT_SLICE), 1)
+                    .map_err(Error::kafka("read the source"))?;
+                e.idle += t.elapsed();
+            }
+            if batch.is_empty() {
+                if opts.stop_at_end && e.input_at_end(consumer) {
+                    // Commit first: a failed transaction rewinds its partitions (and
+                    // clears their end marks); their records are processed again
+                    // before stopping.
+                    e.commit(consumer, CommitMode::Sync)?;
+                    if e.input_at_end(consumer) {
+                        tracing::info!("every assigned partition is at its end: stopping");
+                        return Ok(());
+                    }
+                }
+                e.check_commit(consumer)?;
+                continue;
+            }
+        }
+        e.seeked.clear();
+        for (i, r) in batch.records().enumerate() {
+            e.consumed_record(consumer, r, wall_ms)?;
+            if i % CHECK_EVERY == CHECK_EVERY - 1 {
+                e.check_commit(consumer)?;
+            }
+        }
+        drop(batch);
+        e.check_commit(consumer)?;
+    }
+}
+
+/// The longest the run loop waits on the source queue at a time when it is idle: rebalances
+/// and errors on the consumer's queue wait at most this long to be served.
+const EVENT_SLICE: Duration = Duration::from_millis(10);
+
+impl RunLoop {
+    /// A commit if one is due, else the next steps of the commits in flight.
+    fn check_commit(&mut self, consumer: &SourceConsumer) -> Result<()> {
+        if self.commit_due() {
+            self.commit(consumer, CommitMode::Async)
+        } else {
+            self.advance(consumer)
+        }
+    }
+
+    /// Handle what `poll` returned from the consumer's queue; false when the turn should
+    /// stop taking from it.
+    fn consumed(
+        &mut self,
+        consumer: &SourceConsumer,
+        polled: rdkafka::error::KafkaResult<(rdkafka::message::BorrowedMessage<'_>, i64)>,
+    ) -> Result<bool> {
+        match polled {
+            Ok((m, wall_ms)) => {
+                self.seeked.clear();
+                self.consumed_record(consumer, Ok(BatchRecord::of(&m)), wall_ms)?;
+                self.check_commit(consumer)?;
+                Ok(true)
+            }
+            Err(err) => {
+                self.consumed_record(consumer, Err(err), 0)?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Handle one entry of the source stream: process a record (unless its partition was
+    /// seeked since it was fetched) or report an error.
+    fn consumed_record(
+        &mut self,
+        consumer: &SourceConsumer,
+        r: std::result::Result<BatchRecord<'_>, rdkafka::error::KafkaError>,
+        wall_ms: i64,
+    ) -> Result<()> {
+        match r {
+            Ok(m) => {
+                if !self.seeked.is_empty() {
+                    let p = self.task_id(&m);
+                    if self.seeked.contains(&p) {
+                        return Ok(());
+                    }
+                }
+                self.process(consumer, &m, wall_ms)
+            }
+            Err(err) => {
+                if let Some((code, reason)) = consumer.client().fatal_error() {
+                    return Err(fatal_consumer_error(code, &reason));
+                }
+                tracing::warn!(error = %err, "consumer error");
+                Ok(())
             }
         }
     }

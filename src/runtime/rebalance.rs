@@ -37,6 +37,11 @@ impl RunLoop {
             let parts = self.ids_of(&ev);
             match ev {
                 RebalanceEvent::Assigned(tpl) => {
+                    // Their records go to the source queue, read in batches (forwarded
+                    // before the assignment, so no record goes to the consumer's queue).
+                    if let Some(q) = &self.source_queue {
+                        q.forward(&tpl);
+                    }
                     apply_assign(consumer, &tpl)?;
                     self.on_assign(consumer, &parts)?;
                 }
@@ -115,7 +120,6 @@ impl RunLoop {
             self.unplanned.remove(p);
             self.open_txn_waits.remove(p);
             self.replay_from.remove(p);
-            self.at_end.remove(p);
         }
     }
 
@@ -130,6 +134,7 @@ impl RunLoop {
     pub(super) fn reopen_all(&mut self, consumer: &SourceConsumer) -> Result<()> {
         let parts: Vec<i32> = self.tasks.keys().copied().collect();
         self.close_tasks(&parts);
+        self.seeked.extend(parts.iter().copied());
         let tpl = self.tpl_ids(&parts, None)?;
         let committed = crate::kafka::retry::retry("committed offsets", || {
             consumer

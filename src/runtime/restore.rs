@@ -223,9 +223,7 @@ impl RunLoop {
     fn resume(&mut self, consumer: &SourceConsumer, p: i32) -> Result<()> {
         let tpl = self.tpl_id(p, None)?;
         if let Some(off) = self.replay_from.remove(&p) {
-            // An end-of-partition event that came while it was paused is stale now: the
-            // records from `off` are read again first.
-            self.at_end.remove(&p);
+            // The records from `off` are read again first.
             consumer
                 .seek_partitions(self.tpl_id(p, Some(off))?, Duration::from_secs(10))
                 .map_err(Error::kafka("seek"))?;
@@ -406,9 +404,4 @@ impl RunLoop {
         self.status_restoring = restoring;
     }
 
-    pub(super) fn all_at_end(&self) -> bool {
-        !self.tasks.is_empty()
-            && !self.any_restoring()
-            && self.tasks.keys().all(|p| self.at_end.contains(p))
-    }
 }

@@ -90,17 +90,12 @@ impl RunLoop {
         }
     }
 
-    /// Whether every assigned partition has been read to its end (`--stop-at-end`).
-    ///
-    /// Without a hop, the partition-EOF events tell. With one they cannot (librdkafka's
-    /// event names the partition, not the topic, and both topics have the same partition
-    /// numbers), and the repartition topic grows while the routers run: each partition's
-    /// consumer position (past transaction markers; the committed offset when nothing was
-    /// read since the assignment) is compared with its high watermark.
+    /// Whether every assigned partition has been read to its end (`--stop-at-end`): each
+    /// partition's consumer position (past transaction markers; the committed offset when
+    /// nothing was read since the assignment) is compared with its high watermark, read
+    /// now (a repartition topic grows while the routers run). The source consumer has no
+    /// partition-end events (see `kafka::consumer::create`).
     pub(super) fn input_at_end(&self, consumer: &SourceConsumer) -> bool {
-        if self.hop.is_none() {
-            return self.all_at_end();
-        }
         if self.tasks.is_empty() || self.any_restoring() {
             return false;
         }
