@@ -155,8 +155,8 @@ impl Batch {
     }
 
     /// The records in queue order (per partition, log order): `Ok` for a record, `Err` for
-    /// an error librdkafka reports in the stream (a fetch error, a partition end when
-    /// `enable.partition.eof` is on).
+    /// an error librdkafka reports in the stream (a fetch error; a partition end only with
+    /// `enable.partition.eof`, which onceflow's consumers keep off).
     pub(crate) fn records(&self) -> impl Iterator<Item = Result<BatchRecord<'_>, KafkaError>> {
         self.0.iter().map(|&m| {
             // SAFETY: a message returned by librdkafka, alive until the batch drops.
