@@ -292,7 +292,7 @@ impl SourceQueue {
         }
     }
 
-    /// Take up to `max` records (or errors in the stream: a partition end, a fetch error),
+    /// Take up to `max` records (or errors in the stream, a fetch error),
     /// waiting at most `timeout` for `max` of them: `Duration::ZERO` takes what is queued,
     /// and with `max` 1 the call returns as soon as a record arrives.
     ///

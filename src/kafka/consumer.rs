@@ -156,10 +156,7 @@ impl ConsumerContext for SourceContext {
 ///
 /// # Errors
 /// [`crate::Error::Config`] when librdkafka refuses a property.
-pub(crate) fn create(
-    cfg: &Config,
-    events: mpsc::Sender<RebalanceEvent>,
-) -> Result<SourceConsumer> {
+pub(crate) fn create(cfg: &Config, events: mpsc::Sender<RebalanceEvent>) -> Result<SourceConsumer> {
     let ctx = SourceContext {
         events,
         deferred: AtomicBool::new(false),
@@ -374,11 +371,18 @@ mod restore_consumer_tests {
         // Config files refuse the property (`config::managed_property`); the source
         // consumer forces it off all the same.
         let mut cfg = load(&[("application.id", "app")]);
-        assert_eq!(source_config(&cfg).get("enable.partition.eof"), Some("false"));
+        assert_eq!(
+            source_config(&cfg).get("enable.partition.eof"),
+            Some("false")
+        );
         cfg.kafka_consumer
             .insert("enable.partition.eof".into(), "true".into());
-        cfg.kafka.insert("enable.partition.eof".into(), "true".into());
-        assert_eq!(source_config(&cfg).get("enable.partition.eof"), Some("false"));
+        cfg.kafka
+            .insert("enable.partition.eof".into(), "true".into());
+        assert_eq!(
+            source_config(&cfg).get("enable.partition.eof"),
+            Some("false")
+        );
     }
 
     #[test]

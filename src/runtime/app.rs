@@ -897,9 +897,9 @@ fn run_loop(
             }
             if batch.is_empty() {
                 if opts.stop_at_end && e.input_at_end(consumer) {
-                    // Commit first: a failed transaction rewinds its partitions (and
-                    // clears their end marks); their records are processed again
-                    // before stopping.
+                    // Commit first: a failed transaction rewinds its partitions (their
+                    // positions fall behind the end again); their records are processed
+                    // again before stopping.
                     e.commit(consumer, CommitMode::Sync)?;
                     if e.input_at_end(consumer) {
                         tracing::info!("every assigned partition is at its end: stopping");

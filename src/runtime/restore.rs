@@ -403,5 +403,4 @@ impl RunLoop {
         self.status_dirty = false;
         self.status_restoring = restoring;
     }
-
 }
