@@ -94,8 +94,10 @@ impl RunLoop {
     /// partition's consumer position (past transaction markers; the committed offset when
     /// nothing was read since the assignment) is compared with its high watermark, read
     /// now (a repartition topic grows while the routers run). The source consumer has no
-    /// partition-end events (see `kafka::consumer::create`).
-    pub(super) fn input_at_end(&self, consumer: &SourceConsumer) -> bool {
+    /// partition-end events (see `kafka::consumer::create`). A partition whose position
+    /// is below the high watermark read at an earlier call is not at its end, without
+    /// asking the broker: while the input is behind, a check costs no request.
+    pub(super) fn input_at_end(&mut self, consumer: &SourceConsumer) -> bool {
         if self.tasks.is_empty() || self.any_restoring() {
             return false;
         }
@@ -110,9 +112,15 @@ impl RunLoop {
                 Some(Offset::Offset(o)) => Some(o),
                 _ => t.position(),
             };
+            if let (Some(o), Some(&known)) = (pos, self.stop_highs.get(id)) {
+                if o < known {
+                    return false;
+                }
+            }
             let Ok((low, high)) = self.watermarks.fetch_watermarks(topic, p, timeout) else {
                 return false;
             };
+            self.stop_highs.insert(*id, high);
             match pos {
                 Some(o) if o < high => return false,
                 Some(_) => {}
