@@ -125,6 +125,52 @@ fn upstream_aborted_transactions_never_reach_the_state() {
     assert_eq!(keys.len(), 8);
 }
 
+/// `--stop-at-end` reads a source partition to its last stable offset (read_committed): a
+/// transaction an upstream producer left open past the committed records is not waited for.
+#[test]
+fn stop_at_end_does_not_wait_for_an_open_upstream_transaction() {
+    let yaml = "name: t\nsource: {topic: '{input}', format: json}\nstages:\n  - dedup: {name: dedup, key: {json_pointer: /id}, ttl: 1h, partitioning: source}\n  - sink: {topic: '{output}'}\n";
+    let names = names_for(yaml, 2);
+    let p: ThreadedProducer<_> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("transactional.id", unique("upstream-open"))
+        // Far longer than the instance may take: the broker must not abort it meanwhile.
+        .set("transaction.timeout.ms", "600000")
+        .create()
+        .unwrap();
+    p.init_transactions(Duration::from_secs(30)).unwrap();
+    let send = |p: &ThreadedProducer<_>, id: &str, partition: i32| {
+        let v = format!(r#"{{"id":"{id}"}}"#);
+        p.send(
+            BaseRecord::<str, str>::to(&names.input)
+                .key(id)
+                .payload(&v)
+                .partition(partition),
+        )
+        .map_err(|(e, _)| e)
+        .unwrap();
+    };
+    p.begin_transaction().unwrap();
+    for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+        send(&p, id, i as i32 % 2);
+    }
+    p.commit_transaction(Duration::from_secs(30)).unwrap();
+    // Left open, its records in the log (past the last stable offset) on one partition.
+    p.begin_transaction().unwrap();
+    send(&p, "open-1", 0);
+    send(&p, "open-2", 0);
+    p.flush(Duration::from_secs(30)).unwrap();
+    let t0 = Instant::now();
+    let (st, out) = start(&names, &eos("a"), &[], &["--stop-at-end"]).wait(Duration::from_secs(60));
+    assert!(st.success(), "{out}");
+    assert_eq!(summary_field(&out, "records_in"), Some(4.0), "{out}");
+    let mut got: Vec<String> = ids_in(&names.output, true).into_keys().collect();
+    got.sort();
+    assert_eq!(got, vec!["a", "b", "c", "d"]);
+    eprintln!("stopped {:.1}s after the start", t0.elapsed().as_secs_f64());
+    p.abort_transaction(Duration::from_secs(30)).unwrap();
+}
+
 #[test]
 fn two_applications_on_one_broker_do_not_fence_each_other() {
     let a = gharchive_names(2);

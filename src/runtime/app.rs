@@ -188,8 +188,9 @@ struct RunLoop {
     /// With a hop: the task id of partition 0 of each topic read (see
     /// [`RunLoop::task_base`]), by the address of its librdkafka topic handle.
     task_bases: Vec<(usize, i32)>,
-    /// `--stop-at-end`: the high watermark last read of each task's partition. A high
-    /// watermark only grows, so a position below it is not at the end, asked of no broker.
+    /// `--stop-at-end`: the end last read of each task's partition (see
+    /// [`RunLoop::input_at_end`]). An end only grows, so a position below it is not at the
+    /// end, asked of no broker.
     stop_highs: BTreeMap<i32, i64>,
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).

@@ -92,11 +92,14 @@ impl RunLoop {
 
     /// Whether every assigned partition has been read to its end (`--stop-at-end`): each
     /// partition's consumer position (past transaction markers; the committed offset when
-    /// nothing was read since the assignment) is compared with its high watermark, read
-    /// now (a repartition topic grows while the routers run). The source consumer has no
-    /// partition-end events (see `kafka::consumer::create`). A partition whose position
-    /// is below the high watermark read at an earlier call is not at its end, without
-    /// asking the broker: while the input is behind, a check costs no request.
+    /// nothing was read since the assignment) is compared with its end, read now (a
+    /// repartition topic grows while the routers run). The end of a source partition is
+    /// its last stable offset (read_committed), so a transaction an upstream producer left
+    /// open is not waited for; that of a repartition partition is its high watermark, so
+    /// routed records in another instance's open transaction are. The source consumer has
+    /// no partition-end events (see `kafka::consumer::create`). A partition whose position
+    /// is below the end read at an earlier call is not at its end, without asking the
+    /// broker (both ends only grow): while the input is behind, a check costs no request.
     pub(super) fn input_at_end(&mut self, consumer: &SourceConsumer) -> bool {
         if self.tasks.is_empty() || self.any_restoring() {
             return false;
@@ -117,7 +120,7 @@ impl RunLoop {
                     return false;
                 }
             }
-            let Ok((low, high)) = self.watermarks.fetch_watermarks(topic, p, timeout) else {
+            let Ok((low, high)) = self.end_marks(*id, timeout) else {
                 return false;
             };
             self.stop_highs.insert(*id, high);
@@ -139,12 +142,28 @@ impl RunLoop {
         };
         unread.iter().all(|id| {
             let (topic, p) = self.topics.tp(*id);
-            let Ok((_, high)) = self.watermarks.fetch_watermarks(topic, p, timeout) else {
+            let Ok((_, high)) = self.end_marks(*id, timeout) else {
                 return false;
             };
             matches!(committed.find_partition(topic, p).map(|e| e.offset()),
                 Some(Offset::Offset(o)) if o >= high)
         })
+    }
+
+    /// The low offset and the end of task `id`'s partition for [`RunLoop::input_at_end`]:
+    /// asked through the restore consumer (read_committed: the end is the last stable
+    /// offset) for a partition of the source topic, through the read_uncommitted client
+    /// (the high watermark) for one of the repartition topic. Not through the source
+    /// consumer: the broker answers a connection's requests in order, so the query would
+    /// wait behind its fetch (up to `fetch.wait.max.ms`, 500 ms); the restore consumer
+    /// fetches nothing once no partition is restoring.
+    fn end_marks(&self, id: i32, timeout: Duration) -> rdkafka::error::KafkaResult<(i64, i64)> {
+        let (topic, p) = self.topics.tp(id);
+        if self.hop.is_none() || self.topics.is_router(id) {
+            self.restore_consumer.fetch_watermarks(topic, p, timeout)
+        } else {
+            self.watermarks.fetch_watermarks(topic, p, timeout)
+        }
     }
 
     /// After a commit (`committed`: it committed something) in `mode`: purge the consumed
