@@ -191,7 +191,7 @@ struct RunLoop {
     /// `--stop-at-end`: the end last read of each task's partition (see
     /// [`RunLoop::input_at_end`]). An end only grows, so a position below it is not at the
     /// end, asked of no broker.
-    stop_highs: BTreeMap<i32, i64>,
+    stop_ends: BTreeMap<i32, i64>,
     /// Held while any partition is restoring: the state writer then writes only what a
     /// store waits for, leaving the CPU to the restore (see [`crate::state::Writer`]).
     writer_hold: Option<crate::state::WriterHold>,
@@ -664,7 +664,7 @@ impl App {
             route_key: Vec::new(),
             route_text: Vec::new(),
             task_bases: Vec::new(),
-            stop_highs: BTreeMap::new(),
+            stop_ends: BTreeMap::new(),
             source_queue: None,
             seeked: BTreeSet::new(),
         };

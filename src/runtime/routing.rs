@@ -115,7 +115,7 @@ impl RunLoop {
                 Some(Offset::Offset(o)) => Some(o),
                 _ => t.position(),
             };
-            if let (Some(o), Some(&known)) = (pos, self.stop_highs.get(id)) {
+            if let (Some(o), Some(&known)) = (pos, self.stop_ends.get(id)) {
                 if o < known {
                     return false;
                 }
@@ -123,30 +123,28 @@ impl RunLoop {
             let Ok((low, high)) = self.end_marks(*id, timeout) else {
                 return false;
             };
-            self.stop_highs.insert(*id, high);
+            self.stop_ends.insert(*id, high);
             match pos {
                 Some(o) if o < high => return false,
                 Some(_) => {}
-                None if high > low => unread.push(*id),
+                None if high > low => unread.push((*id, high)),
                 None => {}
             }
         }
         if unread.is_empty() {
             return true;
         }
-        let Ok(tpl) = self.tpl_ids(&unread, None) else {
+        let ids: Vec<i32> = unread.iter().map(|(id, _)| *id).collect();
+        let Ok(tpl) = self.tpl_ids(&ids, None) else {
             return false;
         };
         let Ok(committed) = consumer.committed_offsets(tpl, timeout) else {
             return false;
         };
-        unread.iter().all(|id| {
+        unread.iter().all(|(id, high)| {
             let (topic, p) = self.topics.tp(*id);
-            let Ok((_, high)) = self.end_marks(*id, timeout) else {
-                return false;
-            };
             matches!(committed.find_partition(topic, p).map(|e| e.offset()),
-                Some(Offset::Offset(o)) if o >= high)
+                Some(Offset::Offset(o)) if o >= *high)
         })
     }
 
