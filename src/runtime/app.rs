@@ -108,7 +108,7 @@ const RECORDS_PER_TURN: usize = 1_000;
 const CHECK_EVERY: usize = 64;
 
 /// Source records after which a commit is due whatever the interval.
-const MAX_UNCOMMITTED: usize = 200_000;
+const MAX_UNCOMMITTED: usize = 50_000;
 
 /// Everything the run loop owns.
 struct RunLoop {

@@ -145,18 +145,23 @@ fn serve(
 }
 
 /// `ONCEFLOW_POSTGRES_URL`, or None after a loud message (the test then returns early).
+/// Panics at once when it is set but nothing listens at its address.
 pub fn postgres_url() -> Option<String> {
-    env_or_skip("ONCEFLOW_POSTGRES_URL", "scripts/postgres start")
+    env_or_skip("ONCEFLOW_POSTGRES_URL", "scripts/postgres start", 5432)
 }
 
-/// `ONCEFLOW_REDIS_URL`, or None after a loud message.
+/// `ONCEFLOW_REDIS_URL`, or None after a loud message; panics at once when it is set but
+/// nothing listens at its address.
 pub fn redis_url() -> Option<String> {
-    env_or_skip("ONCEFLOW_REDIS_URL", "scripts/redis start")
+    env_or_skip("ONCEFLOW_REDIS_URL", "scripts/redis start", 6379)
 }
 
-fn env_or_skip(var: &str, how: &str) -> Option<String> {
+fn env_or_skip(var: &str, how: &str, default_port: u16) -> Option<String> {
     match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
+        Ok(v) if !v.is_empty() => {
+            assert_listening(var, &v, how, default_port);
+            Some(v)
+        }
         _ => {
             eprintln!(
                 "\n*** SKIPPED: {var} is not set; this test needs it (run scripts/test, or `{how}` and export {var}) ***\n"
@@ -164,6 +169,31 @@ fn env_or_skip(var: &str, how: &str) -> Option<String> {
             None
         }
     }
+}
+
+/// Panic, naming `var` and its address, when nothing accepts a TCP connection at the
+/// host and port of `url` (`scheme://[user[:password]@]host[:port][/...]`) within 3 s: a
+/// service that is not running fails the test at once, instead of leaving onceflow
+/// retrying it until the test's own deadline.
+fn assert_listening(var: &str, url: &str, how: &str, default_port: u16) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let addr = if host_port.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+        host_port.to_string()
+    } else {
+        format!("{host_port}:{default_port}")
+    };
+    let resolved: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+        .unwrap_or_else(|e| panic!("{var}={url}: cannot resolve {addr}: {e}"))
+        .collect();
+    let ok = resolved.iter().any(|a| {
+        std::net::TcpStream::connect_timeout(a, std::time::Duration::from_secs(3)).is_ok()
+    });
+    assert!(
+        ok,
+        "{var}={url}: nothing listens at {addr}; start it (`{how}`, or run scripts/test)"
+    );
 }
 
 /// A private redis-server on a free port, for tests that stop and restart Redis.
