@@ -39,6 +39,9 @@ pub(crate) const DEAD_LETTERS: &str = "onceflow_dead_letters_total";
 pub(crate) const EVICTED: &str = "onceflow_dedup_evicted_total";
 /// Counter `{topology,store}`: entries removed by the expiry sweep.
 pub(crate) const EXPIRED: &str = "onceflow_dedup_expired_total";
+/// Counter `{topology,store}`: entries the expiry sweep read (it reads none while no entry
+/// can have expired).
+pub(crate) const SWEEP_READ: &str = "onceflow_dedup_sweep_read_total";
 /// Counter `{topology}`: commits of the at_least_once protocol.
 pub(crate) const COMMITS: &str = "onceflow_commits_total";
 

@@ -262,6 +262,57 @@ fn the_sweep_is_bounded_per_commit() {
     }
 }
 
+/// The sweep reads no entry while none can have expired (stream time within TTL plus grace
+/// of the oldest entry's base), also after a restore, and reads them once one can.
+#[test]
+fn the_sweep_reads_nothing_while_no_entry_can_have_expired() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    for g in GUARANTEES {
+        let recorder = DebuggingRecorder::new();
+        let snap = recorder.snapshotter();
+        let read = || -> u64 {
+            snap.snapshot()
+                .into_vec()
+                .into_iter()
+                .filter(|(k, ..)| k.key().name() == "onceflow_dedup_sweep_read_total")
+                .map(|(.., v)| match v {
+                    DebugValue::Counter(n) => n,
+                    _ => 0,
+                })
+                .sum()
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let mut d = by_id(g, 10 * MIN, 0).auto_commit(false);
+            for i in 0..100 {
+                d.pipe(ev(&format!("k{i:03}"), T + i)).unwrap();
+            }
+            d.commit().unwrap();
+            // Stream time (the second-highest time) moves to T + 9 min: 9 min < 10.
+            d.pipe(ev("n0", T + 9 * MIN)).unwrap();
+            d.pipe(ev("n1", T + 9 * MIN)).unwrap();
+            d.commit().unwrap();
+            d.commit().unwrap();
+            assert_eq!(read(), 0, "{g:?}: nothing can have expired, nothing read");
+            d.wipe_state();
+            d.pipe(ev("n2", T + 9 * MIN + 1)).unwrap(); // restored, then processed
+            d.commit().unwrap();
+            assert_eq!(d.restored_records(), 102, "{g:?}");
+            assert_eq!(read(), 0, "{g:?}: after the restore too");
+            // Stream time T + 11 min: the k entries (T + 0..99 ms) have expired.
+            d.pipe(ev("t0", T + 11 * MIN)).unwrap();
+            d.pipe(ev("t1", T + 11 * MIN)).unwrap();
+            d.commit().unwrap();
+            assert!(read() >= 100, "{g:?}: {} entries read", read());
+            let tombstones = d
+                .changelog("dedup", 0)
+                .iter()
+                .filter(|r| r.value.is_none())
+                .count();
+            assert_eq!(tombstones, 100, "{g:?}: every k entry swept, no other");
+        });
+    }
+}
+
 #[test]
 fn neither_downtime_nor_one_far_future_timestamp_expires_live_state() {
     for g in GUARANTEES {

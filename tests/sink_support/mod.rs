@@ -179,7 +179,10 @@ fn assert_listening(var: &str, url: &str, how: &str, default_port: u16) {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let authority = rest.split(['/', '?']).next().unwrap_or_default();
     let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let addr = if host_port.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+    let addr = if host_port
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
         host_port.to_string()
     } else {
         format!("{host_port}:{default_port}")

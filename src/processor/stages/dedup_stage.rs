@@ -232,6 +232,8 @@ pub(crate) struct Dedup {
     metrics: StageMetrics,
     sweep_after: Option<Vec<u8>>,
     swept: metrics::Counter,
+    /// Entries the expiry sweep read.
+    sweep_read: metrics::Counter,
     /// The two highest times of records that wrote an entry, by their own timestamps
     /// (highest first). The sweep goes by the second: stream time that one far-future
     /// timestamp alone (delivered once or many times) cannot move.
@@ -270,6 +272,12 @@ struct KeyBook {
     /// first; `i64::MIN` when fewer): where stream time was, at least, when they were
     /// written. See [`Dedup::fold_time`].
     top_bases: [i64; 2],
+    /// A lower bound of the [`DedupEntry::sweep_base_ms`] of every entry in the store: the
+    /// lowest among the committed entries when the book was built and among every entry
+    /// staged since (`i64::MAX` when none). Removals leave it as it is (it stays a lower
+    /// bound). The sweep reads no entry while stream time is within the horizon of it:
+    /// nothing can have expired.
+    low_base: i64,
     by_age: Option<std::collections::BTreeSet<(i64, Vec<u8>)>>,
     gauge: metrics::Gauge,
     evicted: metrics::Counter,
@@ -285,6 +293,7 @@ impl KeyBook {
         let mut book = KeyBook {
             count: 0,
             top_bases: [i64::MIN; 2],
+            low_base: i64::MAX,
             by_age: with_index.then(Default::default),
             gauge,
             evicted,
@@ -297,6 +306,7 @@ impl KeyBook {
                 crate::error::Error::state(&name, format!("corrupt dedup entry: {e}"))
             })?;
             let base = e.sweep_base_ms();
+            book.low_base = book.low_base.min(base);
             // Seeded and untimed entries carry no record's time: not stream time.
             if !e.untimed && e.source_offset != crate::tools::SEEDED_OFFSET {
                 fold_time(&mut book.top_bases, base);
@@ -311,6 +321,7 @@ impl KeyBook {
     }
 
     fn added(&mut self, key: &[u8], prev: Option<&DedupEntry>, new: &DedupEntry) {
+        self.low_base = self.low_base.min(new.sweep_base_ms());
         match prev {
             None => self.count += 1,
             Some(p) => {
@@ -380,6 +391,7 @@ impl Dedup {
             reviving: None,
             fingerprinter,
             swept: metrics::counter!(crate::metrics::EXPIRED, "topology" => topology.to_string(), "store" => store.to_string()),
+            sweep_read: metrics::counter!(crate::metrics::SWEEP_READ, "topology" => topology.to_string(), "store" => store.to_string()),
         }
     }
 }
@@ -485,13 +497,23 @@ impl Processor for Dedup {
     /// window after it arrived, so its own duplicates are still caught. Stream time only
     /// moves with records, so downtime never expires state; and the sweep takes the
     /// second-highest record time as stream time, so one far-future timestamp cannot sweep
-    /// entries that are live for the records around it.
+    /// entries that are live for the records around it. While stream time is within the
+    /// horizon of the lowest base in the store (`KeyBook::low_base`), nothing can have
+    /// expired and the sweep reads nothing.
     fn punctuate(&mut self, ctx: &mut Context<'_>) -> Result<(), crate::error::Error> {
         let stream_time = self.top_times[1];
         if stream_time == i64::MIN {
             return Ok(());
         }
         let horizon = self.spec.ttl_ms.saturating_add(self.spec.grace_ms);
+        if self
+            .book
+            .as_ref()
+            .is_some_and(|b| stream_time.saturating_sub(b.low_base) <= horizon)
+        {
+            // No entry is older than the horizon: none to read.
+            return Ok(());
+        }
         let store = ctx.store(&self.store)?;
         let batch = store
             .engine()
@@ -501,6 +523,7 @@ impl Processor for Dedup {
         } else {
             batch.last().map(|(k, _)| k.clone())
         };
+        self.sweep_read.increment(batch.len() as u64);
         for (k, _) in batch {
             // Judge the current value: a staged renewal must not be swept.
             let Some(v) = store.get(&k)? else { continue };
