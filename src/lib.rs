@@ -114,7 +114,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// onceflow's allocator is mimalloc (feature `mimalloc`, Linux). mimalloc asks the kernel
 /// for huge pages on its large regions (`madvise(MADV_HUGEPAGE)`), so the resident set then
 /// grows in 2 MiB steps, most of them part-used: the onceflow side of `scripts/bench` peaked
-/// at 350 MiB with them and 264 MiB without, at the same speed (see README, Benchmarks).
+/// at 350 MiB with them and 264 MiB without, at the same speed (see docs/benchmarks.md).
 ///
 /// Memory already faulted in keeps its pages; the setting holds for the rest of the
 /// process's life (`prctl(PR_SET_THP_DISABLE)`). Nothing is changed when the environment
