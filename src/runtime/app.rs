@@ -8,7 +8,7 @@
 //! record; the consumer's queue, polled once per turn, carries rebalances and errors. The
 //! ordered steps of a commit, for both
 //! guarantees, live in `runtime::commit`; the loop decides when to commit (every
-//! `commit.interval.ms`, or after 200,000 records), advances the at_least_once commits in
+//! `commit.interval.ms`, or after 50,000 records), advances the at_least_once commits in
 //! flight every turn (waiting for all of them before partitions go and at a stop), and
 //! carries out a rewind after an aborted transaction.
 //!
