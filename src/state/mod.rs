@@ -165,9 +165,9 @@ const WRITE_CHUNK: usize = usize::MAX;
 
 /// Committed entries a write-behind store keeps readable in memory (per store partition)
 /// once they are persisted; beyond it the oldest persisted batches leave memory and are
-/// read from the engine again. An entry costs its key and value, 16 bytes of bookkeeping
-/// (see [`resident::Packed`]) and about 12 of index: ~55 bytes for the bench's dedup
-/// entries (13-byte keys).
+/// read from the engine again. An entry costs its key and value, about 6 bytes of
+/// bookkeeping (see [`resident::Packed`]) and about 12 of index: ~45 bytes for the bench's
+/// dedup entries (13-byte keys).
 pub(crate) const RESIDENT_ENTRIES: usize = 262_144;
 
 /// Committed ops a write-behind store lets wait for the engine (per store partition);

@@ -60,65 +60,76 @@ pub(super) type Ops = Arc<Packed>;
 
 /// The ops of one committed batch, packed for the time they stay in memory (until the
 /// writer has persisted them, and then while resident): every key and value copied into
-/// one buffer, and 16 bytes of bookkeeping an op, where a pair of [`Bytes`] takes 64 and
-/// holds on to the staging arena's blocks. For dedup entries of the bench (13-byte keys,
-/// ~13-byte values) that is ~42 bytes an op in place of ~90.
+/// one buffer, each preceded by its length as a LEB128 varint (a value's length plus one,
+/// 0 for a delete), and 4 bytes of bookkeeping an op (its start in the buffer), where a
+/// pair of [`Bytes`] takes 64 and holds on to the staging arena's blocks. For dedup
+/// entries of the bench (13-byte keys, ~13-byte values) that is ~32 bytes an op in place
+/// of ~90.
 pub(crate) struct Packed {
     data: Bytes,
-    ops: Vec<PackedOp>,
+    /// Where each op starts in `data`.
+    ops: Vec<u32>,
 }
 
-/// Where one op's key and value are in [`Packed::data`]: the value follows the key.
-#[derive(Clone, Copy)]
-struct PackedOp {
-    at: usize,
-    key_len: u32,
-    /// [`DELETE`] for a delete.
-    value_len: u32,
+/// Append `n` to `out` as a LEB128 varint.
+fn put_len(out: &mut Vec<u8>, mut n: u64) {
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
 }
 
-/// [`PackedOp::value_len`] of a delete (no Kafka record is that large).
-const DELETE: u32 = u32::MAX;
+/// The varint at `at` in `data` (written by [`put_len`]) and the position after it.
+fn get_len(data: &[u8], mut at: usize) -> (usize, usize) {
+    let (mut n, mut shift) = (0usize, 0);
+    loop {
+        let b = data[at];
+        at += 1;
+        n |= usize::from(b & 0x7f) << shift;
+        if b < 0x80 {
+            return (n, at);
+        }
+        shift += 7;
+    }
+}
 
 impl Packed {
     /// `ops` (puts and deletes in order) copied into one buffer.
     ///
     /// # Errors
-    /// [`crate::Error::State`] naming `store` when a key or value is 4 GiB or more.
+    /// [`crate::Error::State`] naming `store` when the batch's keys and values take 4 GiB or
+    /// more.
     pub(crate) fn pack(store: &str, ops: &[(Bytes, Option<Bytes>)]) -> Result<Packed> {
-        let size = ops
+        let size: usize = ops
             .iter()
-            .map(|(k, v)| k.len() + v.as_ref().map_or(0, |v| v.len()))
+            .map(|(k, v)| k.len() + v.as_ref().map_or(0, |v| v.len()) + 2)
             .sum();
         let mut data = Vec::with_capacity(size);
         let mut packed = Vec::with_capacity(ops.len());
-        let too_big = |what: &str, n: usize| {
-            crate::Error::state(
-                store,
-                format!("a {what} of {n} bytes cannot be held (4 GiB at most)"),
-            )
-        };
         for (k, v) in ops {
-            let key_len = u32::try_from(k.len())
-                .ok()
-                .filter(|n| *n != DELETE)
-                .ok_or_else(|| too_big("key", k.len()))?;
-            let value_len = match v {
-                Some(v) => u32::try_from(v.len())
-                    .ok()
-                    .filter(|n| *n != DELETE)
-                    .ok_or_else(|| too_big("value", v.len()))?,
-                None => DELETE,
-            };
-            packed.push(PackedOp {
-                at: data.len(),
-                key_len,
-                value_len,
-            });
+            let at = u32::try_from(data.len()).map_err(|_| {
+                crate::Error::state(
+                    store,
+                    "a committed batch of 4 GiB or more cannot be held in memory",
+                )
+            })?;
+            packed.push(at);
+            put_len(&mut data, k.len() as u64);
             data.extend_from_slice(k);
-            if let Some(v) = v {
-                data.extend_from_slice(v);
+            match v {
+                Some(v) => {
+                    put_len(&mut data, v.len() as u64 + 1);
+                    data.extend_from_slice(v);
+                }
+                None => put_len(&mut data, 0),
             }
+        }
+        if u32::try_from(data.len()).is_err() {
+            return Err(crate::Error::state(
+                store,
+                "a committed batch of 4 GiB or more cannot be held in memory",
+            ));
         }
         Ok(Packed {
             data: Bytes::from(data),
@@ -138,14 +149,14 @@ impl Packed {
 
     /// Key of op `i`.
     pub(crate) fn key(&self, i: usize) -> &[u8] {
-        let o = self.ops[i];
-        &self.data[o.at..o.at + o.key_len as usize]
+        let (len, at) = get_len(&self.data, self.ops[i] as usize);
+        &self.data[at..at + len]
     }
 
     fn value_range(&self, i: usize) -> Option<std::ops::Range<usize>> {
-        let o = self.ops[i];
-        let start = o.at + o.key_len as usize;
-        (o.value_len != DELETE).then(|| start..start + o.value_len as usize)
+        let (key_len, at) = get_len(&self.data, self.ops[i] as usize);
+        let (n, start) = get_len(&self.data, at + key_len);
+        (n != 0).then(|| start..start + n - 1)
     }
 
     /// Value of op `i` (`None`: a delete).
@@ -399,6 +410,9 @@ mod tests {
             (Bytes::from_static(b""), Some(Bytes::from_static(b""))),
             (Bytes::from_static(b"k1"), Some(Bytes::from_static(b"v"))),
             (Bytes::from_static(b"key three"), None),
+            // Lengths of two and three varint bytes.
+            (Bytes::from(vec![7u8; 200]), Some(Bytes::from(vec![9u8; 70_000]))),
+            (Bytes::from(vec![1u8; 127]), Some(Bytes::from(vec![2u8; 127]))),
         ];
         let p = Packed::pack("s/0", &ops).unwrap();
         assert_eq!(p.len(), ops.len());
