@@ -411,8 +411,14 @@ mod tests {
             (Bytes::from_static(b"k1"), Some(Bytes::from_static(b"v"))),
             (Bytes::from_static(b"key three"), None),
             // Lengths of two and three varint bytes.
-            (Bytes::from(vec![7u8; 200]), Some(Bytes::from(vec![9u8; 70_000]))),
-            (Bytes::from(vec![1u8; 127]), Some(Bytes::from(vec![2u8; 127]))),
+            (
+                Bytes::from(vec![7u8; 200]),
+                Some(Bytes::from(vec![9u8; 70_000])),
+            ),
+            (
+                Bytes::from(vec![1u8; 127]),
+                Some(Bytes::from(vec![2u8; 127])),
+            ),
         ];
         let p = Packed::pack("s/0", &ops).unwrap();
         assert_eq!(p.len(), ops.len());
