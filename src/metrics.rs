@@ -26,7 +26,7 @@ pub(crate) const DEDUP_KEYS: &str = "onceflow_dedup_keys";
 pub(crate) const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
 /// Gauge `{store,partition}`: changelog records left to restore.
 pub(crate) const RESTORE_REMAINING: &str = "onceflow_restore_remaining_records";
-/// Counter `{result}`, result = committed|aborted.
+/// Counter `{result}`, result = committed|aborted|unknown (the commit's reply was lost).
 pub(crate) const TRANSACTIONS: &str = "onceflow_transactions_total";
 /// Counter `{topology,sink,result}`, result = done|skipped_duplicate|unprotected|failed|unknown
 /// (external sinks; `unprotected`: run without idempotency under `on_store_error: fail_open`;
@@ -42,7 +42,7 @@ pub(crate) const EXPIRED: &str = "onceflow_dedup_expired_total";
 /// Counter `{topology,store}`: entries the expiry sweep read (it reads none while no entry
 /// can have expired).
 pub(crate) const SWEEP_READ: &str = "onceflow_dedup_sweep_read_total";
-/// Counter `{topology}`: commits of the at_least_once protocol.
+/// Counter `{topology}`: commits made, under either guarantee.
 pub(crate) const COMMITS: &str = "onceflow_commits_total";
 
 /// Counter `{table}`: table topic records applied to a lookup table (load and follow).
