@@ -71,16 +71,8 @@ pub(crate) struct Packed {
     ops: Vec<u32>,
 }
 
-/// Append `n` to `out` as a LEB128 varint.
-fn put_len(out: &mut Vec<u8>, mut n: u64) {
-    while n >= 0x80 {
-        out.push((n as u8) | 0x80);
-        n >>= 7;
-    }
-    out.push(n as u8);
-}
-
-/// The varint at `at` in `data` (written by [`put_len`]) and the position after it.
+/// The varint at `at` in `data` (written by `prost::encoding::encode_varint`) and the
+/// position after it.
 fn get_len(data: &[u8], mut at: usize) -> (usize, usize) {
     let (mut n, mut shift) = (0usize, 0);
     loop {
@@ -107,22 +99,18 @@ impl Packed {
             .sum();
         let mut data = Vec::with_capacity(size);
         let mut packed = Vec::with_capacity(ops.len());
+        use prost::encoding::encode_varint;
         for (k, v) in ops {
-            let at = u32::try_from(data.len()).map_err(|_| {
-                crate::Error::state(
-                    store,
-                    "a committed batch of 4 GiB or more cannot be held in memory",
-                )
-            })?;
-            packed.push(at);
-            put_len(&mut data, k.len() as u64);
+            // Checked below: every start is at most the buffer's length.
+            packed.push(data.len() as u32);
+            encode_varint(k.len() as u64, &mut data);
             data.extend_from_slice(k);
             match v {
                 Some(v) => {
-                    put_len(&mut data, v.len() as u64 + 1);
+                    encode_varint(v.len() as u64 + 1, &mut data);
                     data.extend_from_slice(v);
                 }
-                None => put_len(&mut data, 0),
+                None => encode_varint(0, &mut data),
             }
         }
         if u32::try_from(data.len()).is_err() {
