@@ -45,6 +45,7 @@ pub(crate) const KEYS: &[&str] = &[
     "log.format",
     "instance.id",
     "state.stop.persist.ms",
+    "state.cache.bytes",
 ];
 
 /// `log.format`.
@@ -101,6 +102,9 @@ pub struct Config {
     /// offset never runs ahead of the data), so a stop after a long backlog stays short;
     /// 0 waits for nothing.
     pub stop_persist_ms: u64,
+    /// `state.cache.bytes`: sled's page cache, in bytes. `None` (unset, the default): 16 MiB,
+    /// or 256 MiB when the topology has a lookup table (see [`Config::sled_cache_bytes`]).
+    pub state_cache_bytes: Option<u64>,
     /// librdkafka properties for both clients (`kafka.*`, prefix removed).
     pub kafka: BTreeMap<String, String>,
     /// librdkafka properties for the consumer only (`kafka.consumer.*`).
@@ -288,6 +292,15 @@ impl Config {
             }
         };
         let stop_persist_ms = millis("state.stop.persist.ms", "", false)?;
+        let state_cache_bytes = match get("state.cache.bytes") {
+            v if v.is_empty() => None,
+            v => Some(v.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                bad(
+                    "state.cache.bytes",
+                    format!("{v:?} is not a positive number of bytes"),
+                )
+            })?),
+        };
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
             return Err(bad("state.dir", "must not be empty".into()));
@@ -315,6 +328,7 @@ impl Config {
             http_address,
             log_format,
             stop_persist_ms,
+            state_cache_bytes,
             kafka,
             kafka_consumer,
             kafka_producer,
@@ -497,6 +511,16 @@ impl Config {
             .unwrap_or(DEFAULT_MAX_RECORD_BYTES)
     }
 
+    /// sled's page cache in bytes: `state.cache.bytes` when set; else 16 MiB, or 256 MiB
+    /// when the topology has a lookup table. A state store answers the keys of its last
+    /// 262,144 entries per partition from memory, so sled's cache mostly holds pages it
+    /// has written; a lookup table reads sled on every lookup its own row cache misses.
+    pub(crate) fn sled_cache_bytes(&self, has_tables: bool) -> u64 {
+        const MIB: u64 = 1024 * 1024;
+        self.state_cache_bytes
+            .unwrap_or(if has_tables { 256 * MIB } else { 16 * MIB })
+    }
+
     /// Whether `processing.guarantee` is exactly_once_v2.
     pub(crate) fn exactly_once(&self) -> bool {
         self.processing_guarantee == Guarantee::ExactlyOnceV2
@@ -565,6 +589,28 @@ mod tests {
                 .map(String::as_str),
             Some("20")
         );
+    }
+
+    #[test]
+    fn state_cache_bytes() {
+        const MIB: u64 = 1024 * 1024;
+        let c = Config::load_with_env(&[], &[], env(&[])).unwrap();
+        assert_eq!(c.state_cache_bytes, None);
+        assert_eq!(c.sled_cache_bytes(false), 16 * MIB);
+        assert_eq!(c.sled_cache_bytes(true), 256 * MIB, "lookup tables read sled");
+        let set = |v: &str| {
+            Config::load_with_env(&[], &[("state.cache.bytes".into(), v.into())], env(&[]))
+        };
+        let c = set("1048576").unwrap();
+        assert_eq!(c.sled_cache_bytes(false), MIB);
+        assert_eq!(c.sled_cache_bytes(true), MIB, "a set value wins");
+        for bad in ["0", "-1", "16MiB"] {
+            let err = set(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("state.cache.bytes") && err.contains(bad),
+                "{bad}: {err}"
+            );
+        }
     }
 
     /// A variable that is not UTF-8 is skipped, unless it is a config variable: then it is

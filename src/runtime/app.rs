@@ -592,7 +592,10 @@ impl App {
         };
         let dir = self.config.state_dir.join(&self.config.application_id);
         // A corrupted database is set aside and its stores restore from the changelogs.
-        let backend = SledBackend::open_checked(&dir)?;
+        let cache = self
+            .config
+            .sled_cache_bytes(!self.topology.tables().is_empty());
+        let backend = SledBackend::open_checked(&dir, cache)?;
         let table_set =
             super::table::TableSet::start(&self.config, &self.topology, &backend, &opts.shutdown)?;
         let changelogs: BTreeMap<String, String> = self.changelog_topics();

@@ -31,6 +31,9 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 /// [`SledBackend::seal`]): one line per store tree, `<name as hex> <entries> <checksum>`.
 const SEAL_FILE: &str = "onceflow.sealed";
 
+/// sled's page cache of [`SledBackend::open`] (tools and tests): 256 MiB.
+const DEFAULT_CACHE_BYTES: u64 = 256 * 1024 * 1024;
+
 /// How long [`SledBackend::open`] waits for sled's file lock (see `open_sled`).
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -142,11 +145,20 @@ impl SledBackend {
     /// [`Error::State`] when the directory cannot be created or sled cannot open it, in
     /// particular when another process holds its lock.
     pub(crate) fn open(dir: &Path) -> Result<SledBackend> {
+        Self::open_cached(dir, DEFAULT_CACHE_BYTES)
+    }
+
+    /// As [`SledBackend::open`], with a page cache of `cache_bytes` (sled's
+    /// `cache_capacity`; onceflow's default is [`crate::Config::sled_cache_bytes`]).
+    ///
+    /// # Errors
+    /// As [`SledBackend::open`].
+    pub(crate) fn open_cached(dir: &Path, cache_bytes: u64) -> Result<SledBackend> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Io {
             path: dir.display().to_string(),
             source: e,
         })?;
-        let db = Self::open_sled(dir).map_err(|e| open_error(dir, e))?;
+        let db = Self::open_sled(dir, cache_bytes).map_err(|e| open_error(dir, e))?;
         Ok(SledBackend {
             db,
             path: dir.to_path_buf(),
@@ -169,8 +181,8 @@ impl SledBackend {
     /// # Errors
     /// As [`SledBackend::open`] for failures that are not corruption (a lock held, no
     /// space, no permission); [`Error::Io`] when the corrupted database cannot be renamed.
-    pub(crate) fn open_checked(dir: &Path) -> Result<SledBackend> {
-        let why = match Self::open_and_check(dir) {
+    pub(crate) fn open_checked(dir: &Path, cache_bytes: u64) -> Result<SledBackend> {
+        let why = match Self::open_and_check(dir, cache_bytes) {
             Ok(b) => return Ok(b),
             Err(Damage::Other(e)) => return Err(e),
             Err(Damage::Corrupt(why)) => why,
@@ -193,11 +205,11 @@ impl SledBackend {
             error = %why,
             "sled database corrupted: moved aside (not deleted); its stores restore from their changelogs"
         );
-        Self::open(dir)
+        Self::open_cached(dir, cache_bytes)
     }
 
-    fn open_and_check(dir: &Path) -> std::result::Result<SledBackend, Damage> {
-        let opened = std::panic::catch_unwind(|| Self::open_sled(dir));
+    fn open_and_check(dir: &Path, cache_bytes: u64) -> std::result::Result<SledBackend, Damage> {
+        let opened = std::panic::catch_unwind(|| Self::open_sled(dir, cache_bytes));
         let db = match opened {
             Err(panic) => {
                 let what = panic
@@ -286,12 +298,12 @@ impl SledBackend {
     /// a moment after the database was dropped: a lock held is tried again for up to
     /// [`LOCK_WAIT`]. Another process holding the state dir is refused before this, by
     /// the state-dir lock ([`crate::state::StateDirLock`]).
-    fn open_sled(dir: &Path) -> std::result::Result<::sled::Db, ::sled::Error> {
+    fn open_sled(dir: &Path, cache_bytes: u64) -> std::result::Result<::sled::Db, ::sled::Error> {
         let deadline = std::time::Instant::now() + LOCK_WAIT;
         loop {
             let opened = ::sled::Config::new()
                 .path(dir)
-                .cache_capacity(256 * 1024 * 1024)
+                .cache_capacity(cache_bytes)
                 .mode(::sled::Mode::LowSpace)
                 .flush_every_ms(Some(1000))
                 .open();
@@ -500,7 +512,7 @@ mod tests {
     /// `dir/db`; returns the path of its largest file.
     fn sealed_db(dir: &Path, n: usize) -> PathBuf {
         let db = dir.join("db");
-        let b = SledBackend::open_checked(&db).unwrap();
+        let b = SledBackend::open_checked(&db, DEFAULT_CACHE_BYTES).unwrap();
         let s = b.open("s", 0).unwrap();
         for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
             s.write(WriteBatch {
@@ -537,7 +549,7 @@ mod tests {
     fn a_sealed_database_reopens_as_it_was() {
         let dir = tempfile::tempdir().unwrap();
         sealed_db(dir.path(), 2000);
-        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
         let s = b.open("s", 0).unwrap();
         assert_eq!(s.changelog_offset().unwrap(), Some(1999));
         assert_eq!(s.get(b"key-1234").unwrap(), Some(vec![7u8; 100]));
@@ -551,7 +563,7 @@ mod tests {
         drop(s);
         b.flush().unwrap();
         drop(b);
-        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
         assert_eq!(
             b.open("s", 0).unwrap().changelog_offset().unwrap(),
             Some(2000)
@@ -570,7 +582,7 @@ mod tests {
             .unwrap()
             .set_len(len / 2)
             .unwrap();
-        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
         let s = b.open("s", 0).unwrap();
         assert_eq!(
             s.changelog_offset().unwrap(),
@@ -600,7 +612,7 @@ mod tests {
             file.write_all(&[0xab; 256]).unwrap();
         }
         drop(file);
-        let b = SledBackend::open_checked(&dir.path().join("db")).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
         assert_eq!(b.open("s", 0).unwrap().changelog_offset().unwrap(), None);
         assert_eq!(set_aside(dir.path()).len(), 1);
     }
