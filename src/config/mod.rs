@@ -103,7 +103,7 @@ pub struct Config {
     /// 0 waits for nothing.
     pub stop_persist_ms: u64,
     /// `state.cache.bytes`: sled's page cache, in bytes. `None` (unset, the default): 16 MiB,
-    /// or 256 MiB when the topology has a lookup table (see [`Config::sled_cache_bytes`]).
+    /// or 256 MiB when the topology has a lookup table.
     pub state_cache_bytes: Option<u64>,
     /// librdkafka properties for both clients (`kafka.*`, prefix removed).
     pub kafka: BTreeMap<String, String>,

@@ -149,7 +149,7 @@ impl SledBackend {
     }
 
     /// As [`SledBackend::open`], with a page cache of `cache_bytes` (sled's
-    /// `cache_capacity`; onceflow's default is [`crate::Config::sled_cache_bytes`]).
+    /// `cache_capacity`; onceflow picks it by `state.cache.bytes`).
     ///
     /// # Errors
     /// As [`SledBackend::open`].
