@@ -167,12 +167,23 @@ impl ByHash {
     }
 
     fn insert(&mut self, h: u64, segment: u32) {
+        if self.insert_absent(h, segment).is_some() {
+            if let (b, Ok(i)) = self.locate(h) {
+                self.buckets[b][i] = HashEntry::new(h, segment);
+            }
+        }
+    }
+
+    /// Map `h` to `segment` if `h` has no segment yet (`None`); else leave it and return
+    /// its segment. One search of the bucket (the state writer's hottest code in `perf`
+    /// was this search, done twice per new key: once to look, once to insert).
+    fn insert_absent(&mut self, h: u64, segment: u32) -> Option<u32> {
         if self.buckets.is_empty() {
             self.buckets.push(Vec::new());
         }
         let (b, at) = self.locate(h);
         match at {
-            Ok(i) => self.buckets[b][i] = HashEntry::new(h, segment),
+            Ok(i) => return Some(self.buckets[b][i].segment()),
             Err(i) => {
                 let run = &mut self.buckets[b];
                 if run.len() == run.capacity() {
@@ -186,6 +197,7 @@ impl ByHash {
                 }
             }
         }
+        None
     }
 
     fn remove(&mut self, h: u64) {
@@ -270,10 +282,8 @@ impl Index {
     }
 
     fn insert(&mut self, h: u64, segment: u32) {
-        match self.by_hash.get(h) {
-            None => {
-                self.by_hash.insert(h, segment);
-            }
+        match self.by_hash.insert_absent(h, segment) {
+            None => {}
             Some(SHARED) => self.collided.entry(h).or_default().push(segment),
             Some(other) => {
                 self.by_hash.insert(h, SHARED);
