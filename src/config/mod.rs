@@ -597,7 +597,11 @@ mod tests {
         let c = Config::load_with_env(&[], &[], env(&[])).unwrap();
         assert_eq!(c.state_cache_bytes, None);
         assert_eq!(c.sled_cache_bytes(false), 16 * MIB);
-        assert_eq!(c.sled_cache_bytes(true), 256 * MIB, "lookup tables read sled");
+        assert_eq!(
+            c.sled_cache_bytes(true),
+            256 * MIB,
+            "lookup tables read sled"
+        );
         let set = |v: &str| {
             Config::load_with_env(&[], &[("state.cache.bytes".into(), v.into())], env(&[]))
         };
