@@ -30,6 +30,17 @@ pub(crate) const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
 /// librdkafka's default `message.max.bytes`: the largest record a producer accepts.
 pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
 
+/// sled's page cache when `state.cache.bytes` is unset and the topology has no lookup
+/// table: 16 MiB.
+pub(crate) const STATE_CACHE_BYTES: u64 = 16 << 20;
+
+/// sled's page cache when `state.cache.bytes` is unset and the topology has a lookup
+/// table: 256 MiB.
+pub(crate) const TABLES_CACHE_BYTES: u64 = 256 << 20;
+
+/// The smallest `state.cache.bytes` (sled panics below 256 bytes; 1 MiB keeps a page).
+const MIN_CACHE_BYTES: u64 = 1 << 20;
+
 /// Keys that were renamed: (old, new).
 const RENAMED: &[(&str, &str)] = &[("metrics.address", "http.address")];
 
@@ -294,12 +305,17 @@ impl Config {
         let stop_persist_ms = millis("state.stop.persist.ms", "", false)?;
         let state_cache_bytes = match get("state.cache.bytes") {
             v if v.is_empty() => None,
-            v => Some(v.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                bad(
-                    "state.cache.bytes",
-                    format!("{v:?} is not a positive number of bytes"),
-                )
-            })?),
+            v => Some(
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|n| *n >= MIN_CACHE_BYTES)
+                    .ok_or_else(|| {
+                        bad(
+                            "state.cache.bytes",
+                            format!("{v:?} is not a number of bytes of at least {MIN_CACHE_BYTES} (1 MiB)"),
+                        )
+                    })?,
+            ),
         };
         let state_dir = get("state.dir");
         if state_dir.is_empty() {
@@ -516,9 +532,11 @@ impl Config {
     /// 262,144 entries per partition from memory, so sled's cache mostly holds pages it
     /// has written; a lookup table reads sled on every lookup its own row cache misses.
     pub(crate) fn sled_cache_bytes(&self, has_tables: bool) -> u64 {
-        const MIB: u64 = 1024 * 1024;
-        self.state_cache_bytes
-            .unwrap_or(if has_tables { 256 * MIB } else { 16 * MIB })
+        self.state_cache_bytes.unwrap_or(if has_tables {
+            TABLES_CACHE_BYTES
+        } else {
+            STATE_CACHE_BYTES
+        })
     }
 
     /// Whether `processing.guarantee` is exactly_once_v2.
@@ -608,7 +626,7 @@ mod tests {
         let c = set("1048576").unwrap();
         assert_eq!(c.sled_cache_bytes(false), MIB);
         assert_eq!(c.sled_cache_bytes(true), MIB, "a set value wins");
-        for bad in ["0", "-1", "16MiB"] {
+        for bad in ["0", "1", "1048575", "-1", "16MiB"] {
             let err = set(bad).unwrap_err().to_string();
             assert!(
                 err.contains("state.cache.bytes") && err.contains(bad),

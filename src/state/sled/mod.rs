@@ -31,9 +31,6 @@ fn data_key(key: &[u8]) -> Vec<u8> {
 /// [`SledBackend::seal`]): one line per store tree, `<name as hex> <entries> <checksum>`.
 const SEAL_FILE: &str = "onceflow.sealed";
 
-/// sled's page cache of [`SledBackend::open`] (tools and tests): 256 MiB.
-const DEFAULT_CACHE_BYTES: u64 = 256 * 1024 * 1024;
-
 /// How long [`SledBackend::open`] waits for sled's file lock (see `open_sled`).
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -139,13 +136,14 @@ pub(crate) struct SledBackend {
 }
 
 impl SledBackend {
-    /// Open the sled database under `dir` (created if missing).
+    /// Open the sled database under `dir` (created if missing), with the page cache of a
+    /// run whose topology has no lookup table ([`crate::config::STATE_CACHE_BYTES`]).
     ///
     /// # Errors
     /// [`Error::State`] when the directory cannot be created or sled cannot open it, in
     /// particular when another process holds its lock.
     pub(crate) fn open(dir: &Path) -> Result<SledBackend> {
-        Self::open_cached(dir, DEFAULT_CACHE_BYTES)
+        Self::open_cached(dir, crate::config::STATE_CACHE_BYTES)
     }
 
     /// As [`SledBackend::open`], with a page cache of `cache_bytes` (sled's
@@ -512,7 +510,7 @@ mod tests {
     /// `dir/db`; returns the path of its largest file.
     fn sealed_db(dir: &Path, n: usize) -> PathBuf {
         let db = dir.join("db");
-        let b = SledBackend::open_checked(&db, DEFAULT_CACHE_BYTES).unwrap();
+        let b = SledBackend::open_checked(&db, crate::config::STATE_CACHE_BYTES).unwrap();
         let s = b.open("s", 0).unwrap();
         for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
             s.write(WriteBatch {
@@ -549,7 +547,8 @@ mod tests {
     fn a_sealed_database_reopens_as_it_was() {
         let dir = tempfile::tempdir().unwrap();
         sealed_db(dir.path(), 2000);
-        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), crate::config::STATE_CACHE_BYTES)
+            .unwrap();
         let s = b.open("s", 0).unwrap();
         assert_eq!(s.changelog_offset().unwrap(), Some(1999));
         assert_eq!(s.get(b"key-1234").unwrap(), Some(vec![7u8; 100]));
@@ -563,7 +562,8 @@ mod tests {
         drop(s);
         b.flush().unwrap();
         drop(b);
-        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), crate::config::STATE_CACHE_BYTES)
+            .unwrap();
         assert_eq!(
             b.open("s", 0).unwrap().changelog_offset().unwrap(),
             Some(2000)
@@ -582,7 +582,8 @@ mod tests {
             .unwrap()
             .set_len(len / 2)
             .unwrap();
-        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), crate::config::STATE_CACHE_BYTES)
+            .unwrap();
         let s = b.open("s", 0).unwrap();
         assert_eq!(
             s.changelog_offset().unwrap(),
@@ -612,7 +613,8 @@ mod tests {
             file.write_all(&[0xab; 256]).unwrap();
         }
         drop(file);
-        let b = SledBackend::open_checked(&dir.path().join("db"), DEFAULT_CACHE_BYTES).unwrap();
+        let b = SledBackend::open_checked(&dir.path().join("db"), crate::config::STATE_CACHE_BYTES)
+            .unwrap();
         assert_eq!(b.open("s", 0).unwrap().changelog_offset().unwrap(), None);
         assert_eq!(set_aside(dir.path()).len(), 1);
     }
