@@ -167,23 +167,31 @@ impl ByHash {
     }
 
     fn insert(&mut self, h: u64, segment: u32) {
-        if self.insert_absent(h, segment).is_some() {
-            if let (b, Ok(i)) = self.locate(h) {
-                self.buckets[b][i] = HashEntry::new(h, segment);
-            }
-        }
+        self.place(h, segment, true);
     }
 
     /// Map `h` to `segment` if `h` has no segment yet (`None`); else leave it and return
-    /// its segment. One search of the bucket (the state writer's hottest code in `perf`
-    /// was this search, done twice per new key: once to look, once to insert).
+    /// its segment.
     fn insert_absent(&mut self, h: u64, segment: u32) -> Option<u32> {
+        self.place(h, segment, false)
+    }
+
+    /// Map `h` to `segment` (a mapped `h` only when `replace`), with one search of the
+    /// bucket (the state writer's hottest code in `perf`, once done twice per new key: to
+    /// look, then to insert); `h`'s segment before, if any.
+    fn place(&mut self, h: u64, segment: u32, replace: bool) -> Option<u32> {
         if self.buckets.is_empty() {
             self.buckets.push(Vec::new());
         }
         let (b, at) = self.locate(h);
         match at {
-            Ok(i) => return Some(self.buckets[b][i].segment()),
+            Ok(i) => {
+                let old = self.buckets[b][i].segment();
+                if replace {
+                    self.buckets[b][i] = HashEntry::new(h, segment);
+                }
+                return Some(old);
+            }
             Err(i) => {
                 let run = &mut self.buckets[b];
                 if run.len() == run.capacity() {
