@@ -355,6 +355,8 @@ static SLED_DBS: std::sync::OnceLock<Mutex<HashMap<std::path::PathBuf, sled::Db>
 
 impl SledIdempotencyStore {
     /// Open (or reuse, within this process) the database at `path` and its tree `tree`.
+    /// The database's page cache takes at most 16 MiB
+    /// ([`crate::config::STATE_CACHE_BYTES`]).
     ///
     /// # Errors
     /// [`StoreError`] when sled cannot open the path.
@@ -366,12 +368,19 @@ impl SledIdempotencyStore {
         let db = match dbs.get(path) {
             Some(db) => db.clone(),
             None => {
-                let db = sled::open(path).map_err(|e| {
-                    StoreError(format!(
-                        "cannot open the sled idempotency store at {}: {e}",
-                        path.display()
-                    ))
-                })?;
+                // sled's page cache bounded as the state stores' is (16 MiB), not sled's
+                // default (up to 1 GiB): a read that misses it costs far less than the
+                // external effect each read guards.
+                let db = sled::Config::new()
+                    .path(path)
+                    .cache_capacity(crate::config::STATE_CACHE_BYTES)
+                    .open()
+                    .map_err(|e| {
+                        StoreError(format!(
+                            "cannot open the sled idempotency store at {}: {e}",
+                            path.display()
+                        ))
+                    })?;
                 dbs.insert(path.to_path_buf(), db.clone());
                 db
             }
