@@ -165,12 +165,47 @@ impl Packed {
     /// The ops in `range`, in order, as borrowed slices (what
     /// [`KeyValueStore::write_ops`] takes).
     pub(crate) fn slices(&self, range: std::ops::Range<usize>) -> Vec<(&[u8], Option<&[u8]>)> {
-        range.map(|i| self.op(i)).collect()
+        let at = self
+            .ops
+            .get(range.start)
+            .map_or(self.data.len(), |a| *a as usize);
+        PackedIter {
+            data: &self.data,
+            at,
+        }
+        .take(range.len())
+        .collect()
     }
 
-    /// Every op in order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
-        (0..self.len()).map(|i| self.op(i))
+    /// Every op in order, read front to back (each length decoded once, no lookup in the
+    /// op starts).
+    pub(crate) fn iter(&self) -> PackedIter<'_> {
+        PackedIter {
+            data: &self.data,
+            at: 0,
+        }
+    }
+}
+
+/// The ops of a [`Packed`] in order from a position, as key and value (`None`: a delete).
+pub(crate) struct PackedIter<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Iterator for PackedIter<'a> {
+    type Item = (&'a [u8], Option<&'a [u8]>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at >= self.data.len() {
+            return None;
+        }
+        let (key_len, at) = get_len(self.data, self.at);
+        let key = &self.data[at..at + key_len];
+        let (n, start) = get_len(self.data, at + key_len);
+        let value = (n != 0).then(|| &self.data[start..start + n - 1]);
+        self.at = start + n.saturating_sub(1);
+        Some((key, value))
     }
 }
 
@@ -427,6 +462,14 @@ mod tests {
             p.slices(1..3),
             vec![(&b"k2"[..], None), (&b""[..], Some(&b""[..]))]
         );
+        // Read in order, each op as read by its position; a range from any start.
+        for (i, op) in p.iter().enumerate() {
+            assert_eq!(op, p.op(i), "op {i}");
+        }
+        let n = p.len();
+        assert_eq!(p.slices(n - 1..n), vec![p.op(n - 1)]);
+        assert!(p.slices(n..n).is_empty());
+        assert_eq!(Packed::pack("s/0", &[]).unwrap().iter().count(), 0);
         assert!(Packed::pack("s/0", &[]).unwrap().is_empty());
     }
 
