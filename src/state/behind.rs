@@ -211,10 +211,11 @@ impl Behind {
                     _ => break,
                 }
                 if matches!(self.filter, KeyFilter::Overlay) {
-                    // Keys are about to leave memory: from now on remember their hashes.
+                    // Keys are about to leave memory: from now on remember their hashes
+                    // (read from the batches in order, see `Resident::op_keys`).
                     let mut f = HashFilter::default();
                     f.reserve(self.resident.len());
-                    for (k, _) in self.resident.iter() {
+                    for k in self.resident.op_keys() {
                         f.insert(filter_key(&self.filter_hash, k));
                     }
                     self.filter = KeyFilter::Hashes(f);

@@ -314,6 +314,17 @@ impl Resident {
         self.index.iter().map(move |s| Self::op(batches, first, *s))
     }
 
+    /// The key of every op the resident batches hold, oldest batch first, each batch read
+    /// front to back: every resident key at least once, and keys since replaced or deleted
+    /// too. A key filter is built from these (a key too many costs it an engine read on a
+    /// hit, never a wrong answer) without the cache miss per key of [`Resident::iter`],
+    /// which reads each key where the index points.
+    pub(super) fn op_keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.batches
+            .iter()
+            .flat_map(|b| b.ops.iter().map(|(k, _)| k))
+    }
+
     pub(super) fn reserve(&mut self, n: usize) {
         self.index.reserve(n, |s| table_hash(s.hash));
     }
