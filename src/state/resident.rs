@@ -165,6 +165,11 @@ impl Packed {
     /// The ops in `range`, in order, as borrowed slices (what
     /// [`KeyValueStore::write_ops`] takes).
     pub(crate) fn slices(&self, range: std::ops::Range<usize>) -> Vec<(&[u8], Option<&[u8]>)> {
+        assert!(
+            range.start <= range.end && range.end <= self.len(),
+            "ops {range:?} of a batch of {}",
+            self.len()
+        );
         let at = self
             .ops
             .get(range.start)
@@ -315,10 +320,9 @@ impl Resident {
     }
 
     /// The key of every op the resident batches hold, oldest batch first, each batch read
-    /// front to back: every resident key at least once, and keys since replaced or deleted
-    /// too. A key filter is built from these (a key too many costs it an engine read on a
-    /// hit, never a wrong answer) without the cache miss per key of [`Resident::iter`],
-    /// which reads each key where the index points.
+    /// front to back: the keys of [`Resident::iter`] (a key's latest op is never older
+    /// than another op on it), each once per op on it, read without the cache miss per
+    /// key of reading each where the index points.
     pub(super) fn op_keys(&self) -> impl Iterator<Item = &[u8]> {
         self.batches
             .iter()
