@@ -320,9 +320,9 @@ impl Resident {
     }
 
     /// The key of every op the resident batches hold, oldest batch first, each batch read
-    /// front to back: the keys of [`Resident::iter`] (a key's latest op is never older
-    /// than another op on it), each once per op on it, read without the cache miss per
-    /// key of reading each where the index points.
+    /// front to back: the keys of [`Resident::iter`] (batches leave oldest first, so a key
+    /// with an op here has its latest op here too), each once per op on it, read without
+    /// the cache miss per key of reading each where the index points.
     pub(super) fn op_keys(&self) -> impl Iterator<Item = &[u8]> {
         self.batches
             .iter()
