@@ -31,7 +31,7 @@ pub(crate) const BOOTSTRAP_ENV: &str = "ONCEFLOW_BOOTSTRAP_SERVERS";
 pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
 
 /// sled's page cache when `state.cache.bytes` is unset and the topology has no lookup
-/// table: 16 MiB.
+/// table: 16 MiB. Also the cache of a sink's sled idempotency store, whatever is set.
 pub(crate) const STATE_CACHE_BYTES: u64 = 16 << 20;
 
 /// sled's page cache when `state.cache.bytes` is unset and the topology has a lookup
