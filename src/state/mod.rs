@@ -18,6 +18,7 @@ mod memory;
 mod resident;
 pub(crate) mod restore;
 mod sled;
+mod slots;
 mod staged;
 pub(crate) mod table;
 mod writer;

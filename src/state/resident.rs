@@ -1,6 +1,7 @@
 //! The resident index of a write-behind store: committed entries kept readable in memory,
 //! and the key-hash filter that answers "not here" without a lookup.
 
+use super::slots::{Probe, SlotTable};
 use super::*;
 
 /// Identity hasher for the key-hash filter (its values are already hashes).
@@ -236,16 +237,19 @@ fn short(h: u64) -> u32 {
     (h >> 32) as u32
 }
 
-/// The index's hash of a slot's key from its 32 kept bits: the table takes its bucket from
-/// the low bits and its 7-bit tag from the top ones, so both come from the kept bits
-/// (disjoint ones below 2^25 buckets).
-fn table_hash(short: u32) -> u64 {
-    u64::from(short) << 32 | u64::from(short)
+/// How many keys ahead of the one it inserts or removes a loop over a batch prefetches
+/// the first slot of.
+const PREFETCH_AHEAD: usize = 8;
+
+/// The 32 kept bits of each key's hash of `ops`, in order.
+fn key_hashes(hash: &ahash::RandomState, ops: &Packed) -> Vec<u32> {
+    ops.iter().map(|(k, _)| short(hash.hash_one(k))).collect()
 }
 
 /// The committed batches held in memory, oldest first, and an index from each resident
-/// key to its latest op. The index holds 12 bytes a key; keys and values stay in their
-/// batch's ops (shared with the writer), so a restore writes each record once.
+/// key to its latest op. The index holds a 12-byte slot a key, in a table at most three
+/// quarters full ([`SlotTable`]); keys and values stay in their batch's ops (shared with the
+/// writer), so a restore writes each record once.
 ///
 /// A batch without ops (a commit that only moves the changelog offset) is not held: it
 /// has no key to index, and an instance commits one per interval for every partition
@@ -255,7 +259,7 @@ pub(super) struct Resident {
     /// Number of the front batch (the next one pushed when empty); batches are numbered
     /// consecutively in push order, wrapping at u32::MAX.
     pub(super) first: u32,
-    pub(super) index: hashbrown::HashTable<Slot>,
+    index: SlotTable,
     pub(super) hash: ahash::RandomState,
     /// Ops held by `batches`.
     pub(super) ops: usize,
@@ -266,7 +270,7 @@ impl Resident {
         Resident {
             batches: VecDeque::new(),
             first: 0,
-            index: hashbrown::HashTable::new(),
+            index: SlotTable::default(),
             hash: ahash::RandomState::new(),
             ops: 0,
         }
@@ -291,10 +295,7 @@ impl Resident {
         let h = short(self.hash.hash_one(key));
         let (batches, first) = (&self.batches, self.first);
         self.index
-            .find(table_hash(h), |s| {
-                s.hash == h && Self::key_at(batches, first, *s) == key
-            })
-            .copied()
+            .find(h, |s| Self::key_at(batches, first, *s) == key)
     }
 
     /// The latest committed value of `key` if it is resident (`Some(None)`: deleted),
@@ -330,7 +331,7 @@ impl Resident {
     }
 
     pub(super) fn reserve(&mut self, n: usize) {
-        self.index.reserve(n, |s| table_hash(s.hash));
+        self.index.reserve(n);
     }
 
     /// Append batch `seq` and point its keys at it; `each` sees every op in order with
@@ -350,24 +351,29 @@ impl Resident {
             seq,
             ops: ops.clone(),
         });
+        // No growth while the batch's keys go in: the slots prefetched stay where they are.
+        self.index.reserve(ops.len());
+        let hashes = key_hashes(&self.hash, &ops);
         let (batches, first) = (&self.batches, self.first);
-        let (hash, index) = (&self.hash, &mut self.index);
+        let index = &mut self.index;
         for (i, (k, v)) in ops.iter().enumerate() {
-            let h = short(hash.hash_one(k));
+            if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                index.prefetch(*ahead);
+            }
+            let h = hashes[i];
             let slot = Slot {
                 seq: no,
                 idx: i as u32,
                 hash: h,
             };
-            let eq = |s: &Slot| s.hash == h && Self::key_at(batches, first, *s) == k;
-            let old = match index.entry(table_hash(h), eq, |s| table_hash(s.hash)) {
-                hashbrown::hash_table::Entry::Occupied(mut e) => {
-                    let was = Self::op(batches, first, *e.get()).1.is_some();
-                    *e.get_mut() = slot;
+            let old = match index.probe(h, |s| Self::key_at(batches, first, *s) == k) {
+                Probe::Found(at) => {
+                    let was = Self::op(batches, first, index.get(at)).1.is_some();
+                    index.set(at, slot);
                     Some(was)
                 }
-                hashbrown::hash_table::Entry::Vacant(e) => {
-                    e.insert(slot);
+                Probe::Vacant(at) => {
+                    index.set(at, slot);
                     None
                 }
             };
@@ -381,17 +387,20 @@ impl Resident {
         let Some(b) = self.batches.front() else {
             return;
         };
-        let (hash, index) = (&self.hash, &mut self.index);
+        let hashes = key_hashes(&self.hash, &b.ops);
+        let index = &mut self.index;
         let seq = self.first;
-        for (i, (k, _)) in b.ops.iter().enumerate() {
-            let h = short(hash.hash_one(k));
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                index.prefetch(*ahead);
+            }
             let at = Slot {
                 seq,
                 idx: i as u32,
-                hash: h,
+                hash: *h,
             };
-            if let Ok(e) = index.find_entry(table_hash(h), |s| *s == at) {
-                e.remove();
+            if let Probe::Found(pos) = index.probe(*h, |s| *s == at) {
+                index.remove(pos);
             }
         }
         if let Some(b) = self.batches.pop_front() {
