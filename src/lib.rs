@@ -20,6 +20,7 @@ pub(crate) mod http;
 pub(crate) mod kafka;
 pub(crate) mod logging;
 pub(crate) mod names;
+pub(crate) mod prefetch;
 pub(crate) mod processor;
 pub(crate) mod runtime;
 pub(crate) mod schema;

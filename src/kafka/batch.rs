@@ -19,6 +19,9 @@ use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
 use std::time::Duration;
 
+/// How much of a record's value [`Batch::prefetch_data`] fetches ahead, in bytes.
+const PREFETCH_VALUE_BYTES: usize = 256;
+
 /// One record of a batch, borrowed until the batch ends.
 pub(crate) struct BatchRecord<'a> {
     msg: &'a rd::rd_kafka_message_t,
@@ -152,6 +155,35 @@ impl Batch {
     /// Whether nothing was taken.
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// Record `i` (`None` past the end or for an error in the stream).
+    pub(crate) fn get(&self, i: usize) -> Option<BatchRecord<'_>> {
+        let &m = self.0.get(i)?;
+        // SAFETY: a message returned by librdkafka, alive until the batch drops.
+        let msg = unsafe { &*m };
+        (msg.err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR)
+            .then_some(BatchRecord { msg })
+    }
+
+    /// Hint that record `i` is read soon: fetch its message's header (where its key and
+    /// value are) into the cache.
+    pub(crate) fn prefetch(&self, i: usize) {
+        if let Some(&m) = self.0.get(i) {
+            crate::prefetch::prefetch(m);
+        }
+    }
+
+    /// Hint that record `i` is read soon, once its header is in the cache
+    /// ([`Batch::prefetch`]): fetch its key and the start of its value.
+    pub(crate) fn prefetch_data(&self, i: usize) {
+        if let Some(m) = self.get(i) {
+            let (key, value) = (m.msg.key as *const u8, m.msg.payload as *const u8);
+            crate::prefetch::prefetch(key);
+            for line in 0..m.msg.len.min(PREFETCH_VALUE_BYTES).div_ceil(64) {
+                crate::prefetch::prefetch(value.wrapping_add(line * 64));
+            }
+        }
     }
 
     /// The records in queue order (per partition, log order): `Ok` for a record, `Err` for

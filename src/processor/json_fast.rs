@@ -379,10 +379,171 @@ fn unescape(s: &[u8]) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// How far into a value [`peek_member`] looks, in bytes: a hint must cost less than the
+/// cache miss it saves.
+const PEEK_BYTES: usize = 128;
+
+/// The raw text of top-level member `name` of a JSON object, when it is a string without
+/// escapes (the bytes between its quotes) or a number (its text), found within the value's
+/// first [`PEEK_BYTES`] bytes: a guess for a prefetch hint, read without validating the
+/// document (of a name given twice, the first; the scan takes the last). A malformed
+/// document gives `None` or some bytes, never a panic.
+pub(crate) fn peek_member<'a>(value: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    let b = &value[..value.len().min(PEEK_BYTES)];
+    let ws = |mut i: usize| {
+        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            i += 1;
+        }
+        i
+    };
+    let mut i = ws(0);
+    if *b.get(i)? != b'{' {
+        return None;
+    }
+    i += 1;
+    loop {
+        i = ws(i);
+        if *b.get(i)? != b'"' {
+            return None;
+        }
+        let (end, escaped) = peek_string(b, i)?;
+        let key = &b[i + 1..end];
+        i = ws(end + 1);
+        if *b.get(i)? != b':' {
+            return None;
+        }
+        i = ws(i + 1);
+        if !escaped && key == name {
+            return match *b.get(i)? {
+                b'"' => match peek_string(b, i)? {
+                    (end, false) => Some(&b[i + 1..end]),
+                    (_, true) => None,
+                },
+                b'-' | b'0'..=b'9' => {
+                    let n = b[i..].iter().position(|c| {
+                        !matches!(c, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                    })?;
+                    Some(&b[i..i + n])
+                }
+                _ => None,
+            };
+        }
+        i = ws(peek_skip(b, i)?);
+        if *b.get(i)? != b',' {
+            return None;
+        }
+        i += 1;
+    }
+}
+
+/// The closing quote of the string opening at `i`, and whether it holds an escape.
+fn peek_string(b: &[u8], i: usize) -> Option<(usize, bool)> {
+    let (mut j, mut escaped) = (i + 1, false);
+    loop {
+        match *b.get(j)? {
+            b'"' => return Some((j, escaped)),
+            b'\\' => {
+                escaped = true;
+                j += 2;
+            }
+            _ => j += 1,
+        }
+    }
+}
+
+/// The position after the value starting at `i` (brackets matched by depth alone).
+fn peek_skip(b: &[u8], i: usize) -> Option<usize> {
+    match *b.get(i)? {
+        b'"' => peek_string(b, i).map(|(end, _)| end + 1),
+        b'{' | b'[' => {
+            let (mut j, mut depth) = (i, 0usize);
+            loop {
+                match *b.get(j)? {
+                    b'"' => {
+                        j = peek_string(b, j)?.0;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => b[i..]
+            .iter()
+            .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+            .map(|n| i + n),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::skip_plain;
+    use super::{peek_member, skip_plain};
     use proptest::prelude::*;
+
+    #[test]
+    fn a_peek_finds_a_top_level_string_or_number() {
+        let peek = |doc: &str| peek_member(doc.as_bytes(), b"id").map(|s| s.to_vec());
+        assert_eq!(peek(r#"{"id":"abc","x":1}"#), Some(b"abc".to_vec()));
+        assert_eq!(
+            peek(r#" { "a" : {"id":7,"b":[1,"}]",{"c":null}]}, "i\u0064":1, "id" : -4.5e3 }"#),
+            Some(b"-4.5e3".to_vec())
+        );
+        // A nested "id" is not the member; an escaped value is not its raw text.
+        assert_eq!(peek(r#"{"a":{"id":"x"}}"#), None);
+        assert_eq!(peek(r#"{"id":"a\"b"}"#), None);
+        assert_eq!(peek(r#"{"id":true}"#), None);
+        assert_eq!(peek(r#"["id","x"]"#), None);
+        // Past the bytes it looks at.
+        let far = format!(r#"{{"pad":"{}","id":"x"}}"#, "p".repeat(200));
+        assert_eq!(peek(&far), None);
+    }
+
+    /// A JSON string or number of a generated document, as JSON text.
+    fn scalar() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z\\\"é ]{0,6}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            Just("1.5e-3".to_string()),
+            Just("null".to_string()),
+            Just(r#"{"id":"in","l":[1,{"x":"]"}]}"#.to_string()),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the bytes, a peek returns without a panic.
+        #[test]
+        fn a_peek_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..160)) {
+            let _ = peek_member(&bytes, b"id");
+        }
+
+        /// On a JSON object, what a peek finds is the key a JSON-pointer key reads from the
+        /// member (the string's text, the number's text).
+        #[test]
+        fn a_peek_agrees_with_the_scan(members in proptest::collection::vec(("(id|a|b|i)", scalar()), 0..6)) {
+            // Each name once: with a name twice, the peek reads the first, the scan the last.
+            let mut seen = std::collections::HashSet::new();
+            let members: Vec<_> = members.into_iter().filter(|(k, _)| seen.insert(k.clone())).collect();
+            let doc = format!(
+                "{{{}}}",
+                members.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect::<Vec<_>>().join(", ")
+            );
+            let pointers = vec![vec!["id".to_string()]];
+            let want = crate::processor::json_scan::scan(doc.as_bytes(), &pointers).unwrap();
+            if let Some(found) = peek_member(doc.as_bytes(), b"id") {
+                use crate::processor::json_scan::Scalar;
+                match &want[0] {
+                    Scalar::Str(s) | Scalar::Num(s) => prop_assert_eq!(found, s.as_bytes(), "{}", doc),
+                    other => prop_assert!(false, "found {:?} where the scan read {:?} in {}", found, other, doc),
+                }
+            }
+        }
+    }
 
     fn needs_look(c: u8) -> bool {
         c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)

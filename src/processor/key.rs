@@ -25,6 +25,43 @@ pub enum KeySource {
     Composite(Vec<KeySource>),
 }
 
+/// Where a key can be read from a source record as consumed, without decoding it: for a
+/// prefetch hint ([`crate::processor::Processor::key_hint`]), a guess that may be wrong
+/// (a wrong one costs a wasted prefetch), never a key to decide by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeyHint {
+    /// The Kafka key.
+    KafkaKey,
+    /// A top-level member of a JSON object value, by name (a one-token JSON pointer).
+    TopField(String),
+}
+
+impl KeyHint {
+    /// The hint for keys taken from `source`, when there is a cheap one.
+    pub(crate) fn of(source: &KeySource) -> Option<KeyHint> {
+        match source {
+            KeySource::KafkaKey => Some(KeyHint::KafkaKey),
+            KeySource::JsonPointer(p) => match super::json_scan::tokens(p).as_slice() {
+                [name] => Some(KeyHint::TopField(name.clone())),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The key a record with Kafka key `key` and value `value` probably has.
+    pub(crate) fn peek<'a>(
+        &self,
+        key: Option<&'a [u8]>,
+        value: Option<&'a [u8]>,
+    ) -> Option<&'a [u8]> {
+        match self {
+            KeyHint::KafkaKey => key,
+            KeyHint::TopField(name) => super::json_fast::peek_member(value?, name.as_bytes()),
+        }
+    }
+}
+
 /// Why no key could be taken from a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum KeyError {
@@ -279,6 +316,24 @@ fn number_text(ptr: &str, n: &serde_json::Number, out: &mut Vec<u8>) -> Result<(
 mod tests {
     use super::*;
     use crate::processor::record::SourceMeta;
+
+    /// A hint reads the key where the key source takes it from a record as consumed, and
+    /// there is none where that would take decoding.
+    #[test]
+    fn a_hint_reads_the_key_where_its_source_does() {
+        let value = br#"{"id":"e-1","a":{"b":2}}"#;
+        let peek = |s: KeySource| {
+            KeyHint::of(&s).and_then(|h| h.peek(Some(b"k"), Some(value)).map(<[u8]>::to_vec))
+        };
+        assert_eq!(peek(KeySource::KafkaKey), Some(b"k".to_vec()));
+        assert_eq!(
+            peek(KeySource::JsonPointer("/id".into())),
+            Some(b"e-1".to_vec())
+        );
+        assert_eq!(KeyHint::of(&KeySource::JsonPointer("/a/b".into())), None);
+        assert_eq!(KeyHint::of(&KeySource::Header("h".into())), None);
+        assert_eq!(KeyHint::of(&KeySource::ValueHash), None);
+    }
 
     fn rec(json: serde_json::Value) -> Record {
         Record {

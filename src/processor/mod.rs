@@ -185,6 +185,13 @@ pub(crate) trait Processor: Send {
     /// [`StageError::Fatal`] stops the batch (the runtime rewinds to the committed offsets).
     fn process(&mut self, record: Record, ctx: &mut Context<'_>) -> Result<(), StageError>;
 
+    /// The store this stage looks up by a key, and where that key is read from a source
+    /// record as consumed: the runtime then prefetches the key's place in that store a few
+    /// records ahead (a hint only: it changes nothing the stage sees). Default: none.
+    fn key_hint(&self) -> Option<(&str, &key::KeyHint)> {
+        None
+    }
+
     /// Periodic work before each commit (expiry sweeps); bounded so it never stalls
     /// processing. Default: nothing.
     ///

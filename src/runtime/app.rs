@@ -274,6 +274,14 @@ impl RunLoop {
         }
     }
 
+    /// Hint that record `m` is processed soon (see [`Task::prefetch`]).
+    fn prefetch(&mut self, m: &BatchRecord<'_>) {
+        let p = self.task_id(m);
+        if let Some(task) = self.tasks.get(&p) {
+            task.prefetch(m.key(), m.payload());
+        }
+    }
+
     /// Process one source record; `wall_ms` is the wall clock read once per burst of
     /// records (see [`run_loop`]).
     fn process(
@@ -920,6 +928,14 @@ fn run_loop(
         }
         e.seeked.clear();
         for (i, r) in batch.records().enumerate() {
+            // In steps ahead: a message's header, then (read from it) its key and value,
+            // then its key's place in the store, so none is a cache miss the record waits
+            // on.
+            batch.prefetch(i + 3 * PREFETCH_AHEAD);
+            batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
+            if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
+                e.prefetch(&m);
+            }
             e.consumed_record(consumer, r, wall_ms)?;
             if i % CHECK_EVERY == CHECK_EVERY - 1 {
                 e.check_commit(consumer)?;
@@ -929,6 +945,11 @@ fn run_loop(
         e.check_commit(consumer)?;
     }
 }
+
+/// How many records of a batch ahead of the one processed the run loop prefetches the
+/// store place of (see [`Task::prefetch`]); twice as far ahead, their keys and values,
+/// and three times as far, their messages' headers.
+const PREFETCH_AHEAD: usize = 4;
 
 /// The longest the run loop waits on the source queue at a time when it is idle: rebalances
 /// and errors on the consumer's queue wait at most this long to be served.

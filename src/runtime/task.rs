@@ -308,6 +308,19 @@ impl Task {
         self.position = Some(offset + 1);
     }
 
+    /// Hint that a source record with Kafka key `key` and value `value` comes soon: when
+    /// the first stage looks up a store by a key it says where to read cheaply
+    /// ([`Processor::key_hint`]), fetch that key's place in the store into the cache.
+    /// Changes nothing a stage sees.
+    pub(crate) fn prefetch(&self, key: Option<&[u8]>, value: Option<&[u8]>) {
+        let Some((store, hint)) = self.nodes.first().and_then(|(_, n)| n.key_hint()) else {
+            return;
+        };
+        if let (Some(k), Some(s)) = (hint.peek(key, value), self.stores.get(store)) {
+            s.prefetch(k);
+        }
+    }
+
     /// Process one source record; outputs and dead letters are appended to `out`.
     ///
     /// # Errors

@@ -305,6 +305,11 @@ impl Resident {
             .map(|s| Self::batch(&self.batches, self.first, s).value_bytes(s.idx as usize))
     }
 
+    /// Hint that `key` is looked up soon: fetch the cache line its probe starts at.
+    pub(super) fn prefetch(&self, key: &[u8]) {
+        self.index.prefetch(short(self.hash.hash_one(key)));
+    }
+
     pub(super) fn contains(&self, key: &[u8]) -> bool {
         self.find(key).is_some()
     }

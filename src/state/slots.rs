@@ -70,20 +70,13 @@ impl SlotTable {
     /// Hint that a probe for `hash` comes soon: fetch its first slot's cache line.
     #[inline]
     pub(super) fn prefetch(&self, hash: u32) {
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = self
-                .slots
-                .as_ptr()
-                .wrapping_add(hash as usize & self.mask());
-            // SAFETY: a prefetch reads nothing the program sees and never faults; `p` is
-            // within `slots` anyway.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-            };
+            crate::prefetch::prefetch(
+                self.slots
+                    .as_ptr()
+                    .wrapping_add(hash as usize & self.mask()),
+            );
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = hash;
     }
 
     /// The slot of the key with `hash` for which `eq` holds, or the empty slot it would

@@ -251,6 +251,15 @@ impl StagedStore {
         Ok(self.inner.get(key)?.map(Bytes::from))
     }
 
+    /// Hint that `key` is looked up soon ([`StagedStore::lookup`]): with write-behind, fetch
+    /// the start of its probe in the resident index into the cache (a miss per lookup in an
+    /// index far larger than the cache). Changes nothing a read sees.
+    pub(crate) fn prefetch(&self, key: &[u8]) {
+        if let Some(b) = &self.behind {
+            b.resident.prefetch(key);
+        }
+    }
+
     /// Stage a put (`Some`) or delete (`None`) of `key`.
     pub(crate) fn stage(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
         self.stage_copy(&key, value.as_deref());

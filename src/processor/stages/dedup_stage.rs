@@ -258,6 +258,9 @@ pub(crate) struct Dedup {
     /// ([`Record::keyed`](crate::Record)) is judged by its Kafka key, which holds exactly
     /// the bytes the key source gave the router, without reading the value again.
     keyed_by_hop: bool,
+    /// Where this stage's key is read from a record as consumed (see
+    /// [`Processor::key_hint`]).
+    hint: Option<crate::processor::key::KeyHint>,
 }
 
 /// The keys of one dedup store partition: their count (the `onceflow_dedup_keys` gauge)
@@ -372,6 +375,7 @@ impl Dedup {
             .fingerprint_fields
             .as_ref()
             .map(FingerprintFields::compile);
+        let hint = crate::processor::key::KeyHint::of(&spec.key);
         Dedup {
             name: name.to_string(),
             store: store.to_string(),
@@ -386,6 +390,7 @@ impl Dedup {
             checks: 0,
             hold_twins: false,
             keyed_by_hop: false,
+            hint,
             held: Vec::new(),
             mark_owners: std::collections::HashMap::new(),
             reviving: None,
@@ -420,11 +425,19 @@ impl Dedup {
     /// The stage right after a repartition hop (see `keyed_by_hop`).
     pub(crate) fn keyed_by_hop(mut self, on: bool) -> Self {
         self.keyed_by_hop = on;
+        if on {
+            // A routed record's Kafka key is its dedup key.
+            self.hint = Some(crate::processor::key::KeyHint::KafkaKey);
+        }
         self
     }
 }
 
 impl Processor for Dedup {
+    fn key_hint(&self) -> Option<(&str, &crate::processor::key::KeyHint)> {
+        self.hint.as_ref().map(|h| (&self.store[..], h))
+    }
+
     fn on_abort(&mut self) {
         // The key book counted staged writes that are gone: rebuild it from the store.
         self.book = None;
