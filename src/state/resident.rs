@@ -136,31 +136,37 @@ impl Packed {
         self.ops.is_empty()
     }
 
-    /// Key of op `i`.
-    pub(crate) fn key(&self, i: usize) -> &[u8] {
-        let (len, at) = get_len(&self.data, self.ops[i] as usize);
+    /// Where op `i` starts in the buffer (what [`Packed::op_at`] takes).
+    pub(crate) fn start(&self, i: usize) -> u32 {
+        self.ops[i]
+    }
+
+    /// Key of the op starting at `at`.
+    pub(crate) fn key_at(&self, at: u32) -> &[u8] {
+        let (len, at) = get_len(&self.data, at as usize);
         &self.data[at..at + len]
     }
 
-    fn value_range(&self, i: usize) -> Option<std::ops::Range<usize>> {
-        let (key_len, at) = get_len(&self.data, self.ops[i] as usize);
+    fn value_range(&self, at: u32) -> Option<std::ops::Range<usize>> {
+        let (key_len, at) = get_len(&self.data, at as usize);
         let (n, start) = get_len(&self.data, at + key_len);
         (n != 0).then(|| start..start + n - 1)
     }
 
-    /// Value of op `i` (`None`: a delete).
-    pub(crate) fn value(&self, i: usize) -> Option<&[u8]> {
-        self.value_range(i).map(|r| &self.data[r])
+    /// Value of the op starting at `at` (`None`: a delete), sharing the buffer.
+    pub(crate) fn value_bytes_at(&self, at: u32) -> Option<Bytes> {
+        self.value_range(at).map(|r| self.data.slice(r))
     }
 
-    /// As [`Packed::value`], sharing the buffer.
-    pub(crate) fn value_bytes(&self, i: usize) -> Option<Bytes> {
-        self.value_range(i).map(|r| self.data.slice(r))
+    /// The op starting at `at`, as key and value.
+    pub(crate) fn op_at(&self, at: u32) -> (&[u8], Option<&[u8]>) {
+        (self.key_at(at), self.value_range(at).map(|r| &self.data[r]))
     }
 
     /// Op `i` as key and value.
+    #[cfg(test)]
     pub(crate) fn op(&self, i: usize) -> (&[u8], Option<&[u8]>) {
-        (self.key(i), self.value(i))
+        self.op_at(self.start(i))
     }
 
     /// The ops in `range`, in order, as borrowed slices (what
@@ -222,13 +228,14 @@ pub(super) struct Tracked {
 }
 
 /// Where the latest committed op of a resident key is: its batch (the batch's number in
-/// [`Resident`], which counts resident batches only, wrapping) and its position in that
-/// batch's ops; with 32 bits of the key's hash, so that growing the index rehashes
-/// without reading a key, and a probe reads a key only when these bits match.
+/// [`Resident`], which counts resident batches only, wrapping) and where the op starts in
+/// that batch's buffer (so a probe reads the key without reading the op starts first);
+/// with 32 bits of the key's hash, so that growing the index rehashes without reading a
+/// key, and a probe reads a key only when these bits match.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Slot {
     pub(super) seq: u32,
-    pub(super) idx: u32,
+    pub(super) at: u32,
     pub(super) hash: u32,
 }
 
@@ -284,11 +291,11 @@ impl Resident {
 
     /// The key and value a slot points at.
     pub(super) fn op(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> (&[u8], Option<&[u8]>) {
-        Self::batch(batches, first, s).op(s.idx as usize)
+        Self::batch(batches, first, s).op_at(s.at)
     }
 
     fn key_at(batches: &VecDeque<Tracked>, first: u32, s: Slot) -> &[u8] {
-        Self::batch(batches, first, s).key(s.idx as usize)
+        Self::batch(batches, first, s).key_at(s.at)
     }
 
     fn find(&self, key: &[u8]) -> Option<Slot> {
@@ -302,7 +309,7 @@ impl Resident {
     /// sharing its batch's buffer.
     pub(super) fn get(&self, key: &[u8]) -> Option<Option<Bytes>> {
         self.find(key)
-            .map(|s| Self::batch(&self.batches, self.first, s).value_bytes(s.idx as usize))
+            .map(|s| Self::batch(&self.batches, self.first, s).value_bytes_at(s.at))
     }
 
     /// Hint that `key` is looked up soon: fetch the cache line its probe starts at.
@@ -368,7 +375,7 @@ impl Resident {
             let h = hashes[i];
             let slot = Slot {
                 seq: no,
-                idx: i as u32,
+                at: ops.start(i),
                 hash: h,
             };
             let old = match index.probe(h, |s| Self::key_at(batches, first, *s) == k) {
@@ -401,7 +408,7 @@ impl Resident {
             }
             let at = Slot {
                 seq,
-                idx: i as u32,
+                at: b.ops.start(i),
                 hash: *h,
             };
             if let Probe::Found(pos) = index.probe(*h, |s| *s == at) {
@@ -483,10 +490,14 @@ mod tests {
             .map(|(k, v)| (k.to_vec(), v.as_ref().map(|v| v.to_vec())))
             .collect();
         assert_eq!(back, want);
-        assert_eq!(p.value_bytes(0).as_deref(), Some(&b"value one"[..]));
-        assert_eq!(p.value_bytes(1), None);
+        assert_eq!(
+            p.value_bytes_at(p.start(0)).as_deref(),
+            Some(&b"value one"[..])
+        );
+        assert_eq!(p.value_bytes_at(p.start(1)), None);
         // An empty value is a value, not a delete.
-        assert_eq!(p.value(2), Some(&b""[..]));
+        assert_eq!(p.op(2).1, Some(&b""[..]));
+        assert_eq!(p.key_at(p.start(4)), b"key three");
         assert_eq!(
             p.slices(1..3),
             vec![(&b"k2"[..], None), (&b""[..], Some(&b""[..]))]

@@ -6,16 +6,16 @@
 
 use super::resident::Slot;
 
-/// A slot no key holds: no batch has `u32::MAX` ops (each op takes at least two bytes of a
-/// buffer under 4 GiB).
+/// A slot no key holds: no op starts at `u32::MAX` (a batch's buffer is under 4 GiB, and
+/// an op takes at least two bytes).
 const EMPTY: Slot = Slot {
     seq: 0,
-    idx: u32::MAX,
+    at: u32::MAX,
     hash: 0,
 };
 
 fn is_empty(s: &Slot) -> bool {
-    s.idx == u32::MAX
+    s.at == u32::MAX
 }
 
 /// Where a probe for a key ended: at its slot, or at the empty slot it would take.
@@ -158,7 +158,7 @@ mod tests {
     fn slot(key: u16) -> Slot {
         Slot {
             seq: u32::from(key),
-            idx: u32::from(key),
+            at: u32::from(key),
             // Few distinct hashes: long runs, shared first probes, wrap-around.
             hash: u32::from(key % 7) * 9 + 13,
         }
@@ -173,7 +173,7 @@ mod tests {
             let mut model = std::collections::BTreeSet::new();
             for (put, key) in steps {
                 let s = slot(key);
-                let same = |x: &Slot| x.idx == s.idx;
+                let same = |x: &Slot| x.at == s.at;
                 if put {
                     t.reserve(1);
                     match t.probe(s.hash, same) {
@@ -190,9 +190,9 @@ mod tests {
                 prop_assert_eq!(t.len(), model.len());
                 for k in 0u16..40 {
                     let s = slot(k);
-                    prop_assert_eq!(t.find(s.hash, |x| x.idx == s.idx), model.contains(&k).then_some(s), "key {}", k);
+                    prop_assert_eq!(t.find(s.hash, |x| x.at == s.at), model.contains(&k).then_some(s), "key {}", k);
                 }
-                let mut listed: Vec<u16> = t.iter().map(|s| s.idx as u16).collect();
+                let mut listed: Vec<u16> = t.iter().map(|s| s.at as u16).collect();
                 listed.sort_unstable();
                 prop_assert_eq!(listed, model.iter().copied().collect::<Vec<_>>());
             }
