@@ -59,12 +59,21 @@ impl Behind {
         };
     }
 
+    /// Hint that `key` is looked up soon: fetch its place in the resident index and the key
+    /// filter into the cache.
+    pub(super) fn prefetch(&self, key: &[u8]) {
+        self.resident.prefetch(key);
+        if let KeyFilter::Hashes(f) = &self.filter {
+            f.prefetch(filter_key(&self.filter_hash, key));
+        }
+    }
+
     /// Whether `key`, not held in memory, may be in the engine.
     pub(super) fn may_be_in_engine(&self, key: &[u8]) -> bool {
         match &self.filter {
             KeyFilter::Unknown => true,
             KeyFilter::Overlay => false,
-            KeyFilter::Hashes(f) => f.contains(&filter_key(&self.filter_hash, key)),
+            KeyFilter::Hashes(f) => f.contains(filter_key(&self.filter_hash, key)),
         }
     }
 
@@ -92,8 +101,22 @@ impl Behind {
         self.seq += 1;
         let seq = self.seq;
         let mut count = self.known_len.map(|n| (n, Vec::with_capacity(ops.len())));
-        let (filter, filter_hash) = (&mut self.filter, &self.filter_hash);
+        // The ops' filter entries, each prefetched a few ops before it is read.
+        let entries: Vec<u32> = match &self.filter {
+            KeyFilter::Hashes(_) => ops
+                .iter()
+                .map(|(k, _)| filter_key(&self.filter_hash, k))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut at = 0;
+        let filter = &mut self.filter;
         self.resident.push(seq, ops.clone(), |k, v, old| {
+            let entry = entries.get(at).copied();
+            if let (KeyFilter::Hashes(f), Some(ahead)) = (&*filter, entries.get(at + 8)) {
+                f.prefetch(*ahead);
+            }
+            at += 1;
             if let Some((_, deltas)) = &mut count {
                 let existed = match old {
                     Some(was) => Some(was),
@@ -102,9 +125,9 @@ impl Behind {
                         KeyFilter::Overlay => Some(false),
                         // Hashes of every key put since the engine was empty: a miss is
                         // exact; a hit (a key already written behind) reads the engine.
-                        KeyFilter::Hashes(f) => Some(
-                            f.contains(&filter_key(filter_hash, k)) && engine.get(k)?.is_some(),
-                        ),
+                        KeyFilter::Hashes(f) => {
+                            Some(entry.is_some_and(|e| f.contains(e)) && engine.get(k)?.is_some())
+                        }
                         // An engine with older data: knowing would take an engine read per
                         // op (a restore into it would crawl), so the count becomes unknown
                         // (a caller that needs it scans the engine after a sync).
@@ -116,10 +139,8 @@ impl Behind {
                     None => count = None,
                 }
             }
-            if v.is_some() {
-                if let KeyFilter::Hashes(f) = filter {
-                    f.insert(filter_key(filter_hash, k));
-                }
+            if let (Some(_), KeyFilter::Hashes(f), Some(e)) = (v, &mut *filter, entry) {
+                f.insert(e);
             }
             Ok(())
         })?;

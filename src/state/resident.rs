@@ -1,38 +1,9 @@
 //! The resident index of a write-behind store: committed entries kept readable in memory,
 //! and the key-hash filter that answers "not here" without a lookup.
 
+pub(super) use super::slots::HashFilter;
 use super::slots::{Probe, SlotTable};
 use super::*;
-
-/// Identity hasher for the key-hash filter (its values are already hashes).
-#[derive(Default)]
-pub(super) struct IdHasher(pub(super) u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-    fn write_u32(&mut self, n: u32) {
-        // Spread to the top bits too: the table takes its probe tags from them.
-        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-/// The key filter: 32 bits of each key's hash ([`filter_key`]), 5 bytes a slot of the
-/// table where 64 bits took 9: 6 to 11 bytes a key held, by the table's load (10 to 21
-/// with 64 bits).
-/// Two keys share a filter entry with odds of about one in 2^32 per key held; a key that
-/// shares one with a held key costs one engine read, never a wrong answer.
-pub(super) type HashFilter =
-    std::collections::HashSet<u32, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// The filter entry of `key`: the low 32 bits of its hash by `state` (one per store).
 pub(super) fn filter_key(state: &ahash::RandomState, key: &[u8]) -> u32 {
@@ -425,19 +396,6 @@ impl Resident {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::hash::BuildHasher;
-
-    /// The filter's table takes a probe tag from the top 7 bits of an entry's hash: entries
-    /// that all hashed to one tag would make every probe compare every entry of a group.
-    #[test]
-    fn filter_entries_spread_over_the_probe_tags() {
-        let state = ahash::RandomState::new();
-        let table = std::hash::BuildHasherDefault::<IdHasher>::default();
-        let tags: std::collections::HashSet<u64> = (0u32..2_000)
-            .map(|i| table.hash_one(filter_key(&state, &i.to_be_bytes())) >> 57)
-            .collect();
-        assert!(tags.len() > 100, "{} of 128 tags used", tags.len());
-    }
 
     /// A filter answers every key put into it, and (but for a 32-bit collision) no other.
     #[test]
@@ -447,10 +405,10 @@ mod tests {
         for i in 0u32..10_000 {
             f.insert(filter_key(&state, &i.to_le_bytes()));
         }
-        assert!((0u32..10_000).all(|i| f.contains(&filter_key(&state, &i.to_le_bytes()))));
+        assert!((0u32..10_000).all(|i| f.contains(filter_key(&state, &i.to_le_bytes()))));
         // 10,000 strangers against 10,000 entries of 32 bits: 0.02 expected to collide.
         let strangers = (10_000u32..20_000)
-            .filter(|i| f.contains(&filter_key(&state, &i.to_le_bytes())))
+            .filter(|i| f.contains(filter_key(&state, &i.to_le_bytes())))
             .count();
         assert!(
             strangers <= 2,

@@ -252,11 +252,11 @@ impl StagedStore {
     }
 
     /// Hint that `key` is looked up soon ([`StagedStore::lookup`]): with write-behind, fetch
-    /// the start of its probe in the resident index into the cache (a miss per lookup in an
-    /// index far larger than the cache). Changes nothing a read sees.
+    /// the start of its probes in the resident index and the key filter into the cache (a
+    /// miss per lookup in tables far larger than the cache). Changes nothing a read sees.
     pub(crate) fn prefetch(&self, key: &[u8]) {
         if let Some(b) = &self.behind {
-            b.resident.prefetch(key);
+            b.prefetch(key);
         }
     }
 
