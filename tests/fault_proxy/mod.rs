@@ -516,6 +516,10 @@ impl ProxiedBroker {
             )
             .env("ONCEFLOW_BROKER_DATA", self.data.path())
             .env("ONCEFLOW_BROKER_HEAP_OPTS", "-Xmx512m -Xms256m")
+            // A start after a SIGKILL recovers every partition's log first (the internal
+            // topics alone are 100 partitions); beside the other tests' brokers on a
+            // 2-core machine it once took over scripts/kafka's default 120 s (CI, 12-07).
+            .env("ONCEFLOW_BROKER_START_TIMEOUT", "300")
             .output()
             .expect("run scripts/kafka");
         if out.status.success() {
