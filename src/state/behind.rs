@@ -113,7 +113,9 @@ impl Behind {
         let filter = &mut self.filter;
         self.resident.push(seq, ops.clone(), |k, v, old| {
             let entry = entries.get(at).copied();
-            if let (KeyFilter::Hashes(f), Some(ahead)) = (&*filter, entries.get(at + 8)) {
+            if let (KeyFilter::Hashes(f), Some(ahead)) =
+                (&*filter, entries.get(at + super::resident::PREFETCH_AHEAD))
+            {
                 f.prefetch(*ahead);
             }
             at += 1;

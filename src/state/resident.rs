@@ -216,8 +216,8 @@ fn short(h: u64) -> u32 {
 }
 
 /// How many keys ahead of the one it inserts or removes a loop over a batch prefetches
-/// the first slot of.
-const PREFETCH_AHEAD: usize = 8;
+/// the first slot of (in the resident index, and in the key filter when a batch goes in).
+pub(super) const PREFETCH_AHEAD: usize = 8;
 
 /// The 32 kept bits of each key's hash of `ops`, in order.
 fn key_hashes(hash: &ahash::RandomState, ops: &Packed) -> Vec<u32> {

@@ -123,7 +123,7 @@ struct ByHash {
 /// Entries a bucket of [`ByHash`] holds on average before the buckets double.
 const BUCKET_FILL: usize = 16;
 
-/// Cache lines of a bucket's run [`ByHash::prefetch`] fetches: a run holds 8 to 16
+/// Cache lines of a bucket's run [`ByHash::prefetch_run`] fetches: a run holds 8 to 16
 /// entries of 12 bytes on average ([`BUCKET_FILL`]), at most 192 bytes over up to 4 lines
 /// (runs are not aligned to lines).
 const PREFETCH_LINES: usize = 4;
@@ -162,16 +162,19 @@ impl ByHash {
     }
 
     /// Hint that `h` is placed or looked up soon: fetch its bucket's place in the bucket
-    /// list into the cache (`run`: its run's first lines too, read from the list, so the
-    /// list's line must be in the cache by then). Changes nothing a read sees.
-    fn prefetch(&self, h: u64, run: bool) {
+    /// list into the cache. Changes nothing a read sees.
+    fn prefetch_bucket(&self, h: u64) {
+        if let Some(bucket) = self.buckets.get(self.bucket(h)) {
+            crate::prefetch::prefetch(bucket);
+        }
+    }
+
+    /// As [`ByHash::prefetch_bucket`], for the bucket's run: its first lines, found through
+    /// the bucket list (whose line should be in the cache by then).
+    fn prefetch_run(&self, h: u64) {
         let Some(bucket) = self.buckets.get(self.bucket(h)) else {
             return;
         };
-        if !run {
-            crate::prefetch::prefetch(bucket);
-            return;
-        }
         let bytes = bucket.len() * std::mem::size_of::<HashEntry>();
         let start = bucket.as_ptr().cast::<u8>();
         // A binary search reads a few entries spread over the run: fetch all of a run at
@@ -579,10 +582,10 @@ impl SledStore {
         // half as many: the runs of a large store are far larger than the cache.
         for (i, (h, _, _)) in puts.iter().enumerate() {
             if let Some((ahead, _, _)) = puts.get(i + INDEX_AHEAD) {
-                ix.by_hash.prefetch(*ahead, false);
+                ix.by_hash.prefetch_bucket(*ahead);
             }
             if let Some((ahead, _, _)) = puts.get(i + INDEX_AHEAD / 2) {
-                ix.by_hash.prefetch(*ahead, true);
+                ix.by_hash.prefetch_run(*ahead);
             }
             ix.insert(*h, first_new + (i / SEGMENT_ENTRIES) as u32);
         }
