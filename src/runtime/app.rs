@@ -198,6 +198,9 @@ struct RunLoop {
     /// The queue the source records are read from in batches (set once the consumer
     /// exists; dropped before it closes).
     source_queue: Option<SourceQueue>,
+    /// Reads a batch's far repeats ahead of the run loop (see [`crate::state::Warmer`]);
+    /// `None` when its thread could not be started. Stopped before the stores are synced.
+    warmer: Option<crate::state::Warmer>,
     /// Task ids seeked (rewound or reopened) since the current batch was taken: the rest
     /// of the batch's records of these partitions are stale and skipped (librdkafka reads
     /// them again from the new position).
@@ -272,6 +275,50 @@ impl RunLoop {
             None => m.partition(),
             Some(_) => self.task_base(m) + m.partition(),
         }
+    }
+
+    /// Hand the keys of `batch` whose lookups would read a store's engine (far repeats) to
+    /// the warmer, which reads them while the batch is processed. Only when some task's
+    /// store may read its engine ([`Task::warms`]): nothing is done while every key is in
+    /// memory. Whether it went over the batch.
+    fn warm(&mut self, batch: &crate::kafka::batch::Batch) -> bool {
+        if self.warmer.is_none() {
+            return false;
+        }
+        let warming: Vec<i32> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.warms())
+            .map(|(p, _)| *p)
+            .collect();
+        if warming.is_empty() {
+            return false;
+        }
+        let mut keys = crate::state::WarmBatch::default();
+        for (i, m) in batch.records().enumerate() {
+            // As the run loop's own prefetch: header, then key and value, then the key's
+            // place in the store's filter and resident index.
+            batch.prefetch(i + 3 * PREFETCH_AHEAD);
+            batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
+            if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
+                self.prefetch(&m);
+            }
+            let Ok(m) = m else { continue };
+            let p = self.task_id(&m);
+            if !warming.contains(&p) {
+                continue;
+            }
+            if let Some(task) = self.tasks.get(&p) {
+                keys.record(i);
+                task.warm_into(m.key(), m.payload(), &mut keys);
+            }
+        }
+        if keys.len() > 0 {
+            if let Some(w) = &self.warmer {
+                w.send(keys);
+            }
+        }
+        true
     }
 
     /// Hint that record `m` is processed soon (see [`Task::prefetch`]).
@@ -677,6 +724,9 @@ impl App {
             task_bases: Vec::new(),
             stop_ends: BTreeMap::new(),
             source_queue: None,
+            warmer: crate::state::Warmer::spawn()
+                .map_err(|err| tracing::warn!(error = %err, "no read-ahead thread: far repeats are read on the run loop alone"))
+                .ok(),
             seeked: BTreeSet::new(),
         };
         let (events_tx, events) = mpsc::channel();
@@ -702,6 +752,8 @@ impl App {
         // Nothing is read from the source queue any more; it goes before the consumer
         // (librdkafka's destroy waits for it), whatever the outcome, a panic too.
         e.source_queue = None;
+        // The read-ahead thread holds stores of queued batches: stopped before they sync.
+        e.warmer = None;
         let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         // From here on (leaving the group, closing) the context carries out rebalances
         // itself; an announced one the loop did not carry out is done now.
@@ -927,14 +979,22 @@ fn run_loop(
             }
         }
         e.seeked.clear();
+        // With a pass over the batch for reads ahead, its keys' places in the stores were
+        // just fetched (a batch's lines fit the core's cache): not again.
+        let passed = e.warm(&batch);
         for (i, r) in batch.records().enumerate() {
             // In steps ahead: a message's header, then (read from it) its key and value,
             // then its key's place in the store, so none is a cache miss the record waits
             // on.
             batch.prefetch(i + 3 * PREFETCH_AHEAD);
             batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
-            if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
-                e.prefetch(&m);
+            if !passed {
+                if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
+                    e.prefetch(&m);
+                }
+            }
+            if let Some(w) = &e.warmer {
+                w.reached(i);
             }
             e.consumed_record(consumer, r, wall_ms)?;
             if i % CHECK_EVERY == CHECK_EVERY - 1 {
@@ -942,6 +1002,9 @@ fn run_loop(
             }
         }
         drop(batch);
+        if let Some(w) = &e.warmer {
+            w.next_turn();
+        }
         e.check_commit(consumer)?;
     }
 }

@@ -321,6 +321,34 @@ impl Task {
         }
     }
 
+    /// Whether [`Task::warm_into`] may find keys to warm: the first stage looks up a store
+    /// by a key it says where to read, the task is not restoring, and that store may read
+    /// its engine ([`StagedStore::warms`](crate::state::StagedStore::warms)).
+    pub(crate) fn warms(&self) -> bool {
+        let Some((store, _)) = self.nodes.first().and_then(|(_, n)| n.key_hint()) else {
+            return false;
+        };
+        !self.is_restoring() && self.stores.get(store).is_some_and(|s| s.warms())
+    }
+
+    /// Add to `batch` the key of a source record with Kafka key `key` and value `value`
+    /// when the first stage's lookup of it would read the store's engine (a far repeat), to
+    /// be read ahead ([`crate::state::Warmer`]). Changes nothing a stage sees: a value read
+    /// ahead is the one the lookup would read.
+    pub(crate) fn warm_into(
+        &self,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        batch: &mut crate::state::WarmBatch,
+    ) {
+        let Some((store, hint)) = self.nodes.first().and_then(|(_, n)| n.key_hint()) else {
+            return;
+        };
+        if let (Some(k), Some(s)) = (hint.peek(key, value), self.stores.get(store)) {
+            s.warm_into(k, batch);
+        }
+    }
+
     /// Process one source record; outputs and dead letters are appended to `out`.
     ///
     /// # Errors

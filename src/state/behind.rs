@@ -23,6 +23,10 @@ pub(super) struct Behind {
     pub(super) unpersisted_max: usize,
     /// [`FILTER_SLACK`] (0 in tests, so that the model tests rebuild the filter often).
     pub(super) filter_slack: usize,
+    /// Batches that left memory (evicted, or all of them at a reload), counted: engine
+    /// reads done ahead ([`super::Warmer`]) are good while it stays as it was when they
+    /// were asked for (see [`StagedStore::lookup`]).
+    pub(super) evictions: u64,
 }
 
 impl Behind {
@@ -38,6 +42,7 @@ impl Behind {
             resident_max: RESIDENT_ENTRIES,
             unpersisted_max: UNPERSISTED_OPS,
             filter_slack: FILTER_SLACK,
+            evictions: 0,
         };
         b.reload(engine);
         b
@@ -46,6 +51,7 @@ impl Behind {
     /// Forget the memory copy (everything must be persisted) and look at the engine again.
     pub(super) fn reload(&mut self, engine: &dyn KeyValueStore) {
         self.resident = Resident::new();
+        self.evictions += 1;
         let empty = matches!(engine.scan(None, 1), Ok(v) if v.is_empty());
         self.filter = if empty {
             KeyFilter::Overlay
@@ -66,6 +72,12 @@ impl Behind {
         if let KeyFilter::Hashes(f) = &self.filter {
             f.prefetch(filter_key(&self.filter_hash, key));
         }
+    }
+
+    /// Whether any key not held in memory may be in the engine (not while the engine was
+    /// empty at open and every key put since is held in memory).
+    pub(super) fn may_use_engine(&self) -> bool {
+        !matches!(self.filter, KeyFilter::Overlay)
     }
 
     /// Whether `key`, not held in memory, may be in the engine.
@@ -244,6 +256,7 @@ impl Behind {
                     self.filter = KeyFilter::Hashes(f);
                 }
                 self.resident.pop_front();
+                self.evictions += 1;
             }
             let unpersisted: usize = self
                 .resident

@@ -10,7 +10,8 @@
 //! Files, one concept each: this one (the store traits), `lock` (the state-dir lock),
 //! `staged` (the staging layer), `writer` (the write-behind writer thread), `behind` (a
 //! store's write-behind side), `resident` (the resident index and key filter), `memory` and
-//! `sled` (the engines), `restore` (changelog restore) and `table` (lookup tables).
+//! `sled` (the engines), `warm` (read-ahead of engine lookups), `restore` (changelog restore)
+//! and `table` (lookup tables).
 
 mod behind;
 mod lock;
@@ -21,6 +22,7 @@ mod sled;
 mod slots;
 mod staged;
 pub(crate) mod table;
+mod warm;
 mod writer;
 pub(crate) use writer::set_before_chunk;
 
@@ -28,6 +30,7 @@ pub(crate) use self::lock::StateDirLock;
 pub(crate) use self::memory::MemoryBackend;
 pub(crate) use self::sled::SledBackend;
 pub(crate) use self::staged::{Arena, StagedStore, Withdrawn};
+pub(crate) use self::warm::{WarmBatch, Warmed, Warmer};
 pub(crate) use self::writer::{Writer, WriterHold};
 use self::{behind::*, resident::*, writer::*};
 
@@ -130,6 +133,12 @@ pub(crate) trait KeyValueStore: Send + Sync {
     /// # Errors
     /// [`crate::Error::State`] when the engine fails to read.
     fn scan(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
+
+    /// Whether a read is worth doing ahead, on another thread, of the lookup that needs
+    /// it ([`Warmer`]): it leaves memory (sled: a leaf read and decoded). The default: no.
+    fn warms(&self) -> bool {
+        false
+    }
 }
 
 /// Opens the engine of a (store, partition) pair and makes written batches durable.
@@ -536,6 +545,78 @@ mod tests {
             let backend = SledBackend::open(dir.path()).unwrap();
             check_write_behind(&backend, ops, true, first)?;
         }
+    }
+
+    /// The run loop reads ahead (on another thread) exactly the keys whose lookups would
+    /// read the engine: not a key staged, held in memory or never written, and nothing
+    /// while every key is in memory. A value read ahead is what the lookup returns, unless
+    /// a batch left memory since: then the key may have been written meanwhile.
+    #[test]
+    fn a_read_ahead_is_asked_only_for_engine_reads_and_never_returns_a_stale_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = SledBackend::open(dir.path()).unwrap();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(Writer::spawn()))
+            .with_limits(4, 8);
+        let asks = |s: &StagedStore, k: u8| {
+            let mut b = WarmBatch::default();
+            s.warm_into(&[k], &mut b);
+            b
+        };
+        let mut offset = 0;
+        let mut commit = |s: &mut StagedStore| {
+            offset += 1;
+            s.commit(Some(offset)).unwrap();
+            s.sync().unwrap();
+        };
+        s.stage(vec![0], Some(vec![0]));
+        commit(&mut s);
+        assert!(!s.warms(), "every key is in memory: nothing to read ahead");
+        assert_eq!(asks(&s, 0).len(), 0);
+        for i in 1..40u8 {
+            s.stage(vec![i], Some(vec![i]));
+            if i % 4 == 3 {
+                commit(&mut s);
+            }
+        }
+        assert!(s.warms(), "keys have left memory");
+        assert_eq!(
+            asks(&s, 0).len(),
+            1,
+            "an evicted key is read from the engine"
+        );
+        assert_eq!(asks(&s, 39).len(), 0, "the last batch is in memory");
+        assert_eq!(asks(&s, 200).len(), 0, "never written: the filter says so");
+        s.stage(vec![1], Some(vec![9]));
+        assert_eq!(asks(&s, 1).len(), 0, "staged");
+        s.abort();
+
+        // Read ahead, then looked up: the engine's value, taken once.
+        let mut b = asks(&s, 2);
+        s.warm_into(&[3], &mut b);
+        b.read(|| Some(0));
+        assert_eq!(s.get(&[2]).unwrap(), Some(vec![2]));
+        assert_eq!(s.get(&[2]).unwrap(), Some(vec![2]));
+        // Read ahead, then written and evicted before the lookup: the new value.
+        let b = asks(&s, 5);
+        b.read(|| Some(0));
+        s.stage(vec![5], Some(vec![55]));
+        commit(&mut s);
+        for i in 100..120u8 {
+            s.stage(vec![i], Some(vec![i]));
+            if i % 4 == 3 {
+                commit(&mut s);
+            }
+        }
+        assert_eq!(asks(&s, 5).len(), 1, "the write of key 5 has left memory");
+        assert_eq!(s.get(&[5]).unwrap(), Some(vec![55]));
+        // A batch left memory since key 3 was read ahead: read again, same value.
+        assert_eq!(s.get(&[3]).unwrap(), Some(vec![3]));
+        // The memory engine's reads stay in memory: nothing to read ahead.
+        let mem = StagedStore::new(
+            MemoryBackend::default().open("m", 0).unwrap(),
+            Some(Writer::spawn()),
+        );
+        assert!(!mem.warms());
     }
 
     #[test]

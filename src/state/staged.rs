@@ -142,6 +142,9 @@ pub(crate) struct StagedStore {
     /// The buffers of the last batch handed to the engine, emptied, for the next batch:
     /// memory already mapped, so staging does not fault in fresh pages every commit.
     pub(super) spare: Option<Staged>,
+    /// Engine values read ahead by a [`Warmer`](super::Warmer) (see
+    /// [`StagedStore::warm_into`]).
+    pub(super) warmed: Arc<super::Warmed>,
 }
 
 /// Byte strings copied into shared blocks: one allocation per block instead of one per
@@ -187,6 +190,7 @@ impl StagedStore {
             owned: Vec::new(),
             sealed: std::collections::VecDeque::new(),
             spare: None,
+            warmed: Arc::default(),
         }
     }
 
@@ -219,7 +223,8 @@ impl StagedStore {
     }
 
     /// Read `key`: pending writes, then sealed batches (newest first), then committed
-    /// writes in memory, then the engine.
+    /// writes in memory, then the engine (or its value read ahead by a
+    /// [`Warmer`](super::Warmer), which is the same).
     ///
     /// # Errors
     /// As [`KeyValueStore::get`].
@@ -247,8 +252,37 @@ impl StagedStore {
             if !b.may_be_in_engine(key) {
                 return Ok(None);
             }
+            if let Some(v) = self.warmed.take(key, b.evictions) {
+                return Ok(v);
+            }
         }
         Ok(self.inner.get(key)?.map(Bytes::from))
+    }
+
+    /// Whether reading ahead ([`StagedStore::warm_into`]) may spare lookups of this store
+    /// an engine read: its engine's reads are worth it ([`KeyValueStore::warms`]), it is
+    /// written behind, and keys not held in memory may be in the engine (not while every
+    /// key written since the engine was empty is in memory).
+    pub(crate) fn warms(&self) -> bool {
+        self.inner.warms() && self.behind.as_ref().is_some_and(|b| b.may_use_engine())
+    }
+
+    /// Add `key` to `batch` when [`StagedStore::lookup`] of it would read the engine now
+    /// (the key is neither staged nor held in memory, and may be in the engine), so that a
+    /// [`Warmer`](super::Warmer) reads it ahead. Checks what a lookup reads before the
+    /// engine, in the cheapest order for a key that is not there (the key filter, the
+    /// resident index, the staged batches). Only with write-behind (see the `warm` module
+    /// for why its values stay good).
+    pub(crate) fn warm_into(&self, key: &[u8], batch: &mut super::WarmBatch) {
+        let Some(b) = &self.behind else { return };
+        if !b.may_be_in_engine(key)
+            || b.resident.get(key).is_some()
+            || self.pending.get(key).is_some()
+            || self.sealed.iter().any(|(_, s)| s.get(key).is_some())
+        {
+            return;
+        }
+        batch.push(&self.inner, &self.warmed, key, b.evictions);
     }
 
     /// Hint that `key` is looked up soon ([`StagedStore::lookup`]): with write-behind, fetch

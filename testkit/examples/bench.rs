@@ -279,7 +279,8 @@ impl ChildRun {
 /// closed at the stop) still count, less at most their last 100 ms. Kinds: `main` (the
 /// process's first thread: the run loop, or the passthrough's loop), `librdkafka` (`rdk:*`),
 /// `delivery` (rdkafka's producer polling thread, which serves the delivery reports),
-/// `state_writer`, `sled` (sled's I/O threads and its log flusher), `other`.
+/// `state_writer`, `read_ahead` (the store reads done ahead of the run loop), `sled` (sled's
+/// I/O threads and its log flusher), `other`.
 struct ThreadCpu {
     seen: Arc<Mutex<BTreeMap<u32, (String, u64)>>>,
     stop: Arc<AtomicBool>,
@@ -346,6 +347,7 @@ impl ThreadCpu {
                 c if c.starts_with("rdk:") => "librdkafka",
                 c if c.starts_with("producer poll") => "delivery",
                 c if c.starts_with("onceflow-state") => "state_writer",
+                c if c.starts_with("onceflow-warm") => "read_ahead",
                 c if c.starts_with("sled") || c == "log flusher" => "sled",
                 _ => "other",
             };

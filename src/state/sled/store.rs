@@ -619,6 +619,10 @@ impl KeyValueStore for SledStore {
         Ok(None)
     }
 
+    fn warms(&self) -> bool {
+        true
+    }
+
     fn write(&self, batch: WriteBatch) -> Result<()> {
         self.apply(&batch.ops, batch.changelog_offset, None)
     }
