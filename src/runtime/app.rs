@@ -296,13 +296,7 @@ impl RunLoop {
         }
         let mut keys = crate::state::WarmBatch::default();
         for (i, m) in batch.records().enumerate() {
-            // As the run loop's own prefetch: header, then key and value, then the key's
-            // place in the store's filter and resident index.
-            batch.prefetch(i + 3 * PREFETCH_AHEAD);
-            batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
-            if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
-                self.prefetch(&m);
-            }
+            self.prefetch_ahead(batch, i, true);
             let Ok(m) = m else { continue };
             let p = self.task_id(&m);
             if !warming.contains(&p) {
@@ -319,6 +313,19 @@ impl RunLoop {
             }
         }
         true
+    }
+
+    /// Before record `i` of `batch`: fetch into the cache, in steps ahead, a message's
+    /// header, then (read from it) its key and value, then (with `store`) its key's place
+    /// in the store, so none is a cache miss the record waits on.
+    fn prefetch_ahead(&mut self, batch: &crate::kafka::batch::Batch, i: usize, store: bool) {
+        batch.prefetch(i + 3 * PREFETCH_AHEAD);
+        batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
+        if store {
+            if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
+                self.prefetch(&m);
+            }
+        }
     }
 
     /// Hint that record `m` is processed soon (see [`Task::prefetch`]).
@@ -983,16 +990,7 @@ fn run_loop(
         // just fetched (a batch's lines fit the core's cache): not again.
         let passed = e.warm(&batch);
         for (i, r) in batch.records().enumerate() {
-            // In steps ahead: a message's header, then (read from it) its key and value,
-            // then its key's place in the store, so none is a cache miss the record waits
-            // on.
-            batch.prefetch(i + 3 * PREFETCH_AHEAD);
-            batch.prefetch_data(i + 2 * PREFETCH_AHEAD);
-            if !passed {
-                if let Some(m) = batch.get(i + PREFETCH_AHEAD) {
-                    e.prefetch(&m);
-                }
-            }
+            e.prefetch_ahead(&batch, i, !passed);
             if let Some(w) = &e.warmer {
                 w.reached(i);
             }
