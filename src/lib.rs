@@ -57,6 +57,7 @@ pub use sink::{
     EffectSpec, ExternalSinkSpec, FileSpec, HttpSpec, PostgresSpec, RedisSpec, Secret, StoreSpec,
 };
 pub use state::restore::ChangelogRecord;
+pub use state::StateMemory;
 pub use testing::{TestDriver, TestRecord};
 pub use topology::{builder::TopologyBuilder, describe::DescribeFormat, Topology};
 

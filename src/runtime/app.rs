@@ -62,6 +62,9 @@ pub struct RunSummary {
     pub commits: u64,
     /// Changelog records applied by restores.
     pub restored: u64,
+    /// Memory the state stores of the partitions assigned at the end held in the process
+    /// then (before a graceful stop persisted them), by part: what grows with the keys.
+    pub state_memory: crate::state::StateMemory,
 }
 
 impl RunSummary {
@@ -78,12 +81,18 @@ impl RunSummary {
     pub fn line(&self) -> String {
         let c = &self.counts;
         format!(
-            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} effects_done={} effects_skipped={} effects_unprotected={} restored={} commits={} seconds={:.3} records_per_second={:.0}",
+            "summary: records_in={} passed={} duplicates={} conflicts={} dead_lettered={} records_out={} effects_done={} effects_skipped={} effects_unprotected={} restored={} commits={} seconds={:.3} records_per_second={:.0} state_memory_mib=resident:{:.1},key_filter:{:.1},engine:{:.1}",
             c.records_in, c.passed, c.duplicates, c.conflicts, c.dead_lettered, c.records_out,
             c.effects_done, c.effects_skipped, c.effects_unprotected,
-            self.restored, self.commits, self.seconds, self.records_per_second()
+            self.restored, self.commits, self.seconds, self.records_per_second(),
+            mib(self.state_memory.resident), mib(self.state_memory.key_filter),
+            mib(self.state_memory.engine)
         )
     }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// A topology bound to a config, ready to run against Kafka.
@@ -774,8 +783,10 @@ impl App {
         // `session.timeout.ms` and a restart within that time moves nothing. (An
         // unsubscribe would leave the group and move every partition twice.)
         let mut counts = e.closed_counts;
+        let mut state_memory = crate::state::StateMemory::default();
         for t in e.tasks.values() {
             counts.add(t.counts());
+            state_memory.add(t.state_memory());
         }
         if result.is_ok() {
             // Graceful stop: let the background writer finish, so a restart resumes from
@@ -823,6 +834,7 @@ impl App {
             seconds,
             commits: e.protocol.commits(),
             restored: e.restored,
+            state_memory,
         };
         close_within(CLOSE_TIMEOUT, consumer);
         result.map(|_| summary)
@@ -1112,6 +1124,11 @@ mod tests {
             seconds: 2.0,
             commits: 4,
             restored: 0,
+            state_memory: crate::state::StateMemory {
+                resident: 3 * 1024 * 1024 / 2,
+                key_filter: 0,
+                engine: 64 * 1024 * 1024,
+            },
         };
         let line = s.line();
         for kv in [
@@ -1121,6 +1138,7 @@ mod tests {
             "effects_skipped=3",
             "effects_unprotected=1",
             "records_per_second=5",
+            "state_memory_mib=resident:1.5,key_filter:0.0,engine:64.0",
         ] {
             assert!(line.split_whitespace().any(|w| w == kv), "{kv} in {line}");
         }

@@ -773,6 +773,15 @@ impl Task {
         self.sealed_counts.clear();
     }
 
+    /// Memory the task's stores hold in the process, summed by part.
+    pub(crate) fn state_memory(&self) -> crate::state::StateMemory {
+        let mut m = crate::state::StateMemory::default();
+        for s in self.stores.values() {
+            m.add(s.memory());
+        }
+        m
+    }
+
     /// Wait until every committed write of this task's stores is in the engine (sled), or
     /// until `deadline`: true when all are, so that a restart resumes from the latest
     /// changelog offset; what is not written is restored from the changelog at the next

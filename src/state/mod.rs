@@ -67,6 +67,14 @@ pub(crate) trait KeyValueStore: Send + Sync {
     /// Store name and partition, for messages, e.g. `dedup/3`.
     fn name(&self) -> &str;
 
+    /// Bytes of memory the engine holds for its entries and its index, without the
+    /// allocator's rounding: the memory store, all of it; sled, the index of key hashes
+    /// (its page cache, bounded by `state.cache.bytes`, is not counted). Walks those
+    /// structures: for a run's summary, not per record.
+    fn memory_bytes(&self) -> usize {
+        0
+    }
+
     /// The value stored under `key`.
     ///
     /// # Errors
@@ -159,6 +167,31 @@ pub(crate) trait StateBackend: Send + Sync {
     /// # Errors
     /// [`crate::Error::State`] when the flush fails.
     fn flush(&self) -> Result<()>;
+}
+
+/// Memory held by state stores in the process, in bytes, by part: what grows with the
+/// number of keys (see [`crate::RunSummary::state_memory`]). Counted as the structures'
+/// sizes (capacity of tables, bytes of entries), without the allocator's rounding.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateMemory {
+    /// Committed entries held readable in memory by write-behind stores (until persisted,
+    /// and the latest [`RESIDENT_ENTRIES`] a partition after), with their index.
+    pub resident: u64,
+    /// The key filter of write-behind stores whose keys have left memory: 32-bit hashes
+    /// of every key put, so that a new key is known new without reading the engine.
+    pub key_filter: u64,
+    /// The engine's own memory (see `KeyValueStore::memory_bytes`): the memory store's
+    /// entries, sled's index of key hashes.
+    pub engine: u64,
+}
+
+impl StateMemory {
+    /// Add `other`'s parts to these.
+    pub fn add(&mut self, other: StateMemory) {
+        self.resident += other.resident;
+        self.key_filter += other.key_filter;
+        self.engine += other.engine;
+    }
 }
 
 /// `ops` as the borrowed slices [`KeyValueStore::write_ops`] takes.
@@ -617,6 +650,60 @@ mod tests {
             Some(Writer::spawn()),
         );
         assert!(!mem.warms());
+    }
+
+    /// The memory a run's summary reports grows where the keys go: in memory while they
+    /// fit, then in the key filter and the engine's index once they leave it; the resident
+    /// part stays bounded. The memory engine counts its entries' bytes.
+    #[test]
+    fn state_memory_follows_the_keys_by_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = SledBackend::open(dir.path()).unwrap();
+        let mut s = StagedStore::new(backend.open("s", 0).unwrap(), Some(Writer::spawn()))
+            .with_limits(64, 64);
+        assert_eq!(s.memory(), StateMemory::default(), "nothing held yet");
+        let mut offset = 0;
+        let mut put = |s: &mut StagedStore, range: std::ops::Range<u32>| {
+            for i in range {
+                s.stage(i.to_be_bytes().to_vec(), Some(vec![7; 16]));
+                if i % 32 == 31 {
+                    offset += 1;
+                    s.commit(Some(offset)).unwrap();
+                    s.sync().unwrap();
+                }
+            }
+        };
+        put(&mut s, 0..32);
+        let fits = s.memory();
+        assert!(fits.resident >= 32 * 20, "32 entries of 20 bytes: {fits:?}");
+        assert_eq!(fits.key_filter, 0, "no key has left memory: {fits:?}");
+        put(&mut s, 32..4096);
+        let left = s.memory();
+        assert!(left.key_filter >= 4096 * 4, "a 4-byte hash a key: {left:?}");
+        assert!(
+            left.engine >= 4000 * 12,
+            "sled's index: 12 bytes a key: {left:?}"
+        );
+        assert!(
+            left.resident < 8 * fits.resident,
+            "resident entries are bounded: {left:?} against {fits:?}"
+        );
+        put(&mut s, 4096..16384);
+        let more = s.memory();
+        assert!(
+            more.key_filter > left.key_filter && more.engine > left.engine,
+            "{more:?}"
+        );
+
+        let mem = MemoryBackend::default().open("m", 0).unwrap();
+        mem.write(WriteBatch {
+            ops: (0..1000u32)
+                .map(|i| (i.to_be_bytes().to_vec(), Some(vec![1; 100])))
+                .collect(),
+            changelog_offset: None,
+        })
+        .unwrap();
+        assert!(mem.memory_bytes() >= 1000 * 104, "{}", mem.memory_bytes());
     }
 
     #[test]

@@ -244,6 +244,16 @@ pub(super) struct Resident {
 }
 
 impl Resident {
+    /// Bytes of the resident batches (their packed ops) and of the index.
+    pub(super) fn memory_bytes(&self) -> usize {
+        let batches: usize = self
+            .batches
+            .iter()
+            .map(|t| t.ops.data.len() + t.ops.ops.capacity() * 4)
+            .sum();
+        batches + self.index.memory_bytes()
+    }
+
     pub(super) fn new() -> Resident {
         Resident {
             batches: VecDeque::new(),

@@ -177,6 +177,11 @@ impl<T: Entry> SlotTable<T> {
         self.len -= 1;
     }
 
+    /// Bytes of the slots (the table's capacity).
+    pub(super) fn memory_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<T>()
+    }
+
     /// Every occupied slot, in table order.
     pub(super) fn iter(&self) -> impl Iterator<Item = &T> {
         self.slots.iter().filter(|s| !s.is_empty())
@@ -197,6 +202,11 @@ impl HashFilter {
     /// Hashes held.
     pub(super) fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// Bytes of the table.
+    pub(super) fn memory_bytes(&self) -> usize {
+        self.0.memory_bytes()
     }
 
     /// Make room for `additional` more hashes.

@@ -195,6 +195,21 @@ impl StagedStore {
     }
 
     /// Name of the underlying store.
+    /// Memory this store holds in the process, by part (see [`super::StateMemory`]).
+    pub(crate) fn memory(&self) -> super::StateMemory {
+        let mut m = super::StateMemory {
+            engine: self.inner.memory_bytes() as u64,
+            ..Default::default()
+        };
+        if let Some(b) = &self.behind {
+            m.resident = b.resident.memory_bytes() as u64;
+            if let super::resident::KeyFilter::Hashes(f) = &b.filter {
+                m.key_filter = f.memory_bytes() as u64;
+            }
+        }
+        m
+    }
+
     pub(crate) fn name(&self) -> &str {
         self.inner.name()
     }

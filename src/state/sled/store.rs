@@ -606,6 +606,23 @@ impl KeyValueStore for SledStore {
         &self.name
     }
 
+    fn memory_bytes(&self) -> usize {
+        let ix = self
+            .index
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let buckets = &ix.by_hash.buckets;
+        let entry = std::mem::size_of::<HashEntry>();
+        let shared: usize = ix
+            .collided
+            .values()
+            .map(|v| std::mem::size_of::<(u64, Vec<u32>)>() + v.capacity() * 4)
+            .sum();
+        buckets.capacity() * std::mem::size_of::<Vec<HashEntry>>()
+            + buckets.iter().map(|b| b.capacity() * entry).sum::<usize>()
+            + shared
+    }
+
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let ix = self.lock();
         let h = hash(key);
