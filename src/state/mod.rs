@@ -187,7 +187,7 @@ pub struct StateMemory {
 
 impl StateMemory {
     /// Add `other`'s parts to these.
-    pub fn add(&mut self, other: StateMemory) {
+    pub(crate) fn add(&mut self, other: StateMemory) {
         self.resident += other.resident;
         self.key_filter += other.key_filter;
         self.engine += other.engine;
