@@ -22,6 +22,14 @@ pub(crate) fn records_processed(
 pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
 /// Gauge `{topology,store,partition}`: keys held.
 pub(crate) const DEDUP_KEYS: &str = "onceflow_dedup_keys";
+/// Gauge `{store,partition,part}`: bytes a store partition holds in memory, by `part`:
+/// `resident` (committed entries readable in memory, with their index), `key_filter`
+/// (hashes of the keys that left memory), `engine` (the engine's own: sled's index of key
+/// hashes, or all of a memory store); sled's page cache (`state.cache.bytes`) is not
+/// counted. Set after the first commit, then at most every [`STATE_MEMORY_EVERY`].
+pub(crate) const STATE_MEMORY: &str = "onceflow_state_memory_bytes";
+/// How often [`STATE_MEMORY`] is set at most (each time walks the stores' tables).
+pub(crate) const STATE_MEMORY_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 /// Counter `{store,partition}`: changelog records applied by restore.
 pub(crate) const RESTORE_RECORDS: &str = "onceflow_restore_records_total";
 /// Gauge `{store,partition}`: changelog records left to restore.

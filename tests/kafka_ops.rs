@@ -195,7 +195,16 @@ stages:
     let mut run = start(&names, &eos, &[("ONCEFLOW__LOG__FORMAT", "json")], &[]);
     let addr = http_address(&mut run);
     wait_committed(&names, 2);
-    let (code, text) = get(&format!("http://{addr}/metrics"));
+    // The state-memory gauges are set at the run loop's first turn after a commit: scrape
+    // until they are there (the other metrics are set before the commit).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (code, text) = loop {
+        let (code, text) = get(&format!("http://{addr}/metrics"));
+        if text.contains("onceflow_state_memory_bytes") || std::time::Instant::now() > deadline {
+            break (code, text);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
     assert_eq!(code, 200);
     let stderr = run.stderr.clone();
     run.signal(libc::SIGTERM);
@@ -284,6 +293,29 @@ stages:
         sum(find("onceflow_dedup_keys", &with(&[("store", "dedup")]))),
         25.0,
         "{text}"
+    );
+    // onceflow_state_memory_bytes{store,partition,part}: the restored and new entries are
+    // held in memory (write-behind over sled), none has left it (no key filter).
+    assert_eq!(
+        keys_of("onceflow_state_memory_bytes"),
+        ["part", "partition", "store"].map(String::from).into(),
+        "{text}"
+    );
+    let part = |p: &'static str| {
+        sum(find(
+            "onceflow_state_memory_bytes",
+            &[("store", "dedup"), ("part", p)],
+        ))
+    };
+    assert!(
+        part("resident") >= 25.0 * 3.0,
+        "25 keys of 3 bytes at least: {text}"
+    );
+    assert_eq!(part("key_filter"), 0.0, "{text}");
+    assert_eq!(
+        find("onceflow_state_memory_bytes", &[("store", "dedup")]).len(),
+        2 * 3,
+        "3 parts of 2 partitions: {text}"
     );
     // onceflow_restore_records_total / onceflow_restore_remaining_records{store,partition}
     for n in [

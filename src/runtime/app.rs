@@ -172,6 +172,8 @@ struct RunLoop {
     /// Offset to seek back to when a restoring partition resumes (a record slipped in).
     replay_from: BTreeMap<i32, i64>,
     closed_counts: Counts,
+    /// When the state-memory gauges were last set, and the commits made then.
+    memory_reported: Option<(Instant, u64)>,
     /// When the last commit ended.
     last_commit: Instant,
     /// When the last commit started.
@@ -731,6 +733,7 @@ impl App {
             restored: 0,
             out: Vec::with_capacity(16),
             first_record: None,
+            memory_reported: None,
             tables: table_set.handles(),
             writer_hold: None,
             origin_topic: None,
@@ -926,6 +929,7 @@ fn run_loop(
             e.plan_restores(consumer)?;
         }
         e.publish_status();
+        e.report_state_memory();
         let restoring = e.any_restoring();
         if restoring != e.writer_hold.is_some() {
             e.writer_hold = if restoring {
@@ -1030,6 +1034,24 @@ const EVENT_SLICE: Duration = Duration::from_millis(10);
 
 impl RunLoop {
     /// A commit if one is due, else the next steps of the commits in flight.
+    /// Set the state-memory gauges once a commit was made since they were last set, at
+    /// most every [`STATE_MEMORY_EVERY`](crate::metrics::STATE_MEMORY_EVERY).
+    fn report_state_memory(&mut self) {
+        let commits = self.protocol.commits();
+        let due = match self.memory_reported {
+            None => commits > 0,
+            Some((at, then)) => {
+                commits > then && at.elapsed() >= crate::metrics::STATE_MEMORY_EVERY
+            }
+        };
+        if due {
+            for t in self.tasks.values() {
+                t.report_state_memory();
+            }
+            self.memory_reported = Some((Instant::now(), commits));
+        }
+    }
+
     fn check_commit(&mut self, consumer: &SourceConsumer) -> Result<()> {
         if self.commit_due() {
             self.commit(consumer, CommitMode::Async)

@@ -782,6 +782,24 @@ impl Task {
         m
     }
 
+    /// Set the [`STATE_MEMORY`](crate::metrics::STATE_MEMORY) gauges of the task's stores.
+    pub(crate) fn report_state_memory(&self) {
+        for (store, s) in &self.stores {
+            let m = s.memory();
+            for (part, bytes) in [
+                ("resident", m.resident),
+                ("key_filter", m.key_filter),
+                ("engine", m.engine),
+            ] {
+                metrics::gauge!(crate::metrics::STATE_MEMORY,
+                    "store" => store.clone(),
+                    "partition" => self.partition.to_string(),
+                    "part" => part)
+                .set(bytes as f64);
+            }
+        }
+    }
+
     /// Wait until every committed write of this task's stores is in the engine (sled), or
     /// until `deadline`: true when all are, so that a restart resumes from the latest
     /// changelog offset; what is not written is restored from the changelog at the next
