@@ -777,7 +777,7 @@ impl Task {
     pub(crate) fn state_memory(&self) -> crate::state::StateMemory {
         let mut m = crate::state::StateMemory::default();
         for s in self.stores.values() {
-            m.add(s.memory());
+            m.add(s.memory(true).0);
         }
         m
     }
@@ -785,12 +785,15 @@ impl Task {
     /// Set the [`STATE_MEMORY`](crate::metrics::STATE_MEMORY) gauges of the task's stores.
     pub(crate) fn report_state_memory(&self) {
         for (store, s) in &self.stores {
-            let m = s.memory();
-            for (part, bytes) in [
-                ("resident", m.resident),
-                ("key_filter", m.key_filter),
-                ("engine", m.engine),
-            ] {
+            // An engine busy writing a batch keeps its last value: not waited for on the
+            // run loop.
+            let (m, engine) = s.memory(false);
+            let parts = [
+                ("resident", Some(m.resident)),
+                ("key_filter", Some(m.key_filter)),
+                ("engine", engine),
+            ];
+            for (part, bytes) in parts.into_iter().filter_map(|(p, b)| Some((p, b?))) {
                 metrics::gauge!(crate::metrics::STATE_MEMORY,
                     "store" => store.clone(),
                     "partition" => self.partition.to_string(),

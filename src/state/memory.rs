@@ -83,12 +83,14 @@ impl KeyValueStore for MemoryStore {
         &self.name
     }
 
-    fn memory_bytes(&self) -> usize {
+    fn memory_bytes(&self, _wait: bool) -> Option<usize> {
         let d = self.data.lock().expect("memory store lock");
         let table = &d.0.table;
         // A slot and its control byte, then each entry's key and value.
-        table.capacity() * (std::mem::size_of::<Entry>() + 1)
-            + table.iter().map(|e| e.1.len() + e.2.len()).sum::<usize>()
+        Some(
+            table.capacity() * (std::mem::size_of::<Entry>() + 1)
+                + table.iter().map(|e| e.1.len() + e.2.len()).sum::<usize>(),
+        )
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {

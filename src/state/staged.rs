@@ -195,10 +195,13 @@ impl StagedStore {
     }
 
     /// Name of the underlying store.
-    /// Memory this store holds in the process, by part (see [`super::StateMemory`]).
-    pub(crate) fn memory(&self) -> super::StateMemory {
+    /// Memory this store holds in the process, by part (see [`super::StateMemory`]), and
+    /// the engine's part alone: `None` without `wait` while the engine is busy writing a
+    /// batch (then counted as 0 in the parts).
+    pub(crate) fn memory(&self, wait: bool) -> (super::StateMemory, Option<u64>) {
+        let engine = self.inner.memory_bytes(wait).map(|b| b as u64);
         let mut m = super::StateMemory {
-            engine: self.inner.memory_bytes() as u64,
+            engine: engine.unwrap_or(0),
             ..Default::default()
         };
         if let Some(b) = &self.behind {
@@ -207,7 +210,7 @@ impl StagedStore {
                 m.key_filter = f.memory_bytes() as u64;
             }
         }
-        m
+        (m, engine)
     }
 
     pub(crate) fn name(&self) -> &str {
