@@ -24,6 +24,12 @@ pub(crate) fn view_mut(record: &mut Record) -> Result<&mut Value, String> {
     Ok(record.json.as_mut().expect("set above"))
 }
 
+/// Whether a value read in `source` format and not decoded into a view goes to a sink of
+/// `sink` format as its bytes were read (same format, or raw bytes).
+pub(crate) fn written_as_read(source: &Format, sink: &Format) -> bool {
+    sink == source || matches!(sink, Format::Bytes)
+}
+
 /// The value bytes to write for `record` to a topic of format `sink`, the source being of
 /// format `source`: the value bytes as read when no stage edited the view
 /// ([`Record::view_edited`]) and the formats agree, or when the sink is `bytes`; the view
@@ -51,7 +57,7 @@ pub(crate) fn encode_for_sink(
     let Some(value) = record.value.as_ref() else {
         return Ok(None);
     };
-    if sink == source || matches!(sink, Format::Bytes) {
+    if written_as_read(source, sink) {
         return Ok(Some(value.clone()));
     }
     let view = source.decode(value)?;

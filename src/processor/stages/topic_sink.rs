@@ -141,7 +141,18 @@ impl Processor for TopicSink {
             // The common last stage: move the record out, no copies.
             let value = match &self.codecs {
                 None => record.value,
-                Some(_) => self.values(&record)?.pop().flatten(),
+                // Bytes written as read (what `encode_for_sink` returns, moved, not cloned
+                // into a vector of one).
+                Some((source, sinks))
+                    if record.json.is_none()
+                        && crate::processor::codec::written_as_read(source, &sinks[0]) =>
+                {
+                    record.value
+                }
+                Some((source, sinks)) => {
+                    crate::processor::codec::encode_for_sink(&record, source, &sinks[0])
+                        .map_err(|e| RecordError::new(&self.name, e))?
+                }
             };
             ctx.emit(OutRecord {
                 topic: self.spec.topics[0].clone(),
