@@ -24,9 +24,11 @@ pub const DEDUP_CHECK_SECONDS: &str = "onceflow_dedup_check_duration_seconds";
 pub(crate) const DEDUP_KEYS: &str = "onceflow_dedup_keys";
 /// Gauge `{store,partition,part}`: bytes a store partition holds in memory, by `part`:
 /// `resident` (committed entries readable in memory, with their index), `key_filter`
-/// (hashes of the keys that left memory), `engine` (the engine's own: sled's index of key
+/// (see [`crate::StateMemory::key_filter`]), `engine` (the engine's own: sled's index of key
 /// hashes, or all of a memory store); sled's page cache (`state.cache.bytes`) is not
-/// counted. Set after the first commit, then at most every [`STATE_MEMORY_EVERY`].
+/// counted. Set after the first commit, then at most every [`STATE_MEMORY_EVERY`];
+/// `engine` is not waited for while the engine writes a batch (it keeps its last value and
+/// is set at a later turn). A revoked partition's gauges keep their last values.
 pub(crate) const STATE_MEMORY: &str = "onceflow_state_memory_bytes";
 /// How often [`STATE_MEMORY`] is set at most (each time walks the stores' tables).
 pub(crate) const STATE_MEMORY_EVERY: std::time::Duration = std::time::Duration::from_secs(10);

@@ -789,7 +789,10 @@ impl App {
         let mut state_memory = crate::state::StateMemory::default();
         for t in e.tasks.values() {
             counts.add(t.counts());
-            state_memory.add(t.state_memory());
+            if result.is_ok() {
+                // For the summary, which only a run that ends well returns.
+                state_memory.add(t.state_memory());
+            }
         }
         if result.is_ok() {
             // Graceful stop: let the background writer finish, so a restart resumes from
@@ -1033,9 +1036,9 @@ const PREFETCH_AHEAD: usize = 4;
 const EVENT_SLICE: Duration = Duration::from_millis(10);
 
 impl RunLoop {
-    /// A commit if one is due, else the next steps of the commits in flight.
     /// Set the state-memory gauges once a commit was made since they were last set, at
-    /// most every [`STATE_MEMORY_EVERY`](crate::metrics::STATE_MEMORY_EVERY).
+    /// most every [`STATE_MEMORY_EVERY`](crate::metrics::STATE_MEMORY_EVERY); again at
+    /// the next turns while an engine was busy writing a batch (its part not set).
     fn report_state_memory(&mut self) {
         let commits = self.protocol.commits();
         let due = match self.memory_reported {
@@ -1045,13 +1048,17 @@ impl RunLoop {
             }
         };
         if due {
+            let mut all = true;
             for t in self.tasks.values() {
-                t.report_state_memory();
+                all &= t.report_state_memory();
             }
-            self.memory_reported = Some((Instant::now(), commits));
+            if all {
+                self.memory_reported = Some((Instant::now(), commits));
+            }
         }
     }
 
+    /// A commit if one is due, else the next steps of the commits in flight.
     fn check_commit(&mut self, consumer: &SourceConsumer) -> Result<()> {
         if self.commit_due() {
             self.commit(consumer, CommitMode::Async)

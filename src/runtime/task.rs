@@ -782,12 +782,15 @@ impl Task {
         m
     }
 
-    /// Set the [`STATE_MEMORY`](crate::metrics::STATE_MEMORY) gauges of the task's stores.
-    pub(crate) fn report_state_memory(&self) {
+    /// Set the [`STATE_MEMORY`](crate::metrics::STATE_MEMORY) gauges of the task's stores;
+    /// false when an engine was busy writing a batch (its part is left as it was).
+    pub(crate) fn report_state_memory(&self) -> bool {
+        let mut all = true;
         for (store, s) in &self.stores {
             // An engine busy writing a batch keeps its last value: not waited for on the
             // run loop.
             let (m, engine) = s.memory(false);
+            all &= engine.is_some();
             let parts = [
                 ("resident", Some(m.resident)),
                 ("key_filter", Some(m.key_filter)),
@@ -801,6 +804,7 @@ impl Task {
                 .set(bytes as f64);
             }
         }
+        all
     }
 
     /// Wait until every committed write of this task's stores is in the engine (sled), or

@@ -86,11 +86,8 @@ impl KeyValueStore for MemoryStore {
     fn memory_bytes(&self, _wait: bool) -> Option<usize> {
         let d = self.data.lock().expect("memory store lock");
         let table = &d.0.table;
-        // A slot and its control byte, then each entry's key and value.
-        Some(
-            table.capacity() * (std::mem::size_of::<Entry>() + 1)
-                + table.iter().map(|e| e.1.len() + e.2.len()).sum::<usize>(),
-        )
+        // The table (slots and control bytes), then each entry's key and value.
+        Some(table.allocation_size() + table.iter().map(|e| e.1.len() + e.2.len()).sum::<usize>())
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {

@@ -177,10 +177,11 @@ pub(crate) trait StateBackend: Send + Sync {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateMemory {
     /// Committed entries held readable in memory by write-behind stores (until persisted,
-    /// and the latest [`RESIDENT_ENTRIES`] a partition after), with their index.
+    /// and after that the most recent ones, up to a bound per partition), with their index.
     pub resident: u64,
-    /// The key filter of write-behind stores whose keys have left memory: 32-bit hashes
-    /// of every key put, so that a new key is known new without reading the engine.
+    /// The key filter of a write-behind store opened over an empty engine, once keys have
+    /// left memory: 32-bit hashes of every key put since it opened, so that a new key is
+    /// known new without reading the engine (0 for a store opened over existing data).
     pub key_filter: u64,
     /// The engine's own memory (see `KeyValueStore::memory_bytes`): the memory store's
     /// entries, sled's index of key hashes.

@@ -194,7 +194,6 @@ impl StagedStore {
         }
     }
 
-    /// Name of the underlying store.
     /// Memory this store holds in the process, by part (see [`super::StateMemory`]), and
     /// the engine's part alone: `None` without `wait` while the engine is busy writing a
     /// batch (then counted as 0 in the parts).
@@ -213,6 +212,7 @@ impl StagedStore {
         (m, engine)
     }
 
+    /// Name of the underlying store.
     pub(crate) fn name(&self) -> &str {
         self.inner.name()
     }

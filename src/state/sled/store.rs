@@ -615,11 +615,12 @@ impl KeyValueStore for SledStore {
         };
         let buckets = &ix.by_hash.buckets;
         let entry = std::mem::size_of::<HashEntry>();
-        let shared: usize = ix
-            .collided
-            .values()
-            .map(|v| std::mem::size_of::<(u64, Vec<u32>)>() + v.capacity() * 4)
-            .sum();
+        // The shared hashes' map: its slots (a control byte each) and their lists.
+        let shared: usize = ix.collided.capacity() * (std::mem::size_of::<(u64, Vec<u32>)>() + 1)
+            + ix.collided
+                .values()
+                .map(|v| v.capacity() * 4)
+                .sum::<usize>();
         Some(
             buckets.capacity() * std::mem::size_of::<Vec<HashEntry>>()
                 + buckets.iter().map(|b| b.capacity() * entry).sum::<usize>()
