@@ -19,7 +19,9 @@
 //!    peak RSS (its own `VmHWM`) and CPU time (user + system, from `wait4`) are its own: reported per side,
 //!    with the RSS ratio b/a (target <= 1.5) and CPU µs per record, in all and by kind of
 //!    thread (`ThreadCpu`: the main thread, librdkafka's, the delivery reports', the state
-//!    writer's). With `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process;
+//!    writer's), and how long the main thread waited for a core while runnable (the
+//!    kernel's `schedstat`: on a machine whose cores are all busy, a loop is slowed by
+//!    the other threads as much as by its own work). With `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process;
 //!    `scripts/bench` sets it) also the broker's CPU µs per record over each side's run:
 //!    both share the machine.
 //! 3. Without a broker, over the same N pre-built records, with the sled backend (written
@@ -240,6 +242,9 @@ struct ChildRun {
     broker_cpu_seconds: Option<f64>,
     /// The child's CPU time by kind of thread (see [`ThreadCpu`]): `kind:seconds,...`.
     threads: String,
+    /// Seconds the main thread spent runnable but waiting for a core (see
+    /// [`ThreadCpu::finish`]), when the kernel says.
+    main_waited: Option<f64>,
 }
 
 impl ChildRun {
@@ -265,8 +270,12 @@ impl ChildRun {
         } else {
             format!(" threads_cpu_us_per_record={}", threads.join(","))
         };
+        let main = self
+            .main_waited
+            .map(|w| format!(" main_waited_for_a_core_us_per_record={:.2}", per_record(w)))
+            .unwrap_or_default();
         format!(
-            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}{broker}{threads}",
+            "peak_rss_mib={:.0} cpu_seconds={:.2} cpu_us_per_record={:.2}{broker}{threads}{main}",
             self.peak_rss as f64 / (1024.0 * 1024.0),
             self.cpu_seconds,
             per_record(self.cpu_seconds)
@@ -285,6 +294,16 @@ struct ThreadCpu {
     seen: Arc<Mutex<BTreeMap<u32, (String, u64)>>>,
     stop: Arc<AtomicBool>,
     sampler: Option<std::thread::JoinHandle<()>>,
+    /// The main thread's scheduler times when sampling started.
+    started: Option<(u64, u64)>,
+}
+
+/// A thread's time on a core and waiting on a run queue for one, in nanoseconds (the first
+/// two fields of `/proc/<pid>/task/<tid>/schedstat`), when the kernel keeps them.
+fn sched_times(tid: u32) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().ok());
+    Some((f.next()??, f.next()??))
 }
 
 impl ThreadCpu {
@@ -305,6 +324,7 @@ impl ThreadCpu {
             seen,
             stop,
             sampler,
+            started: sched_times(std::process::id()),
         }
     }
 
@@ -331,7 +351,11 @@ impl ThreadCpu {
         }
     }
 
-    /// Stop sampling; ` threads=kind:seconds,...` for the child's result line.
+    /// Stop sampling; ` threads=kind:seconds,...` for the child's result line, and
+    /// ` main_waited=seconds` when the kernel says: how long the main thread waited on a
+    /// run queue for a core since [`ThreadCpu::start`] (runnable, not sleeping). A loop
+    /// that waits for a core while the cores run other threads (librdkafka's, the
+    /// broker's) is slowed by them, not by what it waits for.
     fn finish(mut self) -> String {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.sampler.take() {
@@ -357,7 +381,14 @@ impl ThreadCpu {
             .iter()
             .map(|(k, t)| format!("{k}:{:.2}", *t as f64 / hz))
             .collect();
-        format!(" threads={}", kinds.join(","))
+        let main = self
+            .started
+            .zip(sched_times(pid))
+            .map(|((_, w0), (_, w1))| {
+                format!(" main_waited={:.3}", w1.saturating_sub(w0) as f64 / 1e9)
+            })
+            .unwrap_or_default();
+        format!(" threads={}{main}", kinds.join(","))
     }
 }
 
@@ -449,6 +480,7 @@ fn run_child(args: &[&str]) -> Res<ChildRun> {
         cpu_seconds: tv(usage.ru_utime) + tv(usage.ru_stime),
         broker_cpu_seconds: broker_before.zip(broker_cpu_seconds()).map(|(a, b)| b - a),
         threads: field("threads").unwrap_or("").to_string(),
+        main_waited: field("main_waited").ok().and_then(|v| v.parse().ok()),
     })
 }
 
@@ -671,6 +703,19 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("{cb:.2}"),
         list(&r.onceflow_usage, &us)
     );
+    for (side, u) in [("(a)", &r.passthrough_usage), ("(b)", &r.onceflow_usage)] {
+        if u.iter().all(|c| c.main_waited.is_some()) {
+            let waiting =
+                |c: &ChildRun| c.main_waited.unwrap_or(f64::NAN) * 1e6 / c.records.max(1) as f64;
+            let v: Vec<f64> = u.iter().map(waiting).collect();
+            println!(
+                "{:<44} {:>14}  [{}]",
+                format!("{side} main thread waited for a core us/rec"),
+                format!("{:.2}", median(&v)),
+                list(u, &waiting)
+            );
+        }
+    }
     let broker_us =
         |c: &ChildRun| c.broker_cpu_seconds.unwrap_or(f64::NAN) * 1e6 / c.records.max(1) as f64;
     if r.passthrough_usage
