@@ -703,36 +703,27 @@ fn report(s: &Settings, ds: &Dataset, r: &Results) {
         format!("{cb:.2}"),
         list(&r.onceflow_usage, &us)
     );
-    for (side, u) in [("(a)", &r.passthrough_usage), ("(b)", &r.onceflow_usage)] {
-        if u.iter().all(|c| c.main_waited.is_some()) {
-            let waiting =
-                |c: &ChildRun| c.main_waited.unwrap_or(f64::NAN) * 1e6 / c.records.max(1) as f64;
-            let v: Vec<f64> = u.iter().map(waiting).collect();
-            println!(
-                "{:<44} {:>14}  [{}]",
-                format!("{side} main thread waited for a core us/rec"),
-                format!("{:.2}", median(&v)),
-                list(u, &waiting)
-            );
+    // A row per side of seconds per record, when every run of both sides has them.
+    let per_record_row = |what: &str, secs: &dyn Fn(&ChildRun) -> Option<f64>| {
+        let us = |u: &[ChildRun]| {
+            u.iter()
+                .map(|c| secs(c).map(|s| s * 1e6 / c.records.max(1) as f64))
+                .collect::<Option<Vec<f64>>>()
+        };
+        if let (Some(a), Some(b)) = (us(&r.passthrough_usage), us(&r.onceflow_usage)) {
+            for (side, v) in [("(a)", a), ("(b)", b)] {
+                let each: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+                println!(
+                    "{:<44} {:>14}  [{}]",
+                    format!("{side} {what}"),
+                    format!("{:.2}", median(&v)),
+                    each.join(", ")
+                );
+            }
         }
-    }
-    let broker_us =
-        |c: &ChildRun| c.broker_cpu_seconds.unwrap_or(f64::NAN) * 1e6 / c.records.max(1) as f64;
-    if r.passthrough_usage
-        .iter()
-        .chain(&r.onceflow_usage)
-        .all(|c| c.broker_cpu_seconds.is_some())
-    {
-        for (side, u) in [("(a)", &r.passthrough_usage), ("(b)", &r.onceflow_usage)] {
-            let v: Vec<f64> = u.iter().map(broker_us).collect();
-            println!(
-                "{:<44} {:>14}  [{}]",
-                format!("{side} broker CPU us/record"),
-                format!("{:.2}", median(&v)),
-                list(u, &broker_us)
-            );
-        }
-    }
+    };
+    per_record_row("main thread waited for a core us/rec", &|c| c.main_waited);
+    per_record_row("broker CPU us/record", &|c| c.broker_cpu_seconds);
     println!(
         "{:<44} {:>14}  [{}]",
         "dedup stage alone, sled, decisions/s",
