@@ -140,7 +140,7 @@ struct RunLoop {
     backend: SledBackend,
     producer: Arc<OutputProducer>,
     /// The transaction committing in the background (exactly_once_v2; `runtime::log`).
-    committing: Option<super::log::Committing>,
+    committing: Option<std::thread::JoinHandle<Result<()>>>,
     /// Destroys the restore consumer's batches in the background; declared before the
     /// restore consumer so that it is dropped (and done) first.
     batch_freer: crate::kafka::batch::Freer,
@@ -225,7 +225,6 @@ macro_rules! kafka_log {
         KafkaLog {
             producer: &mut $e.producer,
             committing: &mut $e.committing,
-            offsets: None,
             config: &$e.config,
             consumer: $consumer,
             topics: &$e.topics,

@@ -272,10 +272,6 @@ pub(crate) trait CommitLog {
     fn begin_transaction(&mut self) -> Result<()>;
 
     /// Add the consumed source `offsets` to the open transaction (with the group metadata).
-    /// A log may add them with the commit that follows (the Kafka log does, on the
-    /// commit's thread, so the caller does not wait for the group coordinator): a failure
-    /// to add them then comes from [`CommitLog::transaction_committed`], with the errors
-    /// below, and the transaction was not committed.
     ///
     /// # Errors
     /// Abortable errors, [`Error::Fenced`], or [`Error::TransactionOutcomeUnknown`] when
@@ -1071,10 +1067,7 @@ struct EosSteps {
     sinks_ms: f64,
     changelog_ms: f64,
     changelog_records: usize,
-    /// The run loop's time in [`CommitLog::send_offsets`] (the Kafka log adds the offsets
-    /// on the commit's thread, so their round trip counts in `commit_ms`).
     send_offsets_ms: f64,
-    /// From starting the commit in the background to seeing it done.
     commit_ms: f64,
     state_ms: f64,
 }

@@ -114,44 +114,6 @@ fn panicked(what: &str) -> Error {
     Error::TransactionOutcomeUnknown(format!("the thread of {what} panicked"))
 }
 
-/// Add the consumed source offsets `tpl` to `producer`'s open transaction with the group
-/// metadata `cgm` (KIP-447), on a thread of its own with a deadline.
-///
-/// # Errors
-/// Abortable errors; a fatal one (not yet told apart from fencing, see [`fenced_or`]);
-/// [`Error::TransactionOutcomeUnknown`] when the offsets were not added within
-/// [`SEND_OFFSETS_DEADLINE`].
-fn add_offsets(
-    producer: &std::sync::Arc<OutputProducer>,
-    tpl: TopicPartitionList,
-    cgm: std::sync::Arc<ConsumerGroupMetadata>,
-) -> Result<()> {
-    let producer = std::sync::Arc::clone(producer);
-    let call = move || producer.send_offsets_to_transaction(&tpl, &cgm);
-    let what = "send_offsets_to_transaction";
-    match call_with_deadline(what, &STUCK_SEND_OFFSETS, SEND_OFFSETS_DEADLINE, call)? {
-        Some(r) => r,
-        None => Err(Error::TransactionOutcomeUnknown(format!(
-            "send_offsets_to_transaction did not return within {} s",
-            SEND_OFFSETS_DEADLINE.as_secs()
-        ))),
-    }
-}
-
-/// How a transaction's commit in the background failed (see
-/// [`KafkaLog::start_commit_transaction`](CommitLog::start_commit_transaction)).
-pub(crate) enum TxnFailure {
-    /// Its source offsets were not added: the transaction was not committed, a failure of
-    /// its steps as when the run loop added them itself.
-    Offsets(Error),
-    /// Its commit failed.
-    Commit(Error),
-}
-
-/// A transaction's commit running in the background: its source offsets added, then the
-/// commit.
-pub(crate) type Committing = std::thread::JoinHandle<std::result::Result<(), TxnFailure>>;
-
 /// [`CommitLog`] over Kafka, borrowed for one step of the run loop.
 pub(crate) struct KafkaLog<'a> {
     /// Sends outputs, changelog records and transactions; replaced after a transaction of
@@ -159,11 +121,7 @@ pub(crate) struct KafkaLog<'a> {
     pub(crate) producer: &'a mut std::sync::Arc<OutputProducer>,
     /// The transaction's commit running in the background (exactly_once_v2), on a thread
     /// of its own: librdkafka's commit blocks until the coordinator has answered.
-    pub(crate) committing: &'a mut Option<Committing>,
-    /// The source offsets [`CommitLog::send_offsets`] took, added to the transaction by
-    /// the thread of its commit (their round trip to the group coordinator, ~6 ms here,
-    /// stopped the run loop at each commit).
-    pub(crate) offsets: Option<(TopicPartitionList, std::sync::Arc<ConsumerGroupMetadata>)>,
+    pub(crate) committing: &'a mut Option<std::thread::JoinHandle<Result<()>>>,
     /// To create a new producer.
     pub(crate) config: &'a crate::config::Config,
     /// Commits offsets (at_least_once) and fetches committed ones.
@@ -339,32 +297,33 @@ impl CommitLog for KafkaLog<'_> {
             .map_err(|e| self.fenced_or(e))
     }
 
-    /// Takes the offsets and the group metadata now (refused at once without a group);
-    /// they are added to the transaction on the thread of its commit, right before it
-    /// ([`CommitLog::start_commit_transaction`]), so the run loop does not wait for the
-    /// group coordinator. A failure to add them comes from
-    /// [`CommitLog::transaction_committed`] as it would have from here: the transaction
-    /// was not committed.
     fn send_offsets(&mut self, offsets: &[(i32, i64)]) -> Result<()> {
         let tpl = self.offsets(offsets)?;
         let cgm = self.group_meta.ok_or_else(|| {
             Error::Broker("the consumer has no group metadata (not in a group)".into())
         })?;
-        self.offsets = Some((tpl, std::sync::Arc::clone(cgm)));
-        Ok(())
+        // On a thread of its own, so that a call that never returns cannot hang the
+        // instance: past SEND_OFFSETS_DEADLINE the producer is re-created (the unknown
+        // outcome's path: its initialisation fences the stuck one and aborts the open
+        // transaction); the stuck thread keeps the old producer until the call returns.
+        let cgm = std::sync::Arc::clone(cgm);
+        let producer = std::sync::Arc::clone(self.producer);
+        let call = move || producer.send_offsets_to_transaction(&tpl, &cgm);
+        let what = "send_offsets_to_transaction";
+        match call_with_deadline(what, &STUCK_SEND_OFFSETS, SEND_OFFSETS_DEADLINE, call)? {
+            Some(r) => r.map_err(|e| self.fenced_or(e)),
+            None => Err(Error::TransactionOutcomeUnknown(format!(
+                "send_offsets_to_transaction did not return within {} s",
+                SEND_OFFSETS_DEADLINE.as_secs()
+            ))),
+        }
     }
 
     fn start_commit_transaction(&mut self) -> Result<()> {
         let producer = std::sync::Arc::clone(self.producer);
-        let offsets = self.offsets.take();
         let thread = std::thread::Builder::new()
             .name("onceflow-txn-commit".into())
-            .spawn(move || {
-                if let Some((tpl, cgm)) = offsets {
-                    add_offsets(&producer, tpl, cgm).map_err(TxnFailure::Offsets)?;
-                }
-                producer.commit_transaction().map_err(TxnFailure::Commit)
-            })
+            .spawn(move || producer.commit_transaction())
             .map_err(|e| Error::Broker(format!("cannot start the transaction's commit: {e}")))?;
         *self.committing = Some(thread);
         Ok(())
@@ -375,15 +334,13 @@ impl CommitLog for KafkaLog<'_> {
             return Ok(self.committing.is_none());
         };
         let result = thread.join().unwrap_or_else(|_| {
-            Err(TxnFailure::Commit(Error::TransactionOutcomeUnknown(
+            Err(Error::TransactionOutcomeUnknown(
                 "the transaction's commit thread panicked".into(),
-            )))
+            ))
         });
-        match result {
-            Ok(()) => Ok(true),
-            Err(TxnFailure::Offsets(e)) => Err(self.fenced_or(e)),
-            Err(TxnFailure::Commit(e)) => Err(unknown_unless_known(self.fenced_or(e), true)),
-        }
+        result
+            .map(|()| true)
+            .map_err(|e| unknown_unless_known(self.fenced_or(e), true))
     }
 
     fn abort_transaction(&mut self) -> Result<()> {
