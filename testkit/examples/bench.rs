@@ -21,8 +21,8 @@
 //!    thread (`ThreadCpu`: the main thread, librdkafka's, the delivery reports', the state
 //!    writer's), and how long the main thread waited for a core while runnable (the
 //!    kernel's `schedstat`: on a machine whose cores are all busy, a loop is slowed by
-//!    the other threads as much as by its own work). With `ONCEFLOW_BENCH_BROKER_PID` (a local broker's process;
-//!    `scripts/bench` sets it) also the broker's CPU µs per record over each side's run:
+//!    the other threads as much as by its own work). With `ONCEFLOW_BENCH_BROKER_PID` (a
+//!    local broker's process; `scripts/bench` sets it) also the broker's CPU µs per record over each side's run:
 //!    both share the machine.
 //! 3. Without a broker, over the same N pre-built records, with the sled backend (written
 //!    behind, as `App::run` does) and with the memory backend, committing state every
@@ -294,16 +294,15 @@ struct ThreadCpu {
     seen: Arc<Mutex<BTreeMap<u32, (String, u64)>>>,
     stop: Arc<AtomicBool>,
     sampler: Option<std::thread::JoinHandle<()>>,
-    /// The main thread's scheduler times when sampling started.
-    started: Option<(u64, u64)>,
+    /// The main thread's wait for a core ([`run_queue_ns`]) when sampling started.
+    started: Option<u64>,
 }
 
-/// A thread's time on a core and waiting on a run queue for one, in nanoseconds (the first
-/// two fields of `/proc/<pid>/task/<tid>/schedstat`), when the kernel keeps them.
-fn sched_times(tid: u32) -> Option<(u64, u64)> {
+/// How long a thread of this process has waited on a run queue for a core, in nanoseconds
+/// (the second field of `/proc/self/task/<tid>/schedstat`), when the kernel keeps it.
+fn run_queue_ns(tid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().ok());
-    Some((f.next()??, f.next()??))
+    s.split_whitespace().nth(1)?.parse().ok()
 }
 
 impl ThreadCpu {
@@ -324,7 +323,7 @@ impl ThreadCpu {
             seen,
             stop,
             sampler,
-            started: sched_times(std::process::id()),
+            started: run_queue_ns(std::process::id()),
         }
     }
 
@@ -383,10 +382,8 @@ impl ThreadCpu {
             .collect();
         let main = self
             .started
-            .zip(sched_times(pid))
-            .map(|((_, w0), (_, w1))| {
-                format!(" main_waited={:.3}", w1.saturating_sub(w0) as f64 / 1e9)
-            })
+            .zip(run_queue_ns(pid))
+            .map(|(w0, w1)| format!(" main_waited={:.3}", w1.saturating_sub(w0) as f64 / 1e9))
             .unwrap_or_default();
         format!(" threads={}{main}", kinds.join(","))
     }
