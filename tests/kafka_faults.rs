@@ -72,6 +72,8 @@ struct Target<'a> {
     http: String,
     /// The instance's log so far.
     log: std::sync::Arc<std::sync::Mutex<String>>,
+    /// The instance's process id.
+    pid: u32,
 }
 
 impl Target<'_> {
@@ -216,6 +218,7 @@ impl Scenario {
             broker,
             http,
             log: run.stderr.clone(),
+            pid: run.child.id(),
         });
         let mut restarts = 0;
         let mut log = String::new();
@@ -430,7 +433,10 @@ fn broker_away_for(
                 None if t.log.lock().unwrap().contains("a broker answers again") => return Ok(()),
                 None => return Err("the process went away after the outage".into()),
                 _ if Instant::now() > deadline => {
-                    return Err("/ready did not come back after the outage".into())
+                    return Err(format!(
+                        "/ready did not come back after the outage; {}",
+                        thread_stacks(t.pid)
+                    ))
                 }
                 _ => std::thread::sleep(Duration::from_millis(100)),
             }

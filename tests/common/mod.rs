@@ -170,9 +170,10 @@ impl Running {
                 return (st, out);
             }
             if Instant::now() > deadline {
+                let stacks = thread_stacks(self.child.id());
                 let _ = self.child.kill();
                 panic!(
-                    "onceflow did not exit within {timeout:?}; log:\n{}",
+                    "onceflow did not exit within {timeout:?}; log:\n{}\n{stacks}",
                     self.stderr.lock().unwrap()
                 );
             }
@@ -186,6 +187,28 @@ impl Running {
         unsafe {
             libc::kill(self.child.id() as i32, sig);
         }
+    }
+}
+
+/// Every thread's stack of process `pid`, from gdb (when installed), for the message of a
+/// test that found the process hung; a line saying why when there are none.
+pub fn thread_stacks(pid: u32) -> String {
+    let out = Command::new("timeout")
+        .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "set pagination off", "-ex", "thread apply all bt 40"])
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => format!(
+            "thread stacks of pid {pid} (gdb):\n{}",
+            String::from_utf8_lossy(&o.stdout)
+        ),
+        Ok(o) => format!(
+            "no thread stacks of pid {pid}: gdb exited {:?}: {}",
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => format!("no thread stacks of pid {pid}: cannot run gdb: {e}"),
     }
 }
 
