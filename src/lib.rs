@@ -139,6 +139,73 @@ pub(crate) fn limit_huge_pages() -> bool {
     }
 }
 
+/// How long onceflow's allocator keeps memory freed by the process before handing it back
+/// to the kernel, in milliseconds: mimalloc's `purge_delay`, whose default in mimalloc v3
+/// is 1,000. A run loop frees much of what it allocates within a commit or two (a
+/// commit's staged marks, the source's batches, librdkafka's produced messages), so with
+/// a second's delay the resident set holds about a second's worth of freed pages: at
+/// 100 ms the onceflow side of `scripts/bench` peaked at a median 176 MiB against 210
+/// with 1,000 ms, at the same throughput (8 pairs, see docs/benchmarks.md).
+pub(crate) const PURGE_DELAY_MS: i64 = 100;
+
+/// mimalloc v3's `mi_option_purge_delay`: its place in `mi_option_e` (the Rust bindings do
+/// not name it); `allocator_tests` checks it against the option's default.
+#[cfg(feature = "mimalloc")]
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+#[cfg(feature = "mimalloc")]
+extern "C" {
+    fn mi_option_get(option: std::ffi::c_int) -> std::ffi::c_long;
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+
+/// Set the allocator's purge delay to [`PURGE_DELAY_MS`], as [`App::run`] does at start
+/// with the `mimalloc` feature. Nothing is changed when the environment sets
+/// `MIMALLOC_PURGE_DELAY` (mimalloc's own switch, read when the process starts), or
+/// without the feature. Returns the delay in force, in milliseconds (`None` without the
+/// feature).
+pub(crate) fn limit_retained_memory() -> Option<i64> {
+    #[cfg(feature = "mimalloc")]
+    {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            // SAFETY: mimalloc's option setter takes an option number and a value, no
+            // pointers; options may be set at any time.
+            unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS as _) };
+        }
+        // SAFETY: as above, a getter.
+        Some(i64::from(unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) }))
+    }
+    #[cfg(not(feature = "mimalloc"))]
+    {
+        None
+    }
+}
+
+#[cfg(all(test, feature = "mimalloc"))]
+mod purge_delay_tests {
+    #[test]
+    fn the_purge_delay_option_is_mimallocs_and_is_set() {
+        // Option 15 must be the purge delay: mimalloc v3's default for it is 1,000 ms (no
+        // neighbour has that default); or ours, when another test set it first.
+        // SAFETY: as in `limit_retained_memory`.
+        let before = unsafe { super::mi_option_get(super::MI_OPTION_PURGE_DELAY) };
+        match std::env::var("MIMALLOC_PURGE_DELAY") {
+            Ok(v) => {
+                assert_eq!(before.to_string(), v, "the environment's delay");
+                assert_eq!(super::limit_retained_memory(), Some(i64::from(before)));
+            }
+            Err(_) => {
+                assert!(
+                    before == 1000 || i64::from(before) == super::PURGE_DELAY_MS,
+                    "option {} is not mimalloc's purge delay: {before}",
+                    super::MI_OPTION_PURGE_DELAY
+                );
+                assert_eq!(super::limit_retained_memory(), Some(super::PURGE_DELAY_MS));
+            }
+        }
+    }
+}
+
 #[cfg(all(test, feature = "mimalloc", target_os = "linux"))]
 mod allocator_tests {
     #[test]

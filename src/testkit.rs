@@ -40,6 +40,12 @@ pub fn limit_huge_pages() -> bool {
     crate::limit_huge_pages()
 }
 
+/// As `App::run` does at start: the allocator's purge delay for this process (see
+/// `crate::limit_retained_memory`; not inherited by children, which call it themselves).
+pub fn limit_retained_memory() -> Option<i64> {
+    crate::limit_retained_memory()
+}
+
 /// Name of the changelog topic of `store` in application `app`.
 pub fn changelog_topic(app: &str, store: &str) -> String {
     crate::state::restore::changelog_topic(app, store)

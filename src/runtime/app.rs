@@ -613,7 +613,9 @@ impl App {
     /// Run until shutdown is requested (or, with `stop_at_end`, the input is exhausted).
     ///
     /// With the `mimalloc` feature on Linux it first turns transparent huge pages off for
-    /// the process, unless `MIMALLOC_ALLOW_THP` is set (see the README, Configuration).
+    /// the process, unless `MIMALLOC_ALLOW_THP` is set, and sets the allocator's purge
+    /// delay to 100 ms, unless `MIMALLOC_PURGE_DELAY` is set (see the README,
+    /// Configuration).
     ///
     /// # Errors
     /// Start-up errors (state dir locked, source topic missing, changelog partition count
@@ -633,6 +635,9 @@ impl App {
     ) -> Result<RunSummary> {
         if crate::limit_huge_pages() {
             tracing::debug!("transparent huge pages off for this process");
+        }
+        if let Some(ms) = crate::limit_retained_memory() {
+            tracing::debug!(ms, "allocator purge delay");
         }
         let result = self.run_inner(opts, status.clone());
         if let Some(s) = status {

@@ -1167,9 +1167,11 @@ fn run_repartition(s: &Settings, created: &mut Created) -> Res<()> {
 
 fn main() -> ExitCode {
     support::init_logging();
-    // Both sides and the dedup tasks run as onceflow's `App::run` does (inherited by the
-    // children): transparent huge pages off.
+    // Both sides and the dedup tasks run as onceflow's `App::run` does: transparent huge
+    // pages off (inherited by the children) and the allocator's purge delay (each child
+    // is this program again and sets it here).
     onceflow::__testkit::limit_huge_pages();
+    onceflow::__testkit::limit_retained_memory();
     let s = match Settings::from_env(1_000_000) {
         Ok(s) => s,
         Err(e) => {
