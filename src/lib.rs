@@ -164,6 +164,8 @@ extern "C" {
 /// `MIMALLOC_PURGE_DELAY` (mimalloc's own switch, read when the process starts), or
 /// without the feature. Returns the delay in force, in milliseconds (`None` without the
 /// feature).
+// `c_long` is `i64` here but not on every platform.
+#[allow(clippy::useless_conversion)]
 pub(crate) fn limit_retained_memory() -> Option<i64> {
     #[cfg(feature = "mimalloc")]
     {
@@ -182,6 +184,7 @@ pub(crate) fn limit_retained_memory() -> Option<i64> {
 }
 
 #[cfg(all(test, feature = "mimalloc"))]
+#[allow(clippy::useless_conversion)]
 mod purge_delay_tests {
     #[test]
     fn the_purge_delay_option_is_mimallocs_and_is_set() {
