@@ -141,6 +141,34 @@ impl TopicHandles {
     }
 }
 
+/// The `message.timeout.ms` in force in `producer` (after librdkafka's own adjustments,
+/// e.g. to `transaction.timeout.ms`), `None` when it cannot be read.
+fn message_timeout_ms(producer: &ThreadedProducer<DeliveryTracker>) -> Option<u64> {
+    let mut buf = [0u8; 32];
+    let mut size = buf.len();
+    // SAFETY: the client is alive; `rd_kafka_conf` returns its configuration, owned by the
+    // client and read only here; `rd_kafka_conf_get` writes at most `size` bytes (a
+    // NUL-terminated string) into `buf` and sets `size` to the length it needed.
+    let res = unsafe {
+        let conf = rdkafka::bindings::rd_kafka_conf(producer.client().native_ptr());
+        rdkafka::bindings::rd_kafka_conf_get(
+            conf,
+            c"message.timeout.ms".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            &mut size,
+        )
+    };
+    if res != rdkafka::bindings::rd_kafka_conf_res_t::RD_KAFKA_CONF_OK {
+        return None;
+    }
+    std::ffi::CStr::from_bytes_until_nul(&buf)
+        .ok()?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// The error of a record librdkafka refused to queue.
 fn produce_error(code: RDKafkaErrorCode) -> Error {
     Error::Kafka {
@@ -221,6 +249,24 @@ pub(crate) struct OutputProducer {
     epoch: AtomicU64,
     /// [`crate::kafka::link::outages`] when the open transaction began.
     txn_outages: AtomicU64,
+    /// How long a wait for delivery reports may take (see [`OutputProducer::ack_timeout`]).
+    ack_timeout: Duration,
+}
+
+/// What a wait for delivery reports allows beyond the producer's `message.timeout.ms`
+/// (see [`OutputProducer::ack_timeout`]).
+const ACK_MARGIN: Duration = Duration::from_secs(30);
+
+/// The wait for delivery reports when `message.timeout.ms` is 0 (no limit) or unreadable.
+const ACK_TIMEOUT_UNLIMITED: Duration = Duration::from_secs(600);
+
+/// The wait for delivery reports allowed by a producer whose `message.timeout.ms` is
+/// `message_timeout_ms` (see [`OutputProducer::ack_timeout`]).
+fn ack_timeout_for(message_timeout_ms: Option<u64>) -> Duration {
+    match message_timeout_ms {
+        Some(ms) if ms > 0 => Duration::from_millis(ms) + ACK_MARGIN,
+        _ => ACK_TIMEOUT_UNLIMITED,
+    }
 }
 
 impl OutputProducer {
@@ -255,12 +301,26 @@ impl OutputProducer {
                 link: super::link::register(super::link::Client::Output),
             })
             .map_err(crate::kafka::config_error)?;
+        let ack_timeout = ack_timeout_for(message_timeout_ms(&producer));
         Ok(OutputProducer {
             topics: TopicHandles::default(),
             producer,
             epoch: AtomicU64::new(0),
             txn_outages: AtomicU64::new(0),
+            ack_timeout,
         })
+    }
+
+    /// How long a commit may wait for its records' delivery reports before it fails: the
+    /// producer's `message.timeout.ms` in force (librdkafka's default 300 s; under
+    /// exactly_once_v2 `transaction.timeout.ms`, 60 s, unless set) plus 30 s, or 600 s
+    /// when it is 0 (no limit). librdkafka reports every record within its message
+    /// timeout, delivered or failed; a report still missing past that is a client stuck
+    /// (seen once after a frozen broker came back, the partitions' leader briefly
+    /// unknown), and failing the commit then lets a restart resume from the last commit
+    /// instead of waiting on.
+    pub(crate) fn ack_timeout(&self) -> Duration {
+        self.ack_timeout
     }
 
     /// Queue `rec` for delivery, waiting while librdkafka's queue is full.
@@ -646,5 +706,48 @@ impl OutputProducer {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
         }
+    }
+}
+
+#[cfg(test)]
+mod ack_timeout_tests {
+    use super::*;
+
+    /// The producer `sets` give (no broker is contacted), and its wait for delivery reports.
+    fn ack_timeout_with(sets: &[(&str, &str)]) -> Duration {
+        let sets: Vec<(String, String)> = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .chain([("bootstrap.servers".into(), "127.0.0.1:1".into())])
+            .collect();
+        let cfg = Config::load_with_env(&[], &sets, Vec::new()).unwrap();
+        OutputProducer::new(&cfg).unwrap().ack_timeout()
+    }
+
+    #[test]
+    fn a_commit_waits_for_delivery_reports_the_message_timeout_in_force_and_a_margin() {
+        // librdkafka's default message timeout, 300 s.
+        assert_eq!(ack_timeout_with(&[]), Duration::from_secs(330));
+        assert_eq!(
+            ack_timeout_with(&[("kafka.producer.message.timeout.ms", "40000")]),
+            Duration::from_secs(70)
+        );
+        // Transactional: librdkafka lowers it to transaction.timeout.ms (60 s by default).
+        assert_eq!(
+            ack_timeout_with(&[("processing.guarantee", "exactly_once_v2")]),
+            Duration::from_secs(90)
+        );
+        assert_eq!(
+            ack_timeout_with(&[
+                ("processing.guarantee", "exactly_once_v2"),
+                ("kafka.producer.transaction.timeout.ms", "10000"),
+            ]),
+            Duration::from_secs(40)
+        );
+        // 0: no limit in librdkafka; the wait keeps its own bound.
+        assert_eq!(
+            ack_timeout_with(&[("kafka.producer.message.timeout.ms", "0")]),
+            ACK_TIMEOUT_UNLIMITED
+        );
     }
 }

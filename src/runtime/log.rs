@@ -13,9 +13,6 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
-/// How long a commit waits for acknowledgements before it fails.
-const ACK_TIMEOUT: Duration = Duration::from_secs(600);
-
 /// How long `send_offsets_to_transaction` may take before the transaction's outcome counts
 /// as unknown: the call's own timeout ([`OutputProducer::send_offsets_to_transaction`],
 /// 60 s) and a margin. librdkafka does not always keep that timeout: with the group
@@ -279,11 +276,13 @@ impl CommitLog for KafkaLog<'_> {
     }
 
     fn outputs_acked(&mut self, epoch: u64, wait: bool) -> Result<bool> {
-        self.producer.epoch_acked(epoch, wait, ACK_TIMEOUT)
+        let timeout = self.producer.ack_timeout();
+        self.producer.epoch_acked(epoch, wait, timeout)
     }
 
     fn changelog_acked(&mut self, wait: bool) -> Result<bool> {
-        self.producer.changelog_acked(wait, ACK_TIMEOUT)
+        let timeout = self.producer.ack_timeout();
+        self.producer.changelog_acked(wait, timeout)
     }
 
     fn changelog_end(&self, store: &str, partition: i32) -> Option<i64> {
