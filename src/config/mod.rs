@@ -561,6 +561,18 @@ pub(crate) fn parse_set(s: &str) -> Result<(String, String)> {
     }
 }
 
+/// For unit tests: the configuration of `--set` pairs alone (no files, no environment).
+#[cfg(test)]
+impl Config {
+    pub(crate) fn from_sets(sets: &[(&str, &str)]) -> Config {
+        let sets: Vec<(String, String)> = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::load_with_env(&[], &sets, std::iter::empty()).unwrap()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

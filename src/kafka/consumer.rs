@@ -318,11 +318,7 @@ mod restore_consumer_tests {
     use super::*;
 
     fn load(sets: &[(&str, &str)]) -> Config {
-        let sets: Vec<(String, String)> = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::load_with_env(&[], &sets, std::iter::empty()).unwrap()
+        Config::from_sets(sets)
     }
 
     #[test]

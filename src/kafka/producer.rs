@@ -715,13 +715,11 @@ mod ack_timeout_tests {
 
     /// The producer `sets` give (no broker is contacted), and its wait for delivery reports.
     fn ack_timeout_with(sets: &[(&str, &str)]) -> Duration {
-        let sets: Vec<(String, String)> = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .chain([("bootstrap.servers".into(), "127.0.0.1:1".into())])
-            .collect();
-        let cfg = Config::load_with_env(&[], &sets, Vec::new()).unwrap();
-        OutputProducer::new(&cfg).unwrap().ack_timeout()
+        let mut sets = sets.to_vec();
+        sets.push(("bootstrap.servers", "127.0.0.1:1"));
+        OutputProducer::new(&Config::from_sets(&sets))
+            .unwrap()
+            .ack_timeout()
     }
 
     #[test]
