@@ -438,7 +438,7 @@ fn broker_away_for(
                 // A scenario that allows an exit (the records' delivery timed out before the
                 // broker answered again, e.g. on a loaded machine): the restart must
                 // complete the work, which the scenario checks.
-                None if !t.stays_up => return Ok(()),
+                None if !t.stays_up && exited(t.pid) => return Ok(()),
                 None => return Err("the process went away after the outage".into()),
                 _ if Instant::now() > deadline => {
                     return Err(format!(
@@ -449,6 +449,17 @@ fn broker_away_for(
                 _ => std::thread::sleep(Duration::from_millis(100)),
             }
         }
+    }
+}
+
+/// Whether process `pid` (a child not yet waited for) has exited: it is gone or a zombie.
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which ends at the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
     }
 }
 

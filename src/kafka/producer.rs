@@ -311,14 +311,13 @@ impl OutputProducer {
         })
     }
 
-    /// How long a commit may wait for its records' delivery reports before it fails: the
-    /// producer's `message.timeout.ms` in force (librdkafka's default 300 s; under
-    /// exactly_once_v2 `transaction.timeout.ms`, 60 s, unless set) plus 30 s, or 600 s
-    /// when it is 0 (no limit). librdkafka reports every record within its message
-    /// timeout, delivered or failed; a report still missing past that is a client stuck
-    /// (seen once after a frozen broker came back, the partitions' leader briefly
-    /// unknown), and failing the commit then lets a restart resume from the last commit
-    /// instead of waiting on.
+    /// How long an at_least_once commit may wait for its records' delivery reports before
+    /// it fails: the producer's `message.timeout.ms` in force (librdkafka's default 300 s)
+    /// plus 30 s, or 600 s when it is 0 (no limit). librdkafka reports every record within
+    /// its message timeout, delivered or failed; a report still missing past that is a
+    /// client stuck, and failing the commit then lets a restart resume from the last
+    /// commit instead of waiting on. (An exactly_once_v2 commit waits in librdkafka's
+    /// `commit_transaction`, bounded by its own timeout.)
     pub(crate) fn ack_timeout(&self) -> Duration {
         self.ack_timeout
     }
@@ -730,17 +729,10 @@ mod ack_timeout_tests {
             ack_timeout_with(&[("kafka.producer.message.timeout.ms", "40000")]),
             Duration::from_secs(70)
         );
-        // Transactional: librdkafka lowers it to transaction.timeout.ms (60 s by default).
+        // The alias librdkafka also takes.
         assert_eq!(
-            ack_timeout_with(&[("processing.guarantee", "exactly_once_v2")]),
-            Duration::from_secs(90)
-        );
-        assert_eq!(
-            ack_timeout_with(&[
-                ("processing.guarantee", "exactly_once_v2"),
-                ("kafka.producer.transaction.timeout.ms", "10000"),
-            ]),
-            Duration::from_secs(40)
+            ack_timeout_with(&[("kafka.producer.delivery.timeout.ms", "5000")]),
+            Duration::from_secs(35)
         );
         // 0: no limit in librdkafka; the wait keeps its own bound.
         assert_eq!(

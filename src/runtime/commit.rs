@@ -105,7 +105,7 @@ use crate::processor::OutRecord;
 use crate::runtime::Task;
 use crate::state::restore::ChangelogWrite;
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[cfg(doc)]
 use crate::TestDriver;
@@ -260,6 +260,15 @@ pub(crate) trait CommitLog {
     /// # Errors
     /// As [`CommitLog::outputs_acked`].
     fn changelog_acked(&mut self, wait: bool) -> Result<bool>;
+
+    /// How long an at_least_once commit may stay in flight, sealed, before its next step
+    /// waits for its acknowledgements (and so fails when the log's own bound on that wait
+    /// passes) instead of checking and moving on; `None` (the default): never overdue.
+    /// Without it, a commit whose reports never come would stay in flight for good while
+    /// fewer than [`MAX_IN_FLIGHT`] are.
+    fn ack_timeout(&self) -> Option<Duration> {
+        None
+    }
 
     /// The changelog offset after the last acknowledged (or committed) record of `store`'s
     /// `partition`: what the store checkpoints; `None` when nothing was written.
@@ -842,6 +851,11 @@ impl Protocol {
         let Some(head) = self.pipeline.front_mut() else {
             return Ok(Progress::Idle);
         };
+        // Overdue: wait (the log's wait is bounded) rather than check again for good.
+        let wait = wait
+            || log
+                .ack_timeout()
+                .is_some_and(|t| head.sealed_at.elapsed() >= t);
         if !head.changelog_sent {
             // 4. Outputs durable; then the changelog, as state may not run ahead of them.
             if !log.outputs_acked(head.epoch, wait)? {

@@ -280,6 +280,10 @@ impl CommitLog for KafkaLog<'_> {
         self.producer.epoch_acked(epoch, wait, timeout)
     }
 
+    fn ack_timeout(&self) -> Option<Duration> {
+        Some(self.producer.ack_timeout())
+    }
+
     fn changelog_acked(&mut self, wait: bool) -> Result<bool> {
         let timeout = self.producer.ack_timeout();
         self.producer.changelog_acked(wait, timeout)

@@ -34,6 +34,8 @@ pub(super) struct MemoryLog {
     pub(super) refuse_recreation: Option<String>,
     /// A transaction's commit was started and has not ended.
     pub(super) committing: bool,
+    /// [`CommitLog::ack_timeout`] (`None`: never overdue).
+    pub(super) ack_timeout: Option<std::time::Duration>,
 }
 
 impl MemoryLog {
@@ -85,6 +87,10 @@ impl CommitLog for MemoryLog {
         }
         self.land_outputs(epoch);
         Ok(true)
+    }
+
+    fn ack_timeout(&self) -> Option<std::time::Duration> {
+        self.ack_timeout
     }
 
     fn changelog_acked(&mut self, wait: bool) -> Result<bool> {

@@ -97,3 +97,38 @@ fn an_abort_forgets_the_stream_time_of_the_records_it_drops() {
         .count();
     assert_eq!(xs, 1, "x came out {xs} times: {:?}", d.output_values("out"));
 }
+
+/// at_least_once: a commit in flight past the log's `ack_timeout` is waited for at its
+/// next step (where the runtime's wait is bounded and fails), not checked and left in
+/// flight for good while fewer than `MAX_IN_FLIGHT` are.
+#[test]
+fn an_overdue_commit_in_flight_is_waited_for() {
+    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
+    spec.partitioning = Some(Partitioning::Source);
+    let t = TopologyBuilder::new("t")
+        .source("in", Format::Json)
+        .dedup("dedup", spec)
+        .sink("out", "out")
+        .build()
+        .unwrap();
+    let mut d = TestDriver::new(t)
+        .guarantee(Guarantee::AtLeastOnce)
+        .auto_commit(false)
+        .pipelined(true);
+    for id in ["a", "b"] {
+        d.pipe(ev(id, 1)).unwrap();
+    }
+    d.commit().unwrap();
+    assert_eq!(d.in_flight_commits(), 1);
+    // Not overdue: a step only checks, and the acknowledgements are held.
+    let outcome = d.protocol.advance(&mut d.log, &mut d.tasks).unwrap();
+    d.settle(outcome).unwrap();
+    assert_eq!(d.in_flight_commits(), 1);
+    assert!(d.output("out").is_empty());
+    // Overdue: the step waits, and the commit completes.
+    d.log.ack_timeout = Some(std::time::Duration::ZERO);
+    let outcome = d.protocol.advance(&mut d.log, &mut d.tasks).unwrap();
+    d.settle(outcome).unwrap();
+    assert_eq!(d.in_flight_commits(), 0);
+    assert_eq!(d.output("out").len(), 2);
+}
