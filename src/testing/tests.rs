@@ -10,6 +10,11 @@ use crate::{DedupSpec, Format, KeySource, Partitioning, TopologyBuilder};
 /// An exactly_once_v2 driver of dedup on `/id` (TTL `ttl_ms`, grace `grace_ms`) into
 /// topic `out`, committing only when told.
 fn eos_driver(ttl_ms: i64, grace_ms: i64) -> TestDriver {
+    driver(Guarantee::ExactlyOnceV2, ttl_ms, grace_ms)
+}
+
+/// As [`eos_driver`], under `guarantee`.
+fn driver(guarantee: Guarantee, ttl_ms: i64, grace_ms: i64) -> TestDriver {
     let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
     spec.ttl_ms = ttl_ms;
     spec.grace_ms = grace_ms;
@@ -20,9 +25,7 @@ fn eos_driver(ttl_ms: i64, grace_ms: i64) -> TestDriver {
         .sink("out", "out")
         .build()
         .unwrap();
-    TestDriver::new(t)
-        .guarantee(Guarantee::ExactlyOnceV2)
-        .auto_commit(false)
+    TestDriver::new(t).guarantee(guarantee).auto_commit(false)
 }
 
 fn ev(id: &str, t: i64) -> TestRecord {
@@ -103,18 +106,7 @@ fn an_abort_forgets_the_stream_time_of_the_records_it_drops() {
 /// flight for good while fewer than `MAX_IN_FLIGHT` are.
 #[test]
 fn an_overdue_commit_in_flight_is_waited_for() {
-    let mut spec = DedupSpec::new(KeySource::JsonPointer("/id".into()));
-    spec.partitioning = Some(Partitioning::Source);
-    let t = TopologyBuilder::new("t")
-        .source("in", Format::Json)
-        .dedup("dedup", spec)
-        .sink("out", "out")
-        .build()
-        .unwrap();
-    let mut d = TestDriver::new(t)
-        .guarantee(Guarantee::AtLeastOnce)
-        .auto_commit(false)
-        .pipelined(true);
+    let mut d = driver(Guarantee::AtLeastOnce, 600_000, 3_600_000).pipelined(true);
     for id in ["a", "b"] {
         d.pipe(ev(id, 1)).unwrap();
     }
