@@ -149,7 +149,7 @@ pub(crate) fn limit_huge_pages() -> bool {
 pub(crate) const PURGE_DELAY_MS: i64 = 100;
 
 /// mimalloc v3's `mi_option_purge_delay`: its place in `mi_option_e` (the Rust bindings do
-/// not name it); `allocator_tests` checks it against the option's default.
+/// not name it); `purge_delay_tests` checks it against the option's default.
 #[cfg(feature = "mimalloc")]
 const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
 
@@ -162,8 +162,8 @@ extern "C" {
 /// Set the allocator's purge delay to [`PURGE_DELAY_MS`], as [`App::run`] does at start
 /// with the `mimalloc` feature. Nothing is changed when the environment sets
 /// `MIMALLOC_PURGE_DELAY` (mimalloc's own switch, read when the process starts; any case,
-/// or its old name `MIMALLOC_RESET_DELAY`), or without the feature. Returns the delay in force, in milliseconds (`None` without the
-/// feature).
+/// or its old name `MIMALLOC_RESET_DELAY`), or without the feature. Returns the delay in
+/// force, in milliseconds (`None` without the feature).
 // `c_long` is `i64` here but not on every platform.
 #[allow(clippy::useless_conversion)]
 pub(crate) fn limit_retained_memory() -> Option<i64> {
