@@ -15,6 +15,8 @@ pub(super) struct Staged {
     // ahash: keys come from the input, so a keyed hash, but faster than SipHash.
     hash: ahash::RandomState,
     pub(super) ops: Vec<(Bytes, Option<Bytes>)>,
+    /// The write number of each op's value (see [`StagedStore::stage_for`]), by position.
+    writes: Vec<u32>,
 }
 
 impl Staged {
@@ -23,6 +25,7 @@ impl Staged {
             index: hashbrown::HashTable::with_capacity(n),
             hash: ahash::RandomState::new(),
             ops: Vec::with_capacity(n),
+            writes: Vec::with_capacity(n),
         }
     }
 
@@ -38,18 +41,34 @@ impl Staged {
         self.find(key).map(|i| &self.ops[i].1)
     }
 
-    pub(super) fn get_mut(&mut self, key: &[u8]) -> Option<&mut Option<Bytes>> {
-        self.find(key).map(|i| &mut self.ops[i].1)
+    /// Give the op at position `i` the value of write number `write`; returns the value
+    /// and write number it held.
+    pub(super) fn set(
+        &mut self,
+        i: usize,
+        value: Option<Bytes>,
+        write: u32,
+    ) -> (Option<Bytes>, u32) {
+        let old = std::mem::replace(&mut self.ops[i].1, value);
+        (old, std::mem::replace(&mut self.writes[i], write))
     }
 
-    /// Add the op of a key not in the batch.
-    pub(super) fn insert_new(&mut self, key: Bytes, value: Option<Bytes>) {
+    /// The write number of the op at position `i`, if there is one.
+    pub(super) fn write_at(&self, i: usize) -> Option<u32> {
+        self.writes.get(i).copied()
+    }
+
+    /// Add the op of a key not in the batch, the value of write number `write`; returns
+    /// its position.
+    pub(super) fn insert_new(&mut self, key: Bytes, value: Option<Bytes>, write: u32) -> usize {
         let (ops, hash) = (&self.ops, &self.hash);
-        self.index
-            .insert_unique(hash.hash_one(&key[..]), ops.len(), |&i| {
-                hash.hash_one(&ops[i].0[..])
-            });
+        let at = ops.len();
+        self.index.insert_unique(hash.hash_one(&key[..]), at, |&i| {
+            hash.hash_one(&ops[i].0[..])
+        });
         self.ops.push((key, value));
+        self.writes.push(write);
+        at
     }
 
     pub(super) fn len(&self) -> usize {
@@ -58,17 +77,26 @@ impl Staged {
 
     /// Take `key` out of the batch (its op is replaced by the last one: keys are unique
     /// in a batch, so their order carries no meaning).
+    #[cfg(test)]
     pub(super) fn remove(&mut self, key: &[u8]) {
+        if let Some(i) = self.find(key) {
+            self.remove_at(i);
+        }
+    }
+
+    /// Take the op at position `i` out of the batch: the last op moves to `i`. Returns the
+    /// position the moved op had.
+    pub(super) fn remove_at(&mut self, i: usize) -> usize {
         let ops = &self.ops;
-        let Ok(entry) = self
+        if let Ok(entry) = self
             .index
-            .find_entry(self.hash.hash_one(key), |&i| ops[i].0[..] == *key)
-        else {
-            return;
-        };
-        let (i, _) = entry.remove();
+            .find_entry(self.hash.hash_one(&ops[i].0[..]), |&j| j == i)
+        {
+            entry.remove();
+        }
         let last = self.ops.len() - 1;
         self.ops.swap_remove(i);
+        self.writes.swap_remove(i);
         if i < last {
             // The last op moved to `i`: point its key there.
             let ops = &self.ops;
@@ -79,11 +107,13 @@ impl Staged {
                 *slot = i;
             }
         }
+        last
     }
 
     pub(super) fn clear(&mut self) {
         self.index.clear();
         self.ops.clear();
+        self.writes.clear();
     }
 }
 
@@ -93,11 +123,14 @@ impl Staged {
 pub(super) struct Owned {
     /// Source offset of the record the write stands for.
     pub(super) owner: i64,
-    pub(super) key: Bytes,
-    /// The value staged.
-    pub(super) written: Option<Bytes>,
-    /// What the batch held for the key before: `None` if nothing was staged for it.
-    pub(super) before: Option<Option<Bytes>>,
+    /// Position of the key's op in the open batch.
+    pub(super) op: u32,
+    /// The write number of the value staged: the op still holds it while its write
+    /// number is this one (numbers are unique within a batch).
+    pub(super) write: u32,
+    /// What the batch held for the key before, with its write number: `None` if nothing
+    /// was staged for it.
+    pub(super) before: Option<(Option<Bytes>, u32)>,
 }
 
 /// A staged write taken back by [`StagedStore::withdraw`].
@@ -145,6 +178,9 @@ pub(crate) struct StagedStore {
     /// Engine values read ahead by a [`Warmer`](super::Warmer) (see
     /// [`StagedStore::warm_into`]).
     pub(super) warmed: Arc<super::Warmed>,
+    /// The number of the last staged write ([`Staged`]'s write numbers). It wraps after
+    /// 2^32 writes, far more than a batch holds (a commit waits at [`UNPERSISTED_OPS`]).
+    pub(super) last_write: u32,
 }
 
 /// Byte strings copied into shared blocks: one allocation per block instead of one per
@@ -191,6 +227,7 @@ impl StagedStore {
             sealed: std::collections::VecDeque::new(),
             spare: None,
             warmed: Arc::default(),
+            last_write: 0,
         }
     }
 
@@ -320,12 +357,19 @@ impl StagedStore {
     /// As [`StagedStore::stage`], copying `key` and `value` into the store's own buffers.
     pub(crate) fn stage_copy(&mut self, key: &[u8], value: Option<&[u8]>) {
         let value = value.map(|v| self.arena.copy(v));
-        if let Some(v) = self.pending.get_mut(key) {
-            *v = value;
-            return;
+        let write = self.next_write();
+        match self.pending.find(key) {
+            Some(i) => drop(self.pending.set(i, value, write)),
+            None => {
+                let key = self.arena.copy(key);
+                self.pending.insert_new(key, value, write);
+            }
         }
-        let key = self.arena.copy(key);
-        self.pending.insert_new(key, value);
+    }
+
+    fn next_write(&mut self) -> u32 {
+        self.last_write = self.last_write.wrapping_add(1);
+        self.last_write
     }
 
     /// As [`StagedStore::stage_copy`], for a write that stands for the source record at
@@ -333,22 +377,18 @@ impl StagedStore {
     /// it back if that record ends in the dead-letter topic.
     pub(crate) fn stage_for(&mut self, owner: i64, key: &[u8], value: Option<&[u8]>) {
         let written = value.map(|v| self.arena.copy(v));
-        let (key, before) = match self.pending.find(key) {
-            Some(i) => {
-                let op = &mut self.pending.ops[i];
-                let before = std::mem::replace(&mut op.1, written.clone());
-                (op.0.clone(), Some(before))
-            }
+        let write = self.next_write();
+        let (op, before) = match self.pending.find(key) {
+            Some(i) => (i, Some(self.pending.set(i, written, write))),
             None => {
                 let key = self.arena.copy(key);
-                self.pending.insert_new(key.clone(), written.clone());
-                (key, None)
+                (self.pending.insert_new(key, written, write), None)
             }
         };
         self.owned.push(Owned {
             owner,
-            key,
-            written,
+            op: op as u32,
+            write,
             before,
         });
     }
@@ -371,25 +411,28 @@ impl StagedStore {
                 continue;
             }
             let o = self.owned.remove(i);
-            if self.pending.get(&o.key) == Some(&o.written) {
-                match &o.before {
-                    None => self.pending.remove(&o.key),
-                    Some(v) => {
-                        if let Some(slot) = self.pending.get_mut(&o.key) {
-                            *slot = v.clone();
+            let op = o.op as usize;
+            if self.pending.write_at(op) == Some(o.write) {
+                let (key, written) = self.pending.ops[op].clone();
+                match o.before {
+                    None => {
+                        let moved = self.pending.remove_at(op);
+                        for e in self.owned.iter_mut().filter(|e| e.op as usize == moved) {
+                            e.op = o.op;
                         }
                     }
+                    Some((v, w)) => drop(self.pending.set(op, v, w)),
                 }
                 out.push(Withdrawn {
                     owner,
-                    key: o.key,
-                    written: o.written,
+                    key,
+                    written,
                 });
             } else {
                 // Replaced since: the later writes of the key now stand on what this one
                 // stood on.
                 for later in self.owned[i..].iter_mut() {
-                    if later.key == o.key && later.before.as_ref() == Some(&o.written) {
+                    if later.before.as_ref().is_some_and(|(_, w)| *w == o.write) {
                         later.before = o.before.clone();
                     }
                 }
@@ -713,9 +756,9 @@ mod tests {
                 match op {
                     0 | 1 => {
                         let value_b = value.clone().map(Bytes::from);
-                        match staged.get_mut(&key) {
-                            Some(slot) => *slot = value_b,
-                            None => staged.insert_new(Bytes::from(key.clone()), value_b),
+                        match staged.find(&key) {
+                            Some(i) => drop(staged.set(i, value_b, 0)),
+                            None => drop(staged.insert_new(Bytes::from(key.clone()), value_b, 0)),
                         }
                         model.insert(key, value);
                     }
@@ -734,6 +777,78 @@ mod tests {
                     prop_assert_eq!(staged.find(k), Some(i));
                     prop_assert_eq!(model.get(&k[..]).cloned(), Some(v.as_deref().map(<[u8]>::to_vec)));
                 }
+            }
+        }
+
+        /// Withdrawing agrees with a model that keeps each owned write's key, value and
+        /// what it replaced, and tells writes apart by value (every value written here is
+        /// unique): across owned puts, plain puts and deletes, settling and withdrawals in any order.
+        #[test]
+        fn withdrawals_match_a_model(steps in proptest::collection::vec((0u8..5, 0u8..6, 0i64..5), 0..60)) {
+            type Model = (Vec<u8>, Option<Vec<u8>>, Option<Option<Vec<u8>>>);
+            let backend = MemoryBackend::default();
+            let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
+            let mut pending: std::collections::HashMap<Vec<u8>, Option<Vec<u8>>> = Default::default();
+            let mut owned: Vec<(i64, Model)> = Vec::new();
+            for (n, (op, k, owner)) in steps.into_iter().enumerate() {
+                let key = vec![b'k', k];
+                // Unique values; every third plain write a delete (an owned write is a
+                // put: two deletes are not told apart by value).
+                let value = Some(format!("v{n}").into_bytes());
+                match op {
+                    0 | 1 => {
+                        s.stage_for(owner, &key, value.as_deref());
+                        let before = pending.insert(key.clone(), value.clone());
+                        owned.push((owner, (key, value, before)));
+                    }
+                    2 => {
+                        let value = value.filter(|_| n % 3 != 0);
+                        s.stage_copy(&key, value.as_deref());
+                        pending.insert(key, value);
+                    }
+                    3 => {
+                        s.settle();
+                        owned.clear();
+                    }
+                    _ => {
+                        let got = s.withdraw(owner);
+                        let mut want = Vec::new();
+                        let mut i = owned.len();
+                        while i > 0 {
+                            i -= 1;
+                            if owned[i].0 != owner {
+                                continue;
+                            }
+                            let (_, (key, written, before)) = owned.remove(i);
+                            if pending.get(&key) == Some(&written) {
+                                match &before {
+                                    None => drop(pending.remove(&key)),
+                                    Some(v) => drop(pending.insert(key.clone(), v.clone())),
+                                }
+                                want.push((key, written));
+                            } else {
+                                for later in owned[i..].iter_mut() {
+                                    if later.1.0 == key && later.1.2.as_ref() == Some(&written) {
+                                        later.1.2 = before.clone();
+                                    }
+                                }
+                            }
+                        }
+                        let got: Vec<(Vec<u8>, Option<Vec<u8>>)> = got
+                            .into_iter()
+                            .map(|w| (w.key.to_vec(), w.written.map(|v| v.to_vec())))
+                            .collect();
+                        prop_assert_eq!(got, want);
+                    }
+                }
+                let mut staged: Vec<(Vec<u8>, Option<Vec<u8>>)> = s
+                    .pending()
+                    .map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec)))
+                    .collect();
+                staged.sort();
+                let mut model: Vec<_> = pending.clone().into_iter().collect();
+                model.sort();
+                prop_assert_eq!(staged, model);
             }
         }
     }
