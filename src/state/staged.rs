@@ -179,7 +179,9 @@ pub(crate) struct StagedStore {
     /// [`StagedStore::warm_into`]).
     pub(super) warmed: Arc<super::Warmed>,
     /// The number of the last staged write ([`Staged`]'s write numbers). It wraps after
-    /// 2^32 writes, far more than a batch holds (a commit waits at [`UNPERSISTED_OPS`]).
+    /// 2^32 writes, far more than one open batch takes: owned writes last until the batch
+    /// is sealed or committed, which the runtime does every commit (at most 50,000 source
+    /// records apart).
     pub(super) last_write: u32,
 }
 
@@ -782,9 +784,10 @@ mod tests {
 
         /// Withdrawing agrees with a model that keeps each owned write's key, value and
         /// what it replaced, and tells writes apart by value (every value written here is
-        /// unique): across owned puts, plain puts and deletes, settling and withdrawals in any order.
+        /// unique): across owned puts, plain puts and deletes, settling, sealed, committed
+        /// and dropped batches, and withdrawals in any order.
         #[test]
-        fn withdrawals_match_a_model(steps in proptest::collection::vec((0u8..5, 0u8..6, 0i64..5), 0..60)) {
+        fn withdrawals_match_a_model(steps in proptest::collection::vec((0u8..8, 0u8..6, 0i64..5), 0..80)) {
             type Model = (Vec<u8>, Option<Vec<u8>>, Option<Option<Vec<u8>>>);
             let backend = MemoryBackend::default();
             let mut s = StagedStore::new(backend.open("s", 0).unwrap(), None);
@@ -809,6 +812,23 @@ mod tests {
                     3 => {
                         s.settle();
                         owned.clear();
+                    }
+                    // The batch ends (sealed, committed or dropped): nothing of it can be
+                    // withdrawn, and the next batch starts empty.
+                    5 => {
+                        s.seal(n as u64);
+                        owned.clear();
+                        pending.clear();
+                    }
+                    6 => {
+                        s.commit(None).unwrap();
+                        owned.clear();
+                        pending.clear();
+                    }
+                    7 => {
+                        s.abort();
+                        owned.clear();
+                        pending.clear();
                     }
                     _ => {
                         let got = s.withdraw(owner);
@@ -841,6 +861,7 @@ mod tests {
                         prop_assert_eq!(got, want);
                     }
                 }
+                prop_assert_eq!(s.pending.writes.len(), s.pending.ops.len());
                 let mut staged: Vec<(Vec<u8>, Option<Vec<u8>>)> = s
                     .pending()
                     .map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec)))
